@@ -1,0 +1,255 @@
+"""Load a policy file: parse, validate, check, compile, layer on the built-in one.
+
+Every problem found is reported at once, as ``PolicyIssue(source, path, line,
+message)`` in one :class:`PolicyError`, so an operator fixes a file in one
+pass. pydantic's locations are cleaned to the file's own shape (union tags
+dropped, ``rules[2].match.message``) and looked up in the YAML node tree for
+their line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from policies._compile import CompiledEntry, CompiledRule, compile_entry, compile_rule
+from policies._policy import Policy
+from policies._schema import KNOWN_KEYS, PolicyFile
+from policies._yamldoc import MAX_TEXT_CHARS, PathElem, YamlDoc, join_path, parse
+from supervisor.errors import PolicyError, PolicyIssue
+from supervisor.records import BUILTIN_KINDS
+
+BUILTIN_SOURCE = "<builtin>"
+BUILTIN_PREFIX = "builtin."
+CATCH_ALL_RULE = "builtin.unknown"
+CATCH_ALL_ENTRY = "builtin.default"
+MAX_ISSUES = 100
+
+#: Discriminator values pydantic puts in an error's location; not keys of the file.
+_UNION_TAGS = frozenset(
+    {
+        "retry",
+        "fallback",
+        "remediate",
+        "fail_fast",
+        "escalate",
+        "none",
+        "fixed",
+        "exponential",
+        "random_exponential",
+    }
+)
+
+
+def load_policy(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    text: str | None = None,
+    source: str = "<string>",
+) -> Policy:
+    """Load a policy; with neither ``path`` nor ``text``, the built-in default policy.
+
+    A user policy is layered on top of the built-in one: its rules and decision
+    entries are tried first, then the built-in ones (``builtin: false`` drops
+    them but keeps the final catch-alls). Raises ``PolicyError`` listing every
+    issue found.
+    """
+    if text is None:
+        if path is None:
+            return _builtin_policy()
+        source = os.fspath(path)
+        text = _read(Path(path), source)
+    elif path is not None:
+        raise ValueError("load_policy takes a path or text, not both")
+    doc = parse(text, source)
+    return _layer(_validate(doc, user=True), doc)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a policy file (what ``spanvisor schema`` prints)."""
+    schema = PolicyFile.model_json_schema(by_alias=True)
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+def _read(path: Path, source: str) -> str:
+    try:
+        if path.stat().st_size > MAX_TEXT_CHARS * 4:
+            raise PolicyError([PolicyIssue(source, "", None, "policy file too large")])
+        return path.read_bytes().decode("utf-8-sig")
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise PolicyError([PolicyIssue(source, "", None, f"cannot read: {reason}")]) from None
+    except UnicodeDecodeError as exc:
+        raise PolicyError(
+            [PolicyIssue(source, "", None, f"not UTF-8 text: {exc.reason} at byte {exc.start}")]
+        ) from None
+
+
+def _validate(doc: YamlDoc, *, user: bool) -> PolicyFile:
+    """Validate the schema and what the schema cannot see; raise every issue at once."""
+    issues = _semantic_issues(doc, user=user)
+    try:
+        spec = PolicyFile.model_validate(doc.data)
+    except ValidationError as exc:
+        issues.extend(_issue(doc, err) for err in exc.errors(include_url=False))
+    if issues:
+        raise PolicyError(_finish(issues, doc.source))
+    return spec
+
+
+def _finish(issues: list[PolicyIssue], source: str) -> list[PolicyIssue]:
+    unique = sorted(set(issues), key=lambda i: (i.line or 0, i.path, i.message))
+    if len(unique) > MAX_ISSUES:
+        more = len(unique) - MAX_ISSUES
+        unique = [*unique[:MAX_ISSUES], PolicyIssue(source, "", None, f"... and {more} more")]
+    return unique
+
+
+def _issue(doc: YamlDoc, err: ErrorDetails) -> PolicyIssue:
+    loc = _clean_loc(err["loc"], doc.data)
+    path = ""
+    for elem in loc:
+        path = join_path(path, elem)
+    return PolicyIssue(doc.source, path, doc.line_of(loc), _message(err, loc))
+
+
+def _clean_loc(loc: Sequence[str | int], data: object) -> list[PathElem]:
+    """pydantic's location, walked along the data: union tags and internals dropped."""
+    out: list[PathElem] = []
+    node = data
+    for elem in loc:
+        if isinstance(node, dict):
+            if elem in node:
+                out.append(elem)
+                node = node[elem]
+                continue
+            if isinstance(elem, str) and elem in _UNION_TAGS:
+                continue
+            out.append(elem)  # a missing key
+            break
+        if isinstance(node, list) and isinstance(elem, int) and 0 <= elem < len(node):
+            out.append(elem)
+            node = node[elem]
+            continue
+        break  # inside a scalar: what is left names pydantic's internals
+    return out
+
+
+def _message(err: ErrorDetails, loc: list[PathElem]) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx", {})
+    if kind == "extra_forbidden":
+        key = str(loc[-1]) if loc else "?"
+        hint = difflib.get_close_matches(key, KNOWN_KEYS, n=1) if len(key) <= 64 else []
+        return f"unknown key {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+    if kind == "missing":
+        return f"missing required key {str(loc[-1]) if loc else '?'!r}"
+    if kind == "union_tag_invalid":
+        field = str(ctx.get("discriminator", "")).strip("'")
+        return f"unknown {field} {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}"
+    if kind == "union_tag_not_found":
+        return f"missing {str(ctx.get('discriminator', '')).strip(chr(39))!r}"
+    if kind == "literal_error":
+        return f"unknown value {err.get('input')!r}; expected {ctx.get('expected')}"
+    if kind == "value_error" and "error" in ctx:
+        return str(ctx["error"])
+    if kind == "finite_number":
+        return "must be a finite number"
+    if kind in ("model_type", "dict_type") and not loc:
+        return "a policy file is a mapping with version: 1, rules: and policies:"
+    if kind.endswith("_type"):
+        got = err.get("input")
+        shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+        return f"{err['msg']}, got {type(got).__name__} {shown}"
+    return str(err["msg"])
+
+
+def _semantic_issues(doc: YamlDoc, *, user: bool) -> list[PolicyIssue]:
+    """Duplicate names, reserved names and unknown kinds, read from the raw data.
+
+    Read defensively (the data may not fit the schema) so these issues are
+    reported together with the schema's own.
+    """
+    issues: list[PolicyIssue] = []
+
+    def add(path: list[PathElem], message: str) -> None:
+        text = ""
+        for elem in path:
+            text = join_path(text, elem)
+        issues.append(PolicyIssue(doc.source, text, doc.line_of(path), message))
+
+    data = doc.data if isinstance(doc.data, dict) else {}
+    sections = {key: _items(data.get(key)) for key in ("rules", "policies")}
+    for section, items in sections.items():
+        seen: dict[str, int] = {}
+        for index, item in items:
+            name = item.get("name")
+            if not isinstance(name, str):
+                continue
+            if user and name.startswith(BUILTIN_PREFIX):
+                add([section, index, "name"], f"names starting {BUILTIN_PREFIX!r} are reserved")
+            if name in seen:
+                first = seen[name]
+                add([section, index, "name"], f"duplicate name {name!r} (first at index {first})")
+            seen.setdefault(name, index)
+    known = set(BUILTIN_KINDS)
+    known.update(k for _, rule in sections["rules"] if isinstance(k := rule.get("kind"), str))
+    for index, entry in sections["policies"]:
+        match = entry.get("match")
+        kinds = match.get("kind") if isinstance(match, dict) else None
+        where: list[PathElem] = ["policies", index, "match", "kind"]
+        listed = list(enumerate(kinds)) if isinstance(kinds, list) else [(None, kinds)]
+        for position, kind in listed:
+            if isinstance(kind, str) and kind not in known:
+                path = where if position is None else [*where, position]
+                add(path, f"unknown kind {kind!r}: no rule produces it and it is not built in")
+    return issues
+
+
+def _items(value: object) -> list[tuple[int, dict[Any, Any]]]:
+    if not isinstance(value, list):
+        return []
+    return [(i, item) for i, item in enumerate(value) if isinstance(item, dict)]
+
+
+@functools.cache
+def _builtin() -> tuple[PolicyFile, tuple[CompiledRule, ...]]:
+    text = resources.files("policies").joinpath("default_policy.yaml").read_text(encoding="utf-8")
+    doc = parse(text, BUILTIN_SOURCE)
+    spec = _validate(doc, user=False)
+    if not spec.rules or spec.rules[-1].name != CATCH_ALL_RULE:
+        raise PolicyError([PolicyIssue(BUILTIN_SOURCE, "rules", None, "no final catch-all")])
+    if not spec.policies or spec.policies[-1].name != CATCH_ALL_ENTRY:
+        raise PolicyError([PolicyIssue(BUILTIN_SOURCE, "policies", None, "no final catch-all")])
+    return spec, tuple(compile_rule(r) for r in spec.rules)
+
+
+def _builtin_entries(observe: bool) -> tuple[CompiledEntry, ...]:
+    spec, _ = _builtin()
+    return tuple(compile_entry(e, observe=observe) for e in spec.policies)
+
+
+@functools.cache
+def _builtin_policy() -> Policy:
+    _, rules = _builtin()
+    return Policy(rules, _builtin_entries(observe=False), BUILTIN_SOURCE)
+
+
+def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
+    _, builtin_rules = _builtin()
+    base_rules = builtin_rules if spec.builtin else builtin_rules[-1:]
+    own_rules = tuple(compile_rule(r) for r in spec.rules)
+    rules = own_rules + base_rules
+    base_entries = _builtin_entries(spec.observe)
+    if not spec.builtin:
+        base_entries = base_entries[-1:]
+    own_entries = tuple(compile_entry(e, observe=spec.observe) for e in spec.policies)
+    return Policy(rules, own_entries + base_entries, doc.source)

@@ -1,0 +1,86 @@
+"""A loaded policy: classify a span, decide what to do about a failure.
+
+Both methods are pure and deterministic (the same inputs give the same output
+every time, jitter included) and never raise on any record; they run the
+callables compiled at load, in order, first match wins. The last rule and the
+last decision entry are catch-alls, so every failing span gets a class and
+every failure gets a decision.
+"""
+
+from __future__ import annotations
+
+from policies._compile import CompiledEntry, CompiledRule
+from policies._match import Subject
+from supervisor.records import Classification, Decision, Failure, SpanRecord
+
+
+class Policy:
+    """Ordered classification rules and decision entries, compiled once."""
+
+    __slots__ = ("_entries", "_rules", "policies", "rules", "source")
+
+    def __init__(
+        self, rules: tuple[CompiledRule, ...], entries: tuple[CompiledEntry, ...], source: str
+    ) -> None:
+        if not rules or rules[-1].conditions:
+            raise ValueError("the last classification rule must be a catch-all")
+        if not entries or not _is_catch_all(entries[-1]):
+            raise ValueError("the last decision entry must be a catch-all")
+        self._rules = rules
+        self._entries = entries
+        #: Rule names, in the order they are tried.
+        self.rules: tuple[str, ...] = tuple(r.name for r in rules)
+        #: Decision entry names, in the order they are tried.
+        self.policies: tuple[str, ...] = tuple(e.name for e in entries)
+        #: Where the policy came from (a path, ``<builtin>`` or the ``source`` given).
+        self.source = source
+
+    def classify(self, record: SpanRecord) -> Classification | None:
+        """The first matching rule's verdict; None only when the span shows no failure."""
+        evidence = record.error
+        if evidence is None:
+            return None
+        subject = Subject(record, evidence)
+        missing = subject.missing
+        for rule in self._rules:
+            if rule.needs & missing:
+                continue
+            for condition in rule.conditions:
+                if not condition(subject):
+                    break
+            else:
+                return Classification(
+                    failure_class=rule.failure_class,
+                    kind=rule.kind,
+                    dependency=rule.dependency_for(record),
+                    rule=rule.name,
+                )
+        raise AssertionError("unreachable: the last rule is a catch-all")  # pragma: no cover
+
+    def decide(self, failure: Failure, *, attempt: int) -> Decision:
+        """What to do about ``failure``.
+
+        ``attempt`` is the 1-based count of failures of this dependency and kind
+        in this run so far, this one included (values below 1 count as 1).
+        """
+        attempt = max(attempt, 1)
+        for entry in self._entries:
+            if entry.matches(failure):
+                return entry.action.decide(failure, attempt, entry.name, entry.observe)
+        raise AssertionError("unreachable: the last entry is a catch-all")  # pragma: no cover
+
+    def __repr__(self) -> str:
+        counts = f"rules={len(self.rules)}, policies={len(self.policies)}"
+        return f"Policy(source={self.source!r}, {counts})"
+
+
+def _is_catch_all(entry: CompiledEntry) -> bool:
+    return (
+        not entry.skips_permanent
+        and entry.classes is None
+        and entry.kinds is None
+        and entry.roles is None
+        and entry.dependency is None
+        and entry.service is None
+        and entry.rule is None
+    )

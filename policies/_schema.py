@@ -1,0 +1,509 @@
+"""The policy file's schema: pydantic models that validate, nothing that runs.
+
+Shape (``default_policy.yaml`` documents every key with comments)::
+
+    version: 1
+    builtin: true            # layer on top of the built-in policy (false drops it)
+    observe: false           # true: every decision is computed and reported, not delivered
+    rules:                   # classification, ordered, first match wins
+      - name: my.rule
+        match: {exception_type: "*Timeout*", role: tool}
+        class: transient
+        kind: timeout
+    policies:                # decisions, ordered, first match wins
+      - name: my.retry
+        match: {kind: timeout}
+        action: retry
+        max_attempts: 3
+
+Every model forbids unknown keys and is strict (``"3"`` is not ``3``, ``1`` is
+not ``true``), every float must be finite and every knob has a finite bound,
+so a typo fails at load with its path instead of changing behaviour quietly.
+Regexes, globs, status codes and templates are checked here, where pydantic
+can report the field path; :mod:`policies._compile` turns the validated models
+into callables.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    model_validator,
+)
+from pydantic.json_schema import WithJsonSchema
+
+from policies._glob import check_glob
+
+ClassName = Literal["transient", "model", "permanent", "semantic"]
+RoleName = Literal["llm", "tool", "agent", "chain", "http", "other"]
+SimpleActionName = Literal["fail_fast", "escalate", "none"]
+JitterName = Literal["none", "full", "equal"]
+
+#: gRPC status names (``google.rpc.Code``), accepted in any case.
+GRPC_CODES: dict[str, int] = {
+    "OK": 0,
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "ABORTED": 10,
+    "OUT_OF_RANGE": 11,
+    "UNIMPLEMENTED": 12,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+
+#: Fields a rule's ``dependency`` template may use, e.g. ``"{provider}"``.
+TEMPLATE_FIELDS = frozenset({"dependency", "service", "provider", "model", "tool"})
+
+MAX_ITEMS = 256
+MAX_REGEX_LEN = 4096
+MAX_SECONDS = 3600.0
+MAX_RETRY_AFTER_S = 86400.0
+MAX_ATTEMPTS = 100
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")
+_KIND = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
+_STATUS_CLASS = re.compile(r"([1-5])xx")
+_STATUS_RANGE = re.compile(r"(\d{3})\s*-\s*(\d{3})")
+
+
+def _as_list(value: object) -> object:
+    """Let a single value stand for a one-item list (``role: tool``)."""
+    if isinstance(value, (str, int, float, bool)):
+        return [value]
+    return value
+
+
+def _check_name(value: str) -> str:
+    if not _NAME.fullmatch(value):
+        raise ValueError(
+            f"bad name {value!r}: use 1-128 letters, digits and '_.:/-', starting with"
+            " a letter or digit"
+        )
+    return value
+
+
+def _check_kind(value: str) -> str:
+    if not _KIND.fullmatch(value):
+        raise ValueError(f"bad kind {value!r}: use lowercase letters, digits and '_'")
+    return value
+
+
+def _check_ident(value: str) -> str:
+    if not _IDENT.fullmatch(value):
+        raise ValueError(f"bad identifier {value!r}: use letters, digits and '_.-'")
+    return value
+
+
+def _check_regex(value: str) -> str:
+    if len(value) > MAX_REGEX_LEN:
+        raise ValueError(f"regex longer than {MAX_REGEX_LEN} characters")
+    try:
+        re.compile(value)
+    except (re.error, OverflowError, RecursionError, ValueError, Warning) as exc:
+        raise ValueError(f"bad regex {value!r}: {exc}") from None
+    return value
+
+
+def _check_template(value: str) -> str:
+    """A dependency key, optionally with ``{field}`` placeholders from TEMPLATE_FIELDS."""
+    if not value or len(value) > 256:
+        raise ValueError("dependency must be 1-256 characters")
+    try:
+        parts = list(string.Formatter().parse(value))
+    except ValueError as exc:
+        raise ValueError(f"bad dependency template {value!r}: {exc}") from None
+    for _, field, spec, conversion in parts:
+        if field is None:
+            continue
+        if field not in TEMPLATE_FIELDS or spec or conversion:
+            allowed = ", ".join("{" + f + "}" for f in sorted(TEMPLATE_FIELDS))
+            raise ValueError(
+                f"bad dependency template {value!r}: placeholder {{{field}}}"
+                f" is not one of {allowed}"
+            )
+    return value
+
+
+def _check_dependency_key(value: str) -> str:
+    if not value or len(value) > 256 or value.strip() != value:
+        raise ValueError(f"bad dependency {value!r}: 1-256 characters, no surrounding spaces")
+    return value
+
+
+def _http_status(value: object) -> tuple[int, int]:
+    """``429`` | ``"429"`` | ``"5xx"`` | ``"500-599"`` | ``[500, 599]`` -> inclusive range."""
+    hint = "use a code (429), a class ('5xx') or a range ('500-599' or [500, 599])"
+    lo: int
+    hi: int
+    if isinstance(value, int) and not isinstance(value, bool):
+        lo = hi = value
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        if klass := _STATUS_CLASS.fullmatch(text):
+            lo = int(klass.group(1)) * 100
+            hi = lo + 99
+        elif span := _STATUS_RANGE.fullmatch(text):
+            lo, hi = int(span.group(1)), int(span.group(2))
+        elif text.isdigit() and len(text) == 3:
+            lo = hi = int(text)
+        else:
+            raise ValueError(f"bad HTTP status {value!r}: {hint}")
+    elif (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        lo, hi = value
+    else:
+        raise ValueError(f"bad HTTP status {value!r}: {hint}")
+    if not 100 <= lo <= hi <= 599:
+        raise ValueError(f"bad HTTP status {value!r}: codes are 100..599, low <= high")
+    return lo, hi
+
+
+def _grpc_code(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 16:
+        return value
+    if isinstance(value, str) and value.upper() in GRPC_CODES:
+        return GRPC_CODES[value.upper()]
+    raise ValueError(
+        f"bad gRPC code {value!r}: use 0..16 or a name such as UNAVAILABLE or DEADLINE_EXCEEDED"
+    )
+
+
+class RegexCondition(BaseModel):
+    """Only documents ``{regex: ...}`` in the JSON Schema; parsing is ``_attribute_condition``."""
+
+    model_config = ConfigDict(extra="forbid")
+    regex: str
+
+
+AttrScalar = str | int | float | bool
+
+
+def _attribute_condition(value: object) -> tuple[str, AttrScalar]:
+    """An attribute test: an exact scalar, or ``{regex: ...}`` searched in a string value."""
+    if isinstance(value, dict):
+        if set(value) != {"regex"} or not isinstance(value["regex"], str):
+            raise ValueError("an attribute condition is a scalar or {regex: <pattern>}")
+        return ("regex", _check_regex(value["regex"]))
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("an attribute value must be a finite number")
+    if isinstance(value, (str, int, float, bool)):
+        return ("eq", value)
+    raise ValueError("an attribute condition is a scalar or {regex: <pattern>}")
+
+
+def _list_of(item_input: Any) -> BeforeValidator:
+    return BeforeValidator(_as_list, json_schema_input_type=item_input | list[item_input])
+
+
+Name = Annotated[
+    str,
+    AfterValidator(_check_name),
+    WithJsonSchema({"type": "string", "pattern": f"^{_NAME.pattern}$"}),
+]
+Kind = Annotated[
+    str,
+    AfterValidator(_check_kind),
+    WithJsonSchema({"type": "string", "pattern": f"^{_KIND.pattern}$"}),
+]
+Glob = Annotated[str, AfterValidator(check_glob)]
+Regex = Annotated[str, AfterValidator(_check_regex)]
+DependencyKey = Annotated[str, AfterValidator(_check_dependency_key)]
+Template = Annotated[str, AfterValidator(_check_template)]
+HttpStatus = Annotated[
+    tuple[int, int], PlainValidator(_http_status, json_schema_input_type=int | str | list[int])
+]
+GrpcCode = Annotated[int, PlainValidator(_grpc_code, json_schema_input_type=int | str)]
+AttrCondition = Annotated[
+    tuple[str, AttrScalar],
+    PlainValidator(_attribute_condition, json_schema_input_type=AttrScalar | RegexCondition),
+]
+Description = Annotated[str, Field(max_length=2000)]
+
+Globs = Annotated[list[Glob], _list_of(str), Field(min_length=1, max_length=MAX_ITEMS)]
+Regexes = Annotated[list[Regex], _list_of(str), Field(min_length=1, max_length=MAX_ITEMS)]
+Words = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=128)]],
+    _list_of(str),
+    Field(min_length=1, max_length=MAX_ITEMS),
+]
+Kinds = Annotated[list[Kind], _list_of(str), Field(min_length=1, max_length=MAX_ITEMS)]
+Classes = Annotated[list[ClassName], _list_of(str), Field(min_length=1, max_length=4)]
+Roles = Annotated[list[RoleName], _list_of(str), Field(min_length=1, max_length=6)]
+HttpStatuses = Annotated[
+    list[HttpStatus], _list_of(int | str), Field(min_length=1, max_length=MAX_ITEMS)
+]
+GrpcCodes = Annotated[list[GrpcCode], _list_of(int | str), Field(min_length=1, max_length=17)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, allow_inf_nan=False, populate_by_name=False
+    )
+
+
+class RuleMatch(_Strict):
+    """Conditions of a classification rule: all must hold; a list holds if any item does.
+
+    An empty match holds for every failing span (a catch-all).
+    """
+
+    exception_type: Globs | None = Field(
+        default=None, description="Globs on the exception type, full dotted name or its last part."
+    )
+    error_type: Globs | None = Field(
+        default=None, description="Globs on the `error.type` attribute, full or last dotted part."
+    )
+    message: Regexes | None = Field(
+        default=None,
+        description="Regexes searched in the exception message and the status message.",
+    )
+    http_status: HttpStatuses | None = Field(
+        default=None,
+        description="Codes (429), classes ('5xx') or ranges ('500-599', [[500, 599]]).",
+    )
+    grpc_code: GrpcCodes | None = Field(default=None, description="Numbers or names (UNAVAILABLE).")
+    provider_code: Globs | None = Field(
+        default=None, description="The provider's own error code/type, e.g. insufficient_quota."
+    )
+    finish_reason: Words | None = Field(
+        default=None, description="Finish/stop reasons, compared case-insensitively."
+    )
+    role: Roles | None = None
+    service: Globs | None = None
+    dependency: Globs | None = None
+    span_name: Globs | None = None
+    attributes: Annotated[dict[str, AttrCondition], Field(max_length=64)] | None = Field(
+        default=None, description="Span attributes: {key: exact scalar | {regex: pattern}}."
+    )
+    swallowed: bool | None = Field(
+        default=None, description="The error was found in the output of a span whose status is OK."
+    )
+    invalid_tool_call: bool | None = Field(
+        default=None,
+        description="The LLM asked for tools it was not offered or sent invalid arguments.",
+    )
+
+
+class Rule(_Strict):
+    """One classification rule: when ``match`` holds, the span fails with ``class``/``kind``."""
+
+    name: Name
+    description: Description | None = None
+    match: RuleMatch = Field(default_factory=RuleMatch)
+    failure_class: ClassName = Field(alias="class")
+    kind: Kind
+    dependency: Template | None = Field(
+        default=None,
+        description="Override the dependency key; may use {dependency}, {service}, {provider},"
+        " {model}, {tool}.",
+    )
+
+
+class DecisionMatch(_Strict):
+    """Conditions of a decision entry, on the classified failure; all must hold."""
+
+    failure_class: Classes | None = Field(default=None, alias="class")
+    kind: Kinds | None = None
+    dependency: Globs | None = None
+    service: Globs | None = None
+    role: Roles | None = None
+    rule: Globs | None = None
+
+
+class FixedWait(_Strict):
+    """The same delay before every retry (tenacity ``wait_fixed``)."""
+
+    type: Literal["fixed"]
+    seconds: float = Field(default=1.0, ge=0, le=MAX_SECONDS)
+    jitter: JitterName = "none"
+
+
+class ExponentialWait(_Strict):
+    """``multiplier * exp_base ** (attempt - 1)`` within [min, max] (tenacity ``wait_exponential``).
+
+    ``random_exponential`` is tenacity's name for the same schedule with full jitter.
+    Jitter defaults to ``full`` (AWS's "full jitter"), which spreads a herd of
+    clients that failed together.
+    """
+
+    type: Literal["exponential", "random_exponential"]
+    multiplier: float = Field(default=1.0, gt=0, le=MAX_SECONDS)
+    min: float = Field(default=0.0, ge=0, le=MAX_SECONDS)
+    max: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
+    exp_base: float = Field(default=2.0, gt=1, le=10)
+    jitter: JitterName | None = None
+
+    @model_validator(mode="after")
+    def _coherent(self) -> ExponentialWait:
+        if self.min > self.max:
+            raise ValueError(f"wait.min ({self.min}) is above wait.max ({self.max})")
+        if self.type == "random_exponential" and self.jitter not in (None, "full"):
+            raise ValueError(
+                "random_exponential always uses full jitter; use type: exponential"
+                f" with jitter: {self.jitter}"
+            )
+        return self
+
+
+def _default_wait_type(value: object) -> object:
+    if isinstance(value, dict) and "type" not in value:
+        return {**value, "type": "exponential"}
+    return value
+
+
+def _action_shorthand(value: object) -> object:
+    """``on_exhausted: escalate`` is short for ``on_exhausted: {action: escalate}``."""
+    if isinstance(value, str):
+        return {"action": value}
+    return value
+
+
+Wait = Annotated[
+    Annotated[FixedWait | ExponentialWait, Field(discriminator="type")],
+    BeforeValidator(_default_wait_type),
+]
+
+
+class FallbackSpec(_Strict):
+    """Switch to the next dependency in the chain that the failed one belongs to."""
+
+    action: Literal["fallback"]
+    chain: Annotated[
+        dict[Glob, Annotated[list[DependencyKey], Field(min_length=1, max_length=32)]],
+        Field(max_length=MAX_ITEMS),
+    ] = Field(
+        default_factory=dict,
+        description="Dependency glob -> ordered alternatives; the first matching glob wins.",
+    )
+    on_exhausted: Exhausted = Field(
+        default_factory=lambda: SimpleSpec(action="escalate"),
+        description="What to do when there is no alternative left.",
+    )
+
+
+class RemediateSpec(_Strict):
+    """Dispatch a remediation sub-agent by name."""
+
+    action: Literal["remediate"]
+    remediator: Annotated[str, AfterValidator(_check_ident)]
+
+
+class SimpleSpec(_Strict):
+    """An action without parameters."""
+
+    action: SimpleActionName
+
+
+Exhausted = Annotated[
+    Annotated[FallbackSpec | RemediateSpec | SimpleSpec, Field(discriminator="action")],
+    BeforeValidator(_action_shorthand),
+]
+
+
+class RetrySpec(_Strict):
+    """Retry the step after a delay, up to ``max_attempts`` attempts in all."""
+
+    action: Literal["retry"]
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        le=MAX_ATTEMPTS,
+        description="Attempts in all, the failed first one included.",
+    )
+    wait: Wait = Field(default_factory=lambda: ExponentialWait(type="exponential"))
+    honour_retry_after: bool = True
+    max_retry_after_s: float = Field(default=60.0, ge=0, le=MAX_RETRY_AFTER_S)
+    on_exhausted: Exhausted = Field(default_factory=lambda: SimpleSpec(action="escalate"))
+
+
+class _EntryBase(_Strict):
+    name: Name
+    description: Description | None = None
+    match: DecisionMatch = Field(default_factory=DecisionMatch)
+    observe: bool = Field(
+        default=False, description="Compute and report the decision, do not deliver it."
+    )
+
+
+class RetryEntry(_EntryBase, RetrySpec):
+    """A decision entry whose action is ``retry``."""
+
+
+class FallbackEntry(_EntryBase, FallbackSpec):
+    """A decision entry whose action is ``fallback``."""
+
+
+class RemediateEntry(_EntryBase, RemediateSpec):
+    """A decision entry whose action is ``remediate``."""
+
+
+class SimpleEntry(_EntryBase, SimpleSpec):
+    """A decision entry whose action is ``fail_fast``, ``escalate`` or ``none``."""
+
+
+Entry = Annotated[
+    RetryEntry | FallbackEntry | RemediateEntry | SimpleEntry, Field(discriminator="action")
+]
+ActionSpec = RetrySpec | FallbackSpec | RemediateSpec | SimpleSpec
+
+
+class PolicyFile(_Strict):
+    """A spanvisor policy file (``version: 1``)."""
+
+    version: Literal[1]
+    builtin: bool = Field(
+        default=True, description="Layer this file on top of the built-in policy; false drops it."
+    )
+    observe: bool = Field(
+        default=False, description="Every decision is observe-only (shadow mode)."
+    )
+    rules: Annotated[list[Rule], Field(max_length=1000)] = Field(default_factory=list)
+    policies: Annotated[list[Entry], Field(max_length=1000)] = Field(default_factory=list)
+
+
+FallbackSpec.model_rebuild()
+FallbackEntry.model_rebuild()
+RetrySpec.model_rebuild()
+RetryEntry.model_rebuild()
+PolicyFile.model_rebuild()
+
+#: Every key a policy file may use, for "did you mean" hints.
+KNOWN_KEYS: frozenset[str] = frozenset(
+    (field.alias or name)
+    for model in (
+        PolicyFile,
+        Rule,
+        RuleMatch,
+        DecisionMatch,
+        RetryEntry,
+        FallbackEntry,
+        RemediateEntry,
+        SimpleEntry,
+        FixedWait,
+        ExponentialWait,
+    )
+    for name, field in model.model_fields.items()
+)

@@ -1,0 +1,1 @@
+"""Remediation sub-agents (constrained, durable, causally linked). Built in a later release."""

@@ -1,0 +1,322 @@
+"""The sidecar process: receivers, pipeline, forwarder, own spans and control API.
+
+Everything runs in one asyncio event loop. Lifecycle:
+
+1. :meth:`Sidecar.start` binds the gRPC and HTTP receivers and the control
+   API (ports 0 pick free ones; :attr:`Sidecar.ports` says which) and starts
+   the pipeline worker and the forwarder.
+2. The worker takes batches from the bounded ingest queue, hands the raw
+   bytes to the forwarder (never waiting on it), judges the spans and, for
+   each failure, logs it, keeps it for the API and emits ``spanvisor.decide``.
+3. :meth:`Sidecar.shutdown` stops in order: stop accepting, drain the queue
+   (bounded by ``drain_timeout_s``), flush the forwarder and the own-span
+   exporter, stop the control API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Generator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+
+from policies import Policy
+from supervisor.api import build_control_app, ensure_token
+from supervisor.bounded import LatencyWindow
+from supervisor.downstream import Downstream, downstream_from_env
+from supervisor.failure_log import RecentFailures
+from supervisor.forward import Forwarder
+from supervisor.ingest.grpc_receiver import GrpcReceiver
+from supervisor.ingest.http_receiver import build_otlp_http_app
+from supervisor.ingest.queue import Batch, IngestQueue
+from supervisor.pipeline import Pipeline
+from supervisor.settings import Settings
+from supervisor.telemetry import DecisionTracer
+
+log = logging.getLogger("spanvisor.app")
+
+
+@dataclass(frozen=True, slots=True)
+class Ports:
+    otlp_grpc: int
+    otlp_http: int
+    api: int
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the sidecar."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def resolve_downstream(settings: Settings) -> Downstream | None:
+    """The settings' explicit downstream, else the standard ``OTEL_*`` variables."""
+    configured = settings.downstream
+    if configured is None:
+        return downstream_from_env(os.environ)
+    return Downstream(
+        endpoint=configured.endpoint,
+        protocol=configured.protocol,
+        headers=tuple(configured.headers.items()),
+        timeout_s=configured.timeout_s,
+        insecure=True,
+        compression=configured.compression,
+    )
+
+
+class Sidecar:
+    """One running sidecar. Not reusable: start once, shut down once."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        policy: Policy,
+        *,
+        downstream: Downstream | None = None,
+        tracer: DecisionTracer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.downstream = downstream
+        self.queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
+        self.pipeline = Pipeline(
+            policy,
+            seen_capacity=settings.seen_failure_spans,
+            runs_capacity=settings.tracked_runs,
+            observe_only=settings.observe_only,
+        )
+        self.failures = RecentFailures(settings.recent_failures)
+        self.latency = LatencyWindow()
+        self.tracer = tracer if tracer is not None else DecisionTracer(downstream)
+        self.forwarder = (
+            Forwarder(
+                downstream,
+                max_queue_batches=settings.forward_queue_batches,
+                max_queue_bytes=settings.forward_queue_bytes,
+                max_attempts=settings.forward_max_attempts,
+            )
+            if downstream is not None
+            else None
+        )
+        self.token = ensure_token(settings.api_token, settings.token_file)
+        self.ports: Ports | None = None
+        self._grpc = GrpcReceiver(
+            self.queue,
+            host=settings.host,
+            port=settings.otlp_grpc_port,
+            max_body_bytes=settings.max_body_bytes,
+            retry_after_s=settings.retry_after_s,
+        )
+        self._http: _EmbeddedServer | None = None
+        self._api: _EmbeddedServer | None = None
+        self._server_tasks: dict[int, asyncio.Task[None]] = {}
+        self._worker: asyncio.Task[None] | None = None
+        self._decisions = 0
+        self._errors = 0
+        self._ready = False
+        self._busy = False
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> Ports:
+        grpc_port = await self._grpc.start()
+        http_app = build_otlp_http_app(
+            self.queue,
+            max_body_bytes=self.settings.max_body_bytes,
+            retry_after_s=self.settings.retry_after_s,
+        )
+        self._http, http_port = await self._serve(
+            http_app, self.settings.host, self.settings.otlp_http_port
+        )
+        if self.forwarder is not None:
+            self.forwarder.start()
+        self._worker = asyncio.create_task(self._work(), name="spanvisor-pipeline")
+        control = build_control_app(
+            token=self.token,
+            failures=self.failures.latest,
+            stats=self.stats,
+            ready=lambda: self._ready,
+        )
+        self._api, api_port = await self._serve(
+            control, self.settings.api_host, self.settings.api_port
+        )
+        self.ports = Ports(otlp_grpc=grpc_port, otlp_http=http_port, api=api_port)
+        self._ready = True
+        log.info(
+            "spanvisor listening",
+            extra={
+                "otlp_grpc": f"{self.settings.host}:{grpc_port}",
+                "otlp_http": f"{self.settings.host}:{http_port}",
+                "api": f"{self.settings.api_host}:{api_port}",
+                "downstream": self.downstream.endpoint if self.downstream else None,
+                "policy": self.policy.source,
+            },
+        )
+        return self.ports
+
+    async def shutdown(self) -> None:
+        """Stop accepting, drain, flush, stop; bounded by ``drain_timeout_s``."""
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        self._ready = False
+        await self._grpc.stop(grace=min(2.0, self.settings.drain_timeout_s))
+        if self._http is not None:
+            await self._stop_server(self._http)
+        drained = await self._drain(deadline)
+        if not drained:
+            log.warning(
+                "drain timed out; spans still queued were not judged",
+                extra={"queued_batches": self.queue.qsize, "queued_spans": self.queue.queued_spans},
+            )
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        if self.forwarder is not None:
+            await self.forwarder.shutdown(max(0.1, deadline - time.monotonic()))
+        await asyncio.to_thread(self.tracer.shutdown, max(0.1, deadline - time.monotonic()))
+        if self._api is not None:
+            await self._stop_server(self._api)
+        log.info("spanvisor stopped", extra={"stats": self.stats()})
+
+    async def _drain(self, deadline: float) -> bool:
+        while self.queue.qsize > 0 or self._busy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def _serve(self, app: Starlette, host: str, port: int) -> tuple[_EmbeddedServer, int]:
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+        )
+        server = _EmbeddedServer(config)
+        task = asyncio.create_task(server.serve(), name=f"uvicorn-{host}:{port}")
+        self._server_tasks[id(server)] = task
+        while not server.started:
+            if task.done():
+                task.result()  # raises the bind error
+                raise OSError(f"server on {host}:{port} stopped during start-up")
+            await asyncio.sleep(0.005)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        return server, int(bound)
+
+    async def _stop_server(self, server: _EmbeddedServer) -> None:
+        """Ask uvicorn to stop (it finishes in-flight requests), then wait, bounded."""
+        server.should_exit = True
+        task = self._server_tasks.pop(id(server), None)
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(task, timeout=5.0)
+        except asyncio.TimeoutError:
+            server.force_exit = True
+            task.cancel()
+            log.warning("a server did not stop in time and was cancelled")
+
+    # -- the pipeline worker ------------------------------------------------
+
+    async def _work(self) -> None:
+        while True:
+            batch = await self.queue.get()
+            self._busy = True
+            try:
+                self.handle(batch)
+            except Exception:  # a bug in judging must not stop ingest
+                self._errors += 1
+                log.exception("pipeline failed on a batch; continuing")
+            finally:
+                self.queue.task_done(batch)
+                self._busy = False
+            await asyncio.sleep(0)  # let the receivers answer between batches
+
+    def handle(self, batch: Batch) -> None:
+        """Forward, judge and report one batch (synchronous, fast)."""
+        if self.forwarder is not None:
+            self.forwarder.offer(batch.raw_protobuf, batch.span_count)
+        outcomes = self.pipeline.process(batch.request, batch.received_ns)
+        for outcome in outcomes:
+            self.failures.add(outcome, batch.received_ns)
+            self.tracer.emit(outcome.failure, outcome.decision)
+            self._decisions += 1
+            self.latency.add((time.time_ns() - batch.received_ns) / 1e6)
+
+    # -- introspection -----------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        p50, p99 = self.latency.percentile(0.5), self.latency.percentile(0.99)
+        return {
+            "ingest": asdict(self.queue.stats()),
+            "pipeline": {**asdict(self.pipeline.stats()), "errors": self._errors},
+            "decisions": {
+                "emitted": self._decisions,
+                "latency_ms": {
+                    "p50": None if p50 is None else round(p50, 3),
+                    "p99": None if p99 is None else round(p99, 3),
+                    "count": self.latency.count,
+                },
+            },
+            "failures": {"total": self.failures.total, "dropped_from_list": self.failures.dropped},
+            "forward": asdict(self.forwarder.stats()) if self.forwarder is not None else None,
+        }
+
+
+class BackgroundSidecar:
+    """A sidecar on its own event loop in a daemon thread (the demo and tests use it).
+
+    ``start()`` returns once the ports are bound; ``stop()`` runs the ordered
+    shutdown and joins the thread.
+    """
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+        self._loop = asyncio.new_event_loop()
+        self._stopped = asyncio.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="spanvisor-sidecar", daemon=True)
+
+    @property
+    def ports(self) -> Ports:
+        assert self.sidecar.ports is not None, "start() first"
+        return self.sidecar.ports
+
+    def start(self, timeout_s: float = 30.0) -> Ports:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError("the sidecar did not start in time")
+        if self._error is not None:
+            raise self._error
+        return self.ports
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stopped.set)
+            self._thread.join(timeout_s)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        try:
+            await self.sidecar.start()
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._stopped.wait()
+        await self.sidecar.shutdown()

@@ -1,0 +1,70 @@
+"""Bounded containers: every cache in the sidecar has a size and counts what it evicts."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class BoundedMap(Generic[K, V]):
+    """A least-recently-set map of at most ``capacity`` entries.
+
+    Setting a key moves it to the young end; the oldest entry is evicted when
+    full and counted in ``evictions`` (eviction is never silent).
+    """
+
+    __slots__ = ("_data", "capacity", "evictions")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.evictions = 0
+        self._data: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        return self._data.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def set(self, key: K, value: V) -> None:
+        data = self._data
+        if key in data:
+            data.move_to_end(key)
+        data[key] = value
+        if len(data) > self.capacity:
+            data.popitem(last=False)
+            self.evictions += 1
+
+    def values(self) -> list[V]:
+        """A snapshot of the values, oldest first."""
+        return list(self._data.values())
+
+
+class LatencyWindow:
+    """The last ``capacity`` latency samples (ms), for percentiles on demand."""
+
+    __slots__ = ("_samples", "count")
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self._samples: deque[float] = deque(maxlen=capacity)
+        self.count = 0
+
+    def add(self, value_ms: float) -> None:
+        self._samples.append(value_ms)
+        self.count += 1
+
+    def percentile(self, q: float) -> float | None:
+        """The ``q``-quantile (0..1) by nearest rank, or None without samples."""
+        if not self._samples:
+            return None
+        ordered = sorted(self._samples)
+        rank = min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))
+        return ordered[rank]

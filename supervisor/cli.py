@@ -1,0 +1,304 @@
+"""The ``spanvisor`` command line. Errors become exit codes here and only here.
+
+Exit codes: 0 success; 1 the input was read but is invalid (a policy with
+errors, a replay file with undecodable records); 2 usage or configuration
+errors (a bad flag, a settings file that cannot be used, a port in use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from policies import Policy, json_schema, load_policy
+from supervisor import __version__
+from supervisor.errors import ConfigError, PolicyError, SupervisorError
+from supervisor.logs import configure_logging
+from supervisor.replay import BadRecord, jsonl_line, replay, table_header, table_row
+
+log = logging.getLogger("spanvisor.cli")
+
+EPILOG = """\
+examples:
+  spanvisor demo                           see it work against a fake provider
+  spanvisor run --policy policy.yaml       run next to an agent (OTLP on 4317/4318)
+  spanvisor replay traces.jsonl --output jsonl
+  spanvisor validate policy.yaml
+settings: every `run` flag is also a SPANVISOR_* variable (SPANVISOR_API_PORT, ...);
+forwarded and own spans go to OTEL_EXPORTER_OTLP_ENDPOINT when it is set.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spanvisor",
+        description="A reliability sidecar for AI agents: reads their OpenTelemetry spans, "
+        "classifies every failure and decides what to do about it.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"spanvisor {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="COMMAND", required=True)
+
+    run = verbs.add_parser("run", help="run the sidecar (OTLP receivers and control API)")
+    run.add_argument("--config", type=Path, help="settings file (YAML); see config/spanvisor.yaml")
+    run.add_argument("--policy", type=Path, help="policy file (YAML); default: the built-in policy")
+    run.add_argument("--host", help="address for the OTLP receivers (default 127.0.0.1)")
+    run.add_argument("--grpc-port", type=int, dest="otlp_grpc_port", help="OTLP gRPC port (4317)")
+    run.add_argument("--http-port", type=int, dest="otlp_http_port", help="OTLP HTTP port (4318)")
+    run.add_argument("--api-host", help="address for the control API (default 127.0.0.1)")
+    run.add_argument("--api-port", type=int, help="control API port (4320)")
+    run.add_argument(
+        "--observe",
+        action="store_true",
+        default=None,
+        dest="observe_only",
+        help="compute, log and trace decisions without delivering them",
+    )
+    run.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    validate = verbs.add_parser("validate", help="check a policy file; exit 1 with every error")
+    validate.add_argument("path", type=Path)
+
+    rep = verbs.add_parser(
+        "replay", help="classify the failures in recorded traces (OTLP/JSON lines or protobuf)"
+    )
+    rep.add_argument(
+        "path", type=Path, help="OTLP/JSON lines, or 4-byte length-prefixed OTLP protobuf"
+    )
+    rep.add_argument("--policy", type=Path, help="policy file; default: the built-in policy")
+    rep.add_argument("--output", choices=["table", "jsonl"], default="table")
+
+    explain = verbs.add_parser(
+        "explain", help="show the policy's rules, or why each failure in a file got its verdict"
+    )
+    explain.add_argument("path", type=Path, nargs="?", help="recorded traces, as for replay")
+    explain.add_argument("--policy", type=Path, help="policy file; default: the built-in policy")
+    explain.add_argument("--span", help="only the failure at this span id (hex)")
+
+    verbs.add_parser("schema", help="print the policy file's JSON Schema (for editors)")
+
+    demo = verbs.add_parser(
+        "demo", help="run the sidecar, an instrumented example agent and a faulty fake provider"
+    )
+    demo.add_argument("--runs", type=int, default=3, help="agent runs to make (default 3)")
+    demo.add_argument("--seed", type=int, default=7, help="seed of the injected faults")
+
+    incidents = verbs.add_parser("incidents", help="list recent failures of a running sidecar")
+    incidents.add_argument(
+        "--api", default=None, help="control API URL (default http://127.0.0.1:4320)"
+    )
+    incidents.add_argument(
+        "--token", default=None, help="API token (default: SPANVISOR_API_TOKEN or the token file)"
+    )
+    incidents.add_argument("--limit", type=int, default=50)
+    incidents.add_argument("--output", choices=["table", "jsonl"], default="table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except PolicyError as exc:
+        print(f"spanvisor: the policy has {len(exc.issues)} error(s):", file=sys.stderr)
+        for issue in exc.issues:
+            print(f"  {issue}", file=sys.stderr)
+        return 1 if args.verb == "validate" else 2
+    except (ConfigError, SupervisorError) as exc:
+        print(f"spanvisor: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `spanvisor replay ... | head`: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silences the flush at exit
+        return 0
+    except OSError as exc:
+        print(f"spanvisor: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    verb = args.verb
+    if verb == "run":
+        return _run(args)
+    if verb == "validate":
+        policy = load_policy(args.path)
+        print(f"{args.path}: ok ({len(policy.rules)} classification rules in effect)")
+        return 0
+    if verb == "replay":
+        return _replay(args.path, _policy(args.policy), args.output)
+    if verb == "explain":
+        return _explain(args)
+    if verb == "schema":
+        print(json.dumps(json_schema(), indent=2, sort_keys=True))
+        return 0
+    if verb == "demo":
+        from supervisor.demo import run_demo  # the demo pulls in the example agent's needs
+
+        return run_demo(runs=args.runs, seed=args.seed)
+    if verb == "incidents":
+        return _incidents(args)
+    raise AssertionError(f"unhandled verb {verb}")  # argparse rejects unknown verbs
+
+
+def _policy(path: Path | None) -> Policy:
+    return load_policy(path)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from supervisor.app import Sidecar, resolve_downstream  # heavy imports only for `run`
+    from supervisor.settings import load_settings
+
+    overrides = {
+        key: getattr(args, key)
+        for key in (
+            "host",
+            "otlp_grpc_port",
+            "otlp_http_port",
+            "api_host",
+            "api_port",
+            "observe_only",
+            "log_level",
+            "policy",
+        )
+    }
+    settings = load_settings(args.config, overrides)
+    configure_logging(settings.log_level)
+    policy = load_policy(settings.policy)
+    downstream = resolve_downstream(settings)
+
+    async def serve() -> None:
+        sidecar = Sidecar(settings, policy, downstream=downstream)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await sidecar.start()
+        if settings.api_token is None:
+            log.info("control API token written", extra={"token_file": str(settings.token_file)})
+        await stop.wait()
+        log.info("shutting down")
+        await sidecar.shutdown()
+
+    asyncio.run(serve())
+    return 0
+
+
+def _replay(path: Path, policy: Policy, output: str) -> int:
+    bad = 0
+    out = sys.stdout
+    if output == "table":
+        out.write(table_header() + "\n")
+    for item in replay(path, policy):
+        if isinstance(item, BadRecord):
+            bad += 1
+            print(f"spanvisor: {path}: {item.where}: {item.message}", file=sys.stderr)
+            continue
+        out.write((jsonl_line(item) if output == "jsonl" else table_row(item)) + "\n")
+    out.flush()
+    return 1 if bad else 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    policy = _policy(args.policy)
+    if args.path is None:
+        print(f"policy: {policy.source}")
+        print("classification rules, first match wins:")
+        for number, name in enumerate(policy.rules, start=1):
+            print(f"  {number:3d}. {name}")
+        return 0
+    found = 0
+    for item in replay(args.path, policy):
+        if isinstance(item, BadRecord):
+            print(f"spanvisor: {args.path}: {item.where}: {item.message}", file=sys.stderr)
+            continue
+        f, d = item.failure, item.decision
+        if args.span and f.span_id != args.span.lower():
+            continue
+        found += 1
+        ev = f.evidence
+        print(f"failure at span {f.span_id} ({f.span_name!r}, service {f.service!r})")
+        print(f"  trace        {f.trace_id}   run {f.run_id}")
+        print(f"  evidence     {f.message}")
+        fields = {
+            "status": "ERROR" if ev.status_error else "OK",
+            "exception": ev.exception_type,
+            "http": ev.http_status,
+            "grpc": ev.grpc_code,
+            "provider_code": ev.provider_code,
+            "error.type": ev.error_type,
+            "finish_reasons": ",".join(ev.finish_reasons),
+            "retry_after_s": ev.retry_after_s,
+            "swallowed": ev.swallowed or None,
+        }
+        shown = "  ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, "", ()))
+        print(f"               {shown}")
+        verdict = f"{f.failure_class.value}/{f.kind} on {f.dependency or '-'}"
+        print(f"  verdict      {verdict} by rule {f.rule}")
+        if f.attributed:
+            print(f"  attributed   ancestors that only propagated it: {', '.join(f.attributed)}")
+        params = ", ".join(f"{k}={v!s}" for k, v in d.params.items())
+        print(f"  decision     {d.action.value} ({params}) by policy {d.policy}")
+        if d.reason:
+            print(f"  why          {d.reason}")
+        print()
+    if args.span and not found:
+        print(f"spanvisor: no failure at span {args.span} in {args.path}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _incidents(args: argparse.Namespace) -> int:
+    api = args.api or f"http://127.0.0.1:{os.environ.get('SPANVISOR_API_PORT', '4320')}"
+    token = args.token or os.environ.get("SPANVISOR_API_TOKEN") or _token_from_file()
+    if not token:
+        raise ConfigError(
+            "no API token: pass --token, set SPANVISOR_API_TOKEN or run on the sidecar's host"
+        )
+    try:
+        response = httpx.get(
+            f"{api}/v1/failures",
+            params={"limit": args.limit},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        )
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"cannot reach the control API at {api}: {exc}") from exc
+    if response.status_code != 200:
+        raise ConfigError(f"control API answered {response.status_code}: {response.text[:200]}")
+    failures = response.json()["failures"]
+    if args.output == "jsonl":
+        for entry in failures:
+            print(json.dumps(entry, sort_keys=True))
+        return 0
+    print(f"{'CLASS':9}  {'KIND':18}  {'DEPENDENCY':28}  {'ACTION':9}  {'SERVICE':16}  SPAN")
+    for e in failures:
+        print(
+            f"{e['class']:9}  {e['kind']:18}  {e['dependency'][:28]:28}  {e['action']:9}  "
+            f"{e['service'][:16]:16}  {e['span_name'][:40]}"
+        )
+    return 0
+
+
+def _token_from_file() -> str | None:
+    from supervisor.settings import load_settings
+
+    try:
+        path = load_settings().token_file
+        return path.read_text(encoding="utf-8").strip() or None
+    except (OSError, ConfigError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

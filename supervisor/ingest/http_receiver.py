@@ -1,0 +1,220 @@
+"""OTLP/HTTP trace receiver: ``POST /v1/traces`` in protobuf or JSON, gzip or not.
+
+It answers the way the OTLP specification asks, so real exporters do the
+right thing without being told about us: 200 with an
+``ExportTraceServiceResponse`` (and ``partial_success`` when spans were
+rejected), 400/413/415 with a ``google.rpc.Status`` body for requests that
+must not be retried, and 503 with ``Retry-After`` when the queue is full, which
+exporters retry. Every answer uses the encoding the request came in.
+
+The body is read with a bound: a Content-Length or a stream far over the limit
+is refused without reading it all; one modestly over is drained first, so the
+client reliably gets its 413 instead of a reset connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from supervisor.errors import IngestError, PayloadTooLarge
+from supervisor.ingest import codec
+from supervisor.ingest.codec import UnsupportedContentType
+from supervisor.ingest.queue import Batch, IngestQueue
+
+__all__ = ["build_otlp_http_app"]
+
+_log = logging.getLogger(__name__)
+
+#: A body up to this many times the wire limit is drained before answering
+#: 413; past it the connection is simply not read any further.
+_DRAIN_FACTOR = 4
+
+#: Bodies larger than this are decoded in a worker thread (see _off_loop_if_large).
+_INLINE_DECODE_BYTES = 64 * 1024
+
+T = TypeVar("T")
+
+
+def build_otlp_http_app(
+    queue: IngestQueue, *, max_body_bytes: int, retry_after_s: float = 1.0
+) -> Starlette:
+    """An ASGI app serving ``POST /v1/traces`` into ``queue``.
+
+    ``max_body_bytes`` bounds the decompressed payload; ``retry_after_s`` is
+    what a throttled client is told to wait (sent as whole seconds, at least 1).
+    """
+    receiver = _HttpReceiver(queue, max_body_bytes=max_body_bytes, retry_after_s=retry_after_s)
+    return Starlette(routes=[Route("/v1/traces", receiver.export, methods=["POST"])])
+
+
+class _TooLargeOnWire(PayloadTooLarge):
+    """The body is over the limit before any decompression."""
+
+
+class _HttpReceiver:
+    def __init__(self, queue: IngestQueue, *, max_body_bytes: int, retry_after_s: float) -> None:
+        self._queue = queue
+        self._max_body_bytes = max_body_bytes
+        self._retry_after = str(max(1, math.ceil(retry_after_s)))
+        self._logged_internal = False
+
+    async def export(self, request: Request) -> Response:
+        """The route handler; never raises (a bug of ours becomes a 500)."""
+        as_json = _wants_json(request.headers.get("content-type", ""))
+        try:
+            return await self._export(request)
+        except ClientDisconnect:
+            _log.debug("OTLP/HTTP client went away before sending its whole body")
+            return Response(status_code=400)
+        except Exception:
+            self._queue.record_internal_error()
+            if not self._logged_internal:
+                self._logged_internal = True
+                _log.exception("OTLP/HTTP receiver failed on a request (logged once, counted)")
+            return _status(500, codec.INTERNAL, "internal error in the receiver", as_json=as_json)
+
+    async def _export(self, request: Request) -> Response:
+        received_ns = time.time_ns()
+        content_type = request.headers.get("content-type", "")
+        encoding = request.headers.get("content-encoding", "")
+        try:
+            media = codec.media_type(content_type)
+            # Checked before reading the body, so a bad type costs nothing.
+            coding = codec.content_coding(encoding)
+        except UnsupportedContentType as exc:
+            self._queue.record_decode_error()
+            return _status(415, codec.INVALID_ARGUMENT, str(exc), as_json=False)
+        as_json = media == codec.JSON
+        try:
+            body = await self._read_body(request, coding)
+            decoded = await _off_loop_if_large(
+                len(body), lambda: self._decode(body, coding=coding, media=media)
+            )
+        except PayloadTooLarge as exc:
+            self._queue.record_too_large()
+            _log.debug("OTLP/HTTP request too large: %s", exc)
+            return _status(413, codec.RESOURCE_EXHAUSTED, str(exc), as_json=as_json)
+        except IngestError as exc:
+            self._queue.record_decode_error()
+            _log.debug("OTLP/HTTP request undecodable: %s", exc)
+            return _status(400, codec.INVALID_ARGUMENT, str(exc), as_json=as_json)
+
+        request_pb, raw_protobuf, validation = decoded
+        if validation.accepted:
+            batch = Batch(
+                request=request_pb,
+                raw_protobuf=raw_protobuf,
+                received_ns=received_ns,
+                transport="http/json" if as_json else "http/protobuf",
+                span_count=validation.accepted,
+            )
+            if not self._queue.offer(batch):
+                return _status(
+                    503,
+                    codec.UNAVAILABLE,
+                    "spanvisor ingest queue is full; retry later",
+                    as_json=as_json,
+                    retry_after=self._retry_after,
+                )
+        self._queue.record_rejected(validation.rejected)
+        return Response(
+            codec.encode_response(validation.rejected, validation.message, json=as_json),
+            status_code=200,
+            media_type=codec.JSON if as_json else codec.PROTOBUF,
+        )
+
+    def _decode(
+        self, body: bytes, *, coding: str, media: str
+    ) -> tuple[ExportTraceServiceRequest, bytes, codec.Validation]:
+        """Decompress, decode and validate; the bytes are what gets forwarded."""
+        payload = codec.decompress(body, content_encoding=coding, max_bytes=self._max_body_bytes)
+        request = codec.decode_payload(payload, media=media)
+        validation = codec.validate_spans(request)
+        if media == codec.PROTOBUF and not validation.rejected:
+            return request, payload, validation
+        raw = request.SerializeToString() if validation.accepted else b""
+        return request, raw, validation
+
+    async def _read_body(self, request: Request, coding: str) -> bytes:
+        """Read at most the wire limit; raise :class:`_TooLargeOnWire` past it."""
+        limit = _wire_limit(self._max_body_bytes, coding)
+        drain_limit = limit * _DRAIN_FACTOR
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > drain_limit:
+            raise _TooLargeOnWire(
+                f"body is {declared} bytes on the wire, over the {limit}-byte limit"
+            )
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > drain_limit:
+                break  # stop reading; the connection will be closed
+            if size <= limit:
+                chunks.append(chunk)
+            else:
+                chunks.clear()  # keep draining, so the client reads our 413
+        if size > limit:
+            raise _TooLargeOnWire(f"body is over the {limit}-byte limit on the wire")
+        return b"".join(chunks)
+
+
+def _wire_limit(max_body_bytes: int, coding: str) -> int:
+    """The most bytes a within-limit payload can take on the wire.
+
+    Compression can expand incompressible data slightly (gzip: about 0.03%
+    plus a header), so compressed bodies get a little headroom; the exact
+    check happens after decompression.
+    """
+    if coding == "identity":
+        return max_body_bytes
+    return max_body_bytes + max_body_bytes // 500 + 1024
+
+
+async def _off_loop_if_large(size: int, work: Callable[[], T]) -> T:
+    """Run CPU-heavy decoding in a worker thread when the body is big.
+
+    Decoding is pure CPU and a large body (OTLP/JSON above all, which decodes
+    in pure Python) would stall every other request on the shared event loop.
+    """
+    if size > _INLINE_DECODE_BYTES:
+        return await asyncio.to_thread(work)
+    return work()
+
+
+def _wants_json(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == codec.JSON
+
+
+def _status(
+    http_status: int,
+    code: int,
+    message: str,
+    *,
+    as_json: bool,
+    retry_after: str | None = None,
+) -> Response:
+    body = codec.encode_status(
+        code,
+        message,
+        json=as_json,
+        retry_after_s=float(retry_after) if retry_after is not None else None,
+    )
+    headers = {"Retry-After": retry_after} if retry_after is not None else None
+    return Response(
+        body,
+        status_code=http_status,
+        headers=headers,
+        media_type=codec.JSON if as_json else codec.PROTOBUF,
+    )

@@ -1,0 +1,239 @@
+"""The bounded hand-off between the receivers and everything downstream.
+
+Receivers must never wait on the pipeline, so :meth:`IngestQueue.offer` never
+blocks: when a bound would be exceeded it says no, the receiver answers with
+OTLP's throttling response, and the exporter retries later. Everything that is
+turned away is counted.
+
+The queue belongs to one asyncio event loop (the one running the receivers)
+and is not thread-safe; call it only from that loop.
+
+Two bounds apply. ``max_batches`` bounds the batches waiting to be taken;
+``max_spans`` bounds the spans offered and not yet released with
+:meth:`IngestQueue.task_done`, so it also covers batches being processed. A
+single batch larger than ``max_spans`` is admitted only when nothing else is
+outstanding; otherwise a big request would be throttled forever, and memory
+stays bounded by ``max_spans`` plus one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from supervisor.errors import ConfigError, SupervisorError
+
+__all__ = ["Batch", "IngestQueue", "IngestStats", "QueueClosed", "Transport"]
+
+_log = logging.getLogger(__name__)
+
+Transport = Literal["grpc", "http/protobuf", "http/json"]
+
+
+class QueueClosed(SupervisorError):
+    """:meth:`IngestQueue.get` on a queue that is closed and drained."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One accepted export request, as it goes downstream."""
+
+    request: ExportTraceServiceRequest
+    #: What is forwarded: the bytes as received when they were protobuf and
+    #: nothing was rejected, else ``request.SerializeToString()``.
+    raw_protobuf: bytes
+    #: ``time.time_ns()`` when the receiver got the request.
+    received_ns: int
+    transport: Transport
+    span_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class IngestStats:
+    """A snapshot of what ingest accepted and turned away since start."""
+
+    accepted_batches: int
+    accepted_spans: int
+    throttled_batches: int
+    throttled_spans: int
+    #: Spans dropped by validation (bad ids), answered as partial success.
+    rejected_spans: int
+    #: Requests that could not be decoded (400 / INVALID_ARGUMENT).
+    decode_errors: int
+    #: Requests over the size limit (413 / RESOURCE_EXHAUSTED).
+    too_large: int
+    #: Requests that failed for a reason of ours (500 / INTERNAL).
+    internal_errors: int
+    queued_batches: int
+    queued_spans: int
+
+
+class IngestQueue:
+    """A bounded, never-blocking-on-put queue of :class:`Batch` for one event loop."""
+
+    def __init__(self, max_batches: int, max_spans: int) -> None:
+        if max_batches < 1 or max_spans < 1:
+            raise ConfigError(
+                f"ingest queue bounds must be >= 1, got max_batches={max_batches}, "
+                f"max_spans={max_spans}"
+            )
+        self._max_batches = max_batches
+        self._max_spans = max_spans
+        self._items: deque[Batch] = deque()
+        self._getters: deque[asyncio.Future[None]] = deque()
+        # Offered but not yet task_done, keyed by id (the value keeps the id unique).
+        self._outstanding: dict[int, Batch] = {}
+        self._spans = 0
+        self._closed = False
+        self._throttling = False
+        self._episode_throttled = 0
+        self._accepted_batches = 0
+        self._accepted_spans = 0
+        self._throttled_batches = 0
+        self._throttled_spans = 0
+        self._rejected_spans = 0
+        self._decode_errors = 0
+        self._too_large = 0
+        self._internal_errors = 0
+
+    # ------------------------------------------------------------ producers
+
+    def offer(self, batch: Batch) -> bool:
+        """Enqueue ``batch`` if both bounds allow it; never blocks.
+
+        Returns False (and counts the batch as throttled) when the queue is
+        full or closed.
+        """
+        if self._closed or not self._has_room(batch.span_count):
+            self._throttled_batches += 1
+            self._throttled_spans += batch.span_count
+            self._episode_throttled += 1
+            if not self._throttling:
+                self._throttling = True
+                _log.warning(
+                    "ingest queue %s, throttling (%d batches, %d spans queued; "
+                    "bounds %d batches, %d spans)",
+                    "closed" if self._closed else "full",
+                    len(self._items),
+                    self._spans,
+                    self._max_batches,
+                    self._max_spans,
+                )
+            return False
+        if self._throttling:
+            _log.info(
+                "ingest queue accepting again after throttling %d batches",
+                self._episode_throttled,
+            )
+            self._throttling = False
+            self._episode_throttled = 0
+        self._items.append(batch)
+        self._outstanding[id(batch)] = batch
+        self._spans += batch.span_count
+        self._accepted_batches += 1
+        self._accepted_spans += batch.span_count
+        self._wake_one()
+        return True
+
+    def _has_room(self, span_count: int) -> bool:
+        if len(self._items) >= self._max_batches:
+            return False
+        return not self._outstanding or self._spans + span_count <= self._max_spans
+
+    def record_rejected(self, spans: int) -> None:
+        """Count spans dropped by validation."""
+        self._rejected_spans += spans
+
+    def record_decode_error(self) -> None:
+        """Count a request that could not be decoded."""
+        self._decode_errors += 1
+
+    def record_too_large(self) -> None:
+        """Count a request over the size limit."""
+        self._too_large += 1
+
+    def record_internal_error(self) -> None:
+        """Count a request that failed because of a bug of ours."""
+        self._internal_errors += 1
+
+    # ------------------------------------------------------------ consumers
+
+    async def get(self) -> Batch:
+        """Wait for the next batch; raises :class:`QueueClosed` once closed and empty."""
+        while not self._items:
+            if self._closed:
+                raise QueueClosed("ingest queue is closed")
+            waiter = asyncio.get_running_loop().create_future()
+            self._getters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter in self._getters:
+                    self._getters.remove(waiter)
+                elif self._items:
+                    # We were woken for an item we will not take: pass it on.
+                    self._wake_one()
+                raise
+        return self._items.popleft()
+
+    def get_nowait(self) -> Batch | None:
+        """The next batch, or None when there is none waiting."""
+        return self._items.popleft() if self._items else None
+
+    def task_done(self, batch: Batch) -> None:
+        """Release the span budget of a batch taken with :meth:`get`."""
+        if self._outstanding.pop(id(batch), None) is None:
+            raise ValueError("task_done() for a batch that is not outstanding in this queue")
+        self._spans -= batch.span_count
+
+    def close(self) -> None:
+        """Refuse new batches; getters drain what is left, then get :class:`QueueClosed`."""
+        self._closed = True
+        while self._getters:
+            waiter = self._getters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _wake_one(self) -> None:
+        while self._getters:
+            waiter = self._getters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def qsize(self) -> int:
+        """Batches waiting to be taken."""
+        return len(self._items)
+
+    @property
+    def queued_spans(self) -> int:
+        """Spans offered and not yet released with :meth:`task_done`."""
+        return self._spans
+
+    def stats(self) -> IngestStats:
+        """A consistent snapshot of the counters."""
+        return IngestStats(
+            accepted_batches=self._accepted_batches,
+            accepted_spans=self._accepted_spans,
+            throttled_batches=self._throttled_batches,
+            throttled_spans=self._throttled_spans,
+            rejected_spans=self._rejected_spans,
+            decode_errors=self._decode_errors,
+            too_large=self._too_large,
+            internal_errors=self._internal_errors,
+            queued_batches=len(self._items),
+            queued_spans=self._spans,
+        )

@@ -1,0 +1,257 @@
+"""Normalization: one immutable ``SpanRecord`` per span, whatever the convention.
+
+Each convention has its own adapter module (:mod:`.openinference`,
+:mod:`.genai`, :mod:`.openllmetry`, :mod:`.http_rpc`); they fill a shared
+:class:`~.attributes.Draft` in that order, each only where the field is still
+empty, so the most specific convention wins. :mod:`.evidence` turns signs of
+failure into :class:`~supervisor.records.ErrorEvidence`, and runs only when a
+span shows one, so the ~95% of spans that succeed pay nothing for it.
+
+The hot path is every span: attributes are converted once
+(:func:`.attributes.convert_attributes`) and read with dict lookups.
+:func:`normalize_span` never raises: at worst it returns a record with
+fewer fields, and counts the failure (:func:`failures`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from supervisor.normalize import genai, http_rpc, openinference, openllmetry
+from supervisor.normalize.attributes import (
+    MAX_MESSAGE_CHARS,
+    MAX_NAME_CHARS,
+    Draft,
+    args_digest,
+    as_str,
+    bounded,
+    convert_attributes,
+)
+from supervisor.normalize.evidence import (
+    SCAN_CHARS,
+    Swallowed,
+    build_evidence,
+    check_tool_calls,
+    detect_swallowed,
+    failing_finish,
+)
+from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
+
+__all__ = ["UNKNOWN_SERVICE", "failures", "normalize_request", "normalize_span"]
+
+UNKNOWN_SERVICE = "unknown_service"
+
+_STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+_SPAN_KIND_SERVER = 2
+#: Events scanned for an ``exception`` event: all of a short list, else the
+#: first and last ``_EVENT_SCAN`` (streaming spans may carry one per chunk).
+_EVENT_SCAN = 16
+_MAX_SPAN_NAME = 1024
+
+_logger = logging.getLogger(__name__)
+_failures_lock = threading.Lock()
+_failures = 0
+
+
+def failures() -> int:
+    """How many spans could not be fully normalized since start (each got a minimal record)."""
+    return _failures
+
+
+def _count_failure() -> None:
+    global _failures  # noqa: PLW0603 - a process-wide counter, like the SDK's drop counts
+    with _failures_lock:
+        _failures += 1
+        first = _failures == 1
+    if first:
+        _logger.exception("span normalization failed; emitting a minimal record (logged once)")
+
+
+def normalize_request(request: ExportTraceServiceRequest) -> list[SpanRecord]:
+    """Every span of an OTLP export request, normalized, in order."""
+    out: list[SpanRecord] = []
+    for resource_spans in request.resource_spans:
+        try:
+            converted = convert_attributes(resource_spans.resource.attributes).values
+        except Exception:  # boundary: odd resources still yield records
+            _count_failure()
+            converted = {}
+        resource = MappingProxyType(converted)
+        service = as_str(resource.get("service.name")) or UNKNOWN_SERVICE
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                out.append(normalize_span(span, resource, service))
+    return out
+
+
+def normalize_span(span: Any, resource_attrs: Mapping[str, AttrValue], service: str) -> SpanRecord:
+    """One OTLP ``Span`` as a :class:`SpanRecord`; never raises."""
+    resource = (
+        resource_attrs
+        if isinstance(resource_attrs, MappingProxyType)
+        else MappingProxyType(dict(resource_attrs))
+    )
+    try:
+        return _normalize(span, resource, service)
+    except Exception:  # boundary: a record with fewer fields beats a lost span
+        _count_failure()
+        return _minimal(span, resource, service)
+
+
+def _normalize(span: Any, resource: Mapping[str, AttrValue], service: str) -> SpanRecord:
+    converted = convert_attributes(span.attributes)
+    attrs = converted.values
+    draft = Draft(converted)
+    if openinference.MARKER in attrs:
+        openinference.extract(draft)
+    if genai.applies(attrs):
+        genai.extract(draft)
+    if openllmetry.applies(attrs):
+        openllmetry.extract(draft)
+    kind = span.kind
+    http_rpc.extract(draft, kind)
+    role = draft.role or Role.OTHER
+
+    status = span.status
+    status_error = status.code == _STATUS_ERROR
+    invalid = check_tool_calls(draft.tool_calls, draft.offered_tools) if draft.tool_calls else ()
+    http_status = draft.http_status
+    error_type = attrs.get("error.type")
+    failing = (
+        status_error
+        or bool(invalid)
+        or error_type is not None
+        or (http_status is not None and http_status >= (500 if kind == _SPAN_KIND_SERVER else 400))
+        or (draft.grpc_code is not None and draft.grpc_code != 0)
+        or (bool(draft.finish_reasons) and failing_finish(draft.finish_reasons))
+    )
+    exception = _exception_event(span.events) if len(span.events) else None
+    swallowed: Swallowed | None = None
+    if not failing and exception is None and role is Role.TOOL and draft.output_text:
+        swallowed = detect_swallowed(draft.output_text)
+    error = None
+    if failing or exception is not None or swallowed is not None:
+        error = build_evidence(
+            status_error=status_error,
+            status_message=status.message[:SCAN_CHARS] if status_error else "",
+            exception=exception,
+            error_type=as_str(error_type),
+            http_status=http_status,
+            grpc_code=draft.grpc_code,
+            finish_reasons=draft.finish_reasons,
+            invalid_tool_calls=invalid,
+            swallowed=swallowed,
+            attrs=attrs,
+            now_ns=span.end_time_unix_nano,
+        )
+
+    model = draft.response_model or draft.request_model
+    provider = draft.provider
+    name = span.name
+    if len(name) > _MAX_SPAN_NAME:
+        name = name[:_MAX_SPAN_NAME]
+    tool_name = draft.tool_name
+    if not tool_name and role is Role.TOOL:
+        tool_name = name[:MAX_NAME_CHARS]  # a tool span without a tool name is named after it
+    if role is Role.LLM:
+        dependency = f"{provider or 'unknown'}:{model or 'unknown'}" if provider or model else ""
+    elif role is Role.TOOL:
+        dependency = f"tool:{tool_name}" if tool_name else ""
+    elif role is Role.HTTP:
+        dependency = f"http:{draft.host}" if draft.host else ""
+    else:
+        dependency = ""
+    return SpanRecord(
+        span.trace_id.hex(),
+        span.span_id.hex(),
+        span.parent_span_id.hex(),
+        name,
+        service if len(service) <= MAX_NAME_CHARS else service[:MAX_NAME_CHARS],
+        kind,
+        span.start_time_unix_nano,
+        span.end_time_unix_nano,
+        role,
+        tuple(draft.conventions),
+        dependency,
+        provider,
+        model,
+        tool_name,
+        args_digest(draft.tool_args) if draft.tool_args is not None else "",
+        draft.input_tokens,
+        draft.output_tokens,
+        draft.output_text,
+        draft.session_id,
+        error,
+        MappingProxyType(attrs),
+        resource,
+    )
+
+
+def _exception_event(events: Any) -> tuple[str, str] | None:
+    """Type and message of the first ``exception`` event, if any."""
+    count = len(events)
+    if count <= 2 * _EVENT_SCAN:
+        indices: Any = range(count)
+    else:
+        indices = (*range(_EVENT_SCAN), *range(count - _EVENT_SCAN, count))
+    for i in indices:
+        event = events[i]
+        if event.name != "exception":
+            continue
+        exc_type = message = stacktrace = ""
+        for kv in event.attributes:
+            key = kv.key
+            if key == "exception.type":
+                exc_type = kv.value.string_value
+            elif key == "exception.message":
+                message = kv.value.string_value
+            elif key == "exception.stacktrace":
+                stacktrace = kv.value.string_value
+        if not exc_type and stacktrace:
+            exc_type = _last_traceback_type(stacktrace)
+        return bounded(exc_type, MAX_NAME_CHARS), message[:SCAN_CHARS]
+    return None
+
+
+def _last_traceback_type(stacktrace: str) -> str:
+    found = detect_swallowed(stacktrace[-SCAN_CHARS:]) if "Traceback" in stacktrace else None
+    return found.exception_type if found is not None else ""
+
+
+def _minimal(span: Any, resource: Mapping[str, AttrValue], service: str) -> SpanRecord:
+    """The fields that can still be read, for a span whose attributes could not be."""
+    return SpanRecord(
+        trace_id=_read(span, "trace_id", bytes.hex, ""),
+        span_id=_read(span, "span_id", bytes.hex, ""),
+        parent_span_id=_read(span, "parent_span_id", bytes.hex, ""),
+        name=_read(span, "name", lambda n: bounded(str(n), _MAX_SPAN_NAME), ""),
+        service=bounded(str(service), MAX_NAME_CHARS),
+        kind=_read(span, "kind", int, 0),
+        start_ns=_read(span, "start_time_unix_nano", int, 0),
+        end_ns=_read(span, "end_time_unix_nano", int, 0),
+        role=Role.OTHER,
+        resource_attributes=resource,
+        error=_read(span, "status", _status_only, None),
+    )
+
+
+def _read(span: Any, name: str, convert: Any, default: Any) -> Any:
+    """One field of a span, converted; ``default`` if it cannot be read."""
+    try:
+        return convert(getattr(span, name))
+    except Exception:  # each field on its own: keep what can be read
+        return default
+
+
+def _status_only(status: Any) -> ErrorEvidence | None:
+    if status.code != _STATUS_ERROR:
+        return None
+    return ErrorEvidence(
+        status_error=True, status_message=bounded(status.message, MAX_MESSAGE_CHARS)
+    )

@@ -1,0 +1,587 @@
+"""Error evidence: what a failing span says, pulled out of attributes and free text.
+
+Only spans that show a sign of failure get here (see
+:func:`supervisor.normalize.normalize_span`), so this module may spend a
+few microseconds on regexes. Every regex is precompiled and every scan is
+bounded to the first ``SCAN_CHARS`` characters of a text.
+
+What the free text looks like, per producer:
+
+* openai-python >= 2 raises ``Error code: 429 - <the error message>``;
+  older versions and the anthropic SDK put the whole body in the message:
+  ``Error code: 429 - {'error': {'message': ..., 'type': 'insufficient_quota',
+  'code': 'insufficient_quota'}}`` / ``Error code: 529 - {'type': 'error',
+  'error': {'type': 'overloaded_error', 'message': 'Overloaded'}}``. The
+  provider code is the body's ``code``, else its inner error ``type``, else
+  Google's ``status``; when the body is absent it is inferred from OpenAI's
+  and Anthropic's documented wording (``_PHRASES``).
+* OpenInference sets the status description to ``"RateLimitError: <message>"``
+  and records an ``exception`` event (type ``openai.RateLimitError``);
+  OpenLLMetry sets the description to the bare message, ``error.type`` to the
+  class name and records the event; the official openai-v2 instrumentation
+  sets the bare message and ``error.type`` (``"<class 'openai.RateLimitError'>"``
+  with opentelemetry-util-genai 1.1), and records no event.
+* Retry delays: captured headers (``http.response.header.retry-after`` and
+  friends), else OpenAI's "Please try again in 1.5s" / "in 20ms" / "in 1m3s",
+  Azure's "Please retry after 20 seconds".
+
+Errors swallowed by tools (status OK, output describes a caught error) are
+recognised conservatively, by shape and never by a mere word — see
+:func:`detect_swallowed` for the list of patterns.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import NamedTuple
+
+from supervisor.normalize.attributes import (
+    MAX_MESSAGE_CHARS,
+    MAX_NAME_CHARS,
+    as_str,
+    bounded,
+    parse_json,
+)
+from supervisor.normalize.http_rpc import GRPC_CODES
+from supervisor.records import AttrValue, ErrorEvidence
+
+__all__ = [
+    "FAILURE_FINISH_REASONS",
+    "SCAN_CHARS",
+    "Swallowed",
+    "build_evidence",
+    "check_tool_calls",
+    "detect_swallowed",
+    "exception_type_from_error_type",
+    "failing_finish",
+    "http_status_from_text",
+    "parse_duration",
+    "provider_code_from_text",
+    "retry_after_from_attributes",
+    "retry_after_from_text",
+    "split_exception_prefix",
+]
+
+#: Characters of any free text that are scanned.
+SCAN_CHARS = 8 * 1024
+#: Longest server-requested delay believed (a day); longer values are ignored.
+MAX_RETRY_AFTER_S = 86_400.0
+
+#: Finish/stop reasons that mean the response is cut or refused (lower-case):
+#: OpenAI, Anthropic, Gemini (upper-case there), Bedrock.
+FAILURE_FINISH_REASONS = frozenset(
+    {
+        "length",
+        "max_tokens",
+        "max_output_tokens",
+        "model_length",
+        "content_filter",
+        "content_filtered",
+        "refusal",
+        "safety",
+        "recitation",
+        "blocklist",
+        "prohibited_content",
+        "spii",
+        "guardrail_intervened",
+        "model_context_window_exceeded",
+    }
+)
+
+
+def failing_finish(reasons: tuple[str, ...]) -> bool:
+    """Whether any finish reason says the output was cut or refused."""
+    return any(reason.lower() in FAILURE_FINISH_REASONS for reason in reasons)
+
+
+# -- tool calls --------------------------------------------------------------
+
+
+def check_tool_calls(
+    calls: Iterable[tuple[str, object]], offered: frozenset[str] | None
+) -> tuple[str, ...]:
+    """``unknown_tool:<name>`` / ``bad_arguments:<name>`` for each invalid tool call.
+
+    A name is unknown only when the offered tools are known (``offered`` is
+    not ``None`` and not empty). Arguments are bad when they are text that
+    is not a JSON object (empty text counts as no arguments).
+    """
+    out: list[str] = []
+    for name, arguments in list(calls)[:64]:
+        short = bounded(name, MAX_NAME_CHARS)
+        if offered and name not in offered:
+            out.append(f"unknown_tool:{short}")
+        if isinstance(arguments, str) and arguments.strip():
+            if not isinstance(parse_json(arguments), dict):
+                out.append(f"bad_arguments:{short}")
+        elif arguments is not None and not isinstance(arguments, (str, Mapping)):
+            out.append(f"bad_arguments:{short}")
+    return tuple(out)
+
+
+# -- exception names ---------------------------------------------------------
+
+_EXC_SUFFIXES = (
+    "Error",
+    "Exception",
+    "Timeout",
+    "Exceeded",
+    "Interrupt",
+    "Exit",
+    "Failure",
+    "Fault",
+    "Cancelled",
+    "Canceled",
+    "Refused",
+    "Unavailable",
+    "Denied",
+    "Expired",
+)
+_DOTTED_NAME = re.compile(r"[A-Za-z_]\w{0,100}(?:\.[A-Za-z_]\w{0,100}){0,10}\Z")
+_CLASS_REPR = re.compile(r"<class '([^']{1,300})'>")
+_PREFIX_NAME = re.compile(r"\s*<?([A-Za-z_][\w.]{0,200}?)>?\s*:\s?(.*)\Z", re.S)
+
+
+def _looks_like_exception(name: str) -> bool:
+    if not _DOTTED_NAME.match(name):
+        return False
+    last = name.rpartition(".")[2]
+    return last[:1].isupper() and last.endswith(_EXC_SUFFIXES)
+
+
+def split_exception_prefix(text: str) -> tuple[str, str]:
+    """``("RateLimitError", "Error code: 429 ...")`` from ``"RateLimitError: Error code: 429 ..."``.
+
+    Returns ``("", text)`` unless the prefix is an exception-like class name
+    (``SomethingError``, ``pkg.SomethingException``, ``ReadTimeout``...).
+    """
+    match = _PREFIX_NAME.match(text[:SCAN_CHARS])
+    if match and _looks_like_exception(match.group(1)):
+        return match.group(1), match.group(2)
+    return "", text
+
+
+def exception_type_from_error_type(error_type: str) -> str:
+    """The exception class in an ``error.type`` value, if it names one.
+
+    ``error.type`` may be a class name (``RateLimitError``), a qualified one,
+    a repr (``<class 'openai.RateLimitError'>``), or not a class at all
+    (``timeout``, ``500``, ``_OTHER``), which gives ``""``.
+    """
+    match = _CLASS_REPR.search(error_type[:400])
+    name = match.group(1) if match else error_type.strip()
+    return name if _looks_like_exception(name) else ""
+
+
+#: SDK exception classes that imply an HTTP status, for messages without one.
+_SDK_MODULES = frozenset({"openai", "anthropic", "groq", "together", "cerebras"})
+_CLASS_STATUS: Mapping[str, int] = {
+    "BadRequestError": 400,
+    "AuthenticationError": 401,
+    "PaymentRequiredError": 402,
+    "PermissionDeniedError": 403,
+    "NotFoundError": 404,
+    "RequestTimeoutError": 408,
+    "ConflictError": 409,
+    "ContentTooLargeError": 413,
+    "RequestTooLargeError": 413,
+    "UnprocessableEntityError": 422,
+    "RateLimitError": 429,
+    "HTTPNotImplementedError": 501,
+    "ServiceUnavailableError": 503,
+    "GatewayTimeoutError": 504,
+    "DeadlineExceededError": 504,
+    "OverloadedError": 529,
+}
+
+
+def _status_from_class(exception_type: str) -> int | None:
+    module, _, name = exception_type.rpartition(".")
+    if module.partition(".")[0] not in _SDK_MODULES:
+        return None
+    return _CLASS_STATUS.get(name)
+
+
+# -- HTTP status, provider code, gRPC code in text ---------------------------
+
+_HTTP_IN_TEXT = re.compile(
+    r"Error code: (\d{3})\b"
+    r"|\b(?:Client|Server) error '(\d{3}) "
+    r"|\b(\d{3}) (?:Client|Server) Error\b"
+    r"|\bstatus(?:[ _]code)?\s*[=:]\s*(\d{3})\b"
+    r"|\bHTTP(?:/\d(?:\.\d)?)?[ ](\d{3})\b",
+    re.IGNORECASE,
+)
+
+
+def http_status_from_text(text: str) -> int | None:
+    """The first HTTP status an SDK or HTTP client wrote into an error message."""
+    match = _HTTP_IN_TEXT.search(text[:SCAN_CHARS])
+    if match is None:
+        return None
+    for group in match.groups():
+        if group is not None:
+            code = int(group)
+            return code if 100 <= code <= 599 else None
+    return None  # pragma: no cover - the regex always captures one group
+
+
+_BODY_CODE = re.compile(r"""['"]code['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
+_BODY_TYPE = re.compile(r"""['"]type['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
+_BODY_STATUS = re.compile(r"""['"]status['"]\s*:\s*['"]([A-Z][A-Z_]{2,63})['"]""")
+
+#: Providers' documented wording → their error code, for messages without a body.
+_PHRASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), code)
+    for pattern, code in (
+        (r"You exceeded your current quota", "insufficient_quota"),
+        (r"credit balance is too low", "insufficient_quota"),
+        (r"Rate limit reached for", "rate_limit_exceeded"),
+        (r"maximum context length is \d+ tokens", "context_length_exceeded"),
+        (r"prompt is too long: \d+ tokens > \d+", "context_length_exceeded"),
+        (r"Incorrect API key provided", "invalid_api_key"),
+        (r"invalid x-api-key", "invalid_api_key"),
+        (r"The model `[^`]{1,200}` does not exist", "model_not_found"),
+        (r"rejected as a result of our safety system", "content_policy_violation"),
+        (r"content management policy", "content_filter"),
+    )
+)
+
+
+def provider_code_from_text(text: str) -> str:
+    """A provider's error code in an SDK error message: body ``code``, inner ``type``, phrase."""
+    head = text[:SCAN_CHARS]
+    match = _BODY_CODE.search(head)
+    if match:
+        return match.group(1)
+    for match in _BODY_TYPE.finditer(head):
+        if match.group(1) != "error":
+            return match.group(1)
+    match = _BODY_STATUS.search(head)
+    if match:
+        return match.group(1)
+    for pattern, code in _PHRASES:
+        if pattern.search(head):
+            return code
+    return ""
+
+
+_GRPC_IN_TEXT = re.compile(r"\bStatusCode\.([A-Z_]{2,24})\b")
+
+
+def _grpc_from_text(text: str) -> int | None:
+    match = _GRPC_IN_TEXT.search(text[:SCAN_CHARS])
+    return GRPC_CODES.get(match.group(1)) if match else None
+
+
+# -- retry delays ------------------------------------------------------------
+
+_RETRY_HINT = re.compile(
+    r"(?:try again|retry|retrying)\s+(?:in|after)\s*:?\s*|\bretry[-_ ]after\s*[:=]?\s*",
+    re.IGNORECASE,
+)
+_DURATION_PART = re.compile(
+    r"\s*(\d{1,9}(?:\.\d{1,9})?)\s*"
+    r"(ms|milliseconds?|msecs?|h|hours?|hrs?|m(?!s)|mins?|minutes?|s|secs?|seconds?)?"
+    r"(?![A-Za-z])",
+    re.IGNORECASE,
+)
+_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration(text: str) -> float | None:
+    """Seconds in ``"1.5"``, ``"20ms"``, ``"1m3s"``, ``"6m0s"``, ``"20 seconds"``; else ``None``."""
+    total = 0.0
+    pos = 0
+    found = False
+    limit = min(len(text), 64)
+    while pos < limit:
+        match = _DURATION_PART.match(text, pos, limit)
+        if match is None or match.end() == pos:
+            break
+        unit = (match.group(2) or "s").lower()
+        factor = 0.001 if unit.startswith(("mil", "ms")) else _UNIT_SECONDS.get(unit[0], 1.0)
+        total += float(match.group(1)) * factor
+        found = True
+        pos = match.end()
+        if match.group(2) is None:
+            break
+    if not found or not 0.0 <= total <= MAX_RETRY_AFTER_S:
+        return None
+    return total
+
+
+def retry_after_from_text(text: str) -> float | None:
+    """A delay the provider asks for in its own words ("Please try again in 1.5s")."""
+    head = text[:SCAN_CHARS]
+    for match in _RETRY_HINT.finditer(head):
+        delay = parse_duration(head[match.end() : match.end() + 64])
+        if delay is not None:
+            return delay
+    return None
+
+
+_HEADER_PREFIXES = ("http.response.header.", "")
+#: Header name → how to read it. ``ms``: milliseconds; ``s``: seconds, duration
+#: or HTTP date; ``reset``: an absolute RFC 3339 time (Anthropic).
+_RETRY_HEADERS = (
+    ("retry-after-ms", "ms"),
+    ("retry-after", "s"),
+    ("x-ratelimit-reset-requests", "s"),
+    ("x-ratelimit-reset-tokens", "s"),
+    ("anthropic-ratelimit-requests-reset", "reset"),
+    ("anthropic-ratelimit-tokens-reset", "reset"),
+    ("anthropic-ratelimit-input-tokens-reset", "reset"),
+    ("anthropic-ratelimit-output-tokens-reset", "reset"),
+)
+
+
+def _header_text(value: AttrValue) -> str:
+    if isinstance(value, tuple):
+        value = value[0] if value else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return as_str(value, 128)
+
+
+def _absolute_delay(text: str, now_ns: int) -> float | None:
+    """Seconds from ``now_ns`` until an HTTP date or RFC 3339 time."""
+    when: datetime | None = None
+    try:
+        if text[:4].isdigit():
+            when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        else:
+            when = parsedate_to_datetime(text)
+    except (ValueError, TypeError, IndexError, OverflowError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    delay = when.timestamp() - now_ns / 1e9
+    return min(max(delay, 0.0), MAX_RETRY_AFTER_S)
+
+
+def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> float | None:
+    """A delay from captured response headers, if an instrumentation recorded any.
+
+    ``retry-after-ms`` wins over ``retry-after``; without either, the
+    longest of the rate-limit reset headers (the limit that was hit is not
+    known, so waiting for the longest never retries too early).
+    """
+    resets: list[float] = []
+    for name, how in _RETRY_HEADERS:
+        for prefix in _HEADER_PREFIXES:
+            value = attrs.get(prefix + name)
+            if value is None:
+                continue
+            text = _header_text(value).strip()
+            if not text:
+                continue
+            delay: float | None
+            if how == "ms":
+                ms = parse_duration(text)
+                delay = None if ms is None else ms / 1000.0
+            elif how == "reset":
+                delay = _absolute_delay(text, now_ns)
+            else:
+                delay = parse_duration(text)
+                if delay is None and not text[:1].isdigit():
+                    delay = _absolute_delay(text, now_ns)
+            if delay is None:
+                continue
+            if name.startswith("retry-after"):
+                return delay
+            resets.append(delay)
+            break
+    return max(resets) if resets else None
+
+
+# -- errors swallowed into OK output -----------------------------------------
+
+
+class Swallowed(NamedTuple):
+    """A caught error a tool returned as its output."""
+
+    exception_type: str
+    message: str
+    invalid_tool_calls: tuple[str, ...] = ()
+
+
+_ERROR_PREFIX = re.compile(r"(?:error|exception)\s*:\s*", re.IGNORECASE)
+_INVALID_TOOL = re.compile(r"(\S{1,256}) is not a valid tool, try one of \[")
+_PLEASE_FIX = re.compile(r"\s*Please fix your mistakes\.?\s*\Z")
+_REPR = re.compile(r"([A-Za-z_][\w.]{0,200})\((.*)\)\s*\Z", re.S)
+_TRACEBACK = "Traceback (most recent call last)"
+_TB_LAST = re.compile(r"^([A-Za-z_][\w.]{0,200})(?::[ \t]*(.*))?$", re.M)
+_LANGCHAIN_DEFAULTS: Mapping[str, str] = {
+    # langchain_core.tools: handle_tool_error=True / handle_validation_error=True
+    "Tool execution error": "ToolException",
+    "Tool input validation error": "ValidationError",
+}
+
+
+def _unquote(text: str) -> str:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _typed(text: str) -> tuple[str, str] | None:
+    """``SomeError: message`` / ``<SomeError>: message`` / ``SomeError('message')``."""
+    match = _REPR.match(text)
+    if match and _looks_like_exception(match.group(1)):
+        return match.group(1), _unquote(match.group(2))
+    exc_type, rest = split_exception_prefix(text)
+    if exc_type:
+        return exc_type, rest.strip()
+    return None
+
+
+def _json_error(text: str) -> Swallowed | None:
+    head = text[:256]
+    if '"error"' not in head and '"isError"' not in head and '"status"' not in head:
+        return None
+    obj = parse_json(text)
+    if not isinstance(obj, dict):
+        return None
+    if obj.get("isError") is True:  # MCP CallToolResult
+        parts = obj.get("content")
+        texts = [
+            p["text"]
+            for p in (parts if isinstance(parts, list) else [])[:16]
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+        ]
+        message = "\n".join(texts)
+        typed = _typed(message)
+        return Swallowed(*typed) if typed else Swallowed("", message)
+    error = obj.get("error")
+    if error and not any(obj.get(k) for k in ("result", "results", "data", "output")):
+        if isinstance(error, dict):
+            message = as_str(error.get("message"), MAX_MESSAGE_CHARS) or str(error)
+            return Swallowed(as_str(error.get("type")), message)
+        message = error if isinstance(error, str) else str(error)
+        typed = _typed(message)
+        return Swallowed(*typed) if typed else Swallowed("", message)
+    if obj.get("status") == "error":  # LangChain ToolMessage(status="error"), {"status", "message"}
+        body = obj.get("content", obj.get("message", ""))
+        message = body if isinstance(body, str) else str(body)
+        typed = _typed(message)
+        return Swallowed(*typed) if typed else Swallowed("", message)
+    return None
+
+
+def detect_swallowed(text: str) -> Swallowed | None:
+    """Recognise a tool output that is really a caught error; ``None`` for normal output.
+
+    Patterns (anchored at the start of the output unless said otherwise):
+
+    1. ``Error: ...`` / ``Exception: ...`` (any case). LangGraph's ToolNode
+       writes ``Error: ValueError('boom')\\n Please fix your mistakes.`` and,
+       for a tool the model made up, ``Error: get_wether is not a valid tool,
+       try one of [get_weather].`` (which also yields ``unknown_tool:get_wether``).
+    2. A Python traceback (``Traceback (most recent call last)`` within the
+       first 256 characters); the type and message come from its last line.
+    3. ``SomeError: message``, ``<SomeError>: message`` or ``SomeError('message')``
+       where the name ends like an exception class (``Error``, ``Exception``,
+       ``Timeout``...).
+    4. LangChain's ``handle_tool_error``/``handle_validation_error`` defaults:
+       exactly ``Tool execution error`` / ``Tool input validation error``.
+    5. A JSON object with a truthy ``"error"`` (and no result/data/output),
+       an MCP result with ``"isError": true``, or ``"status": "error"``.
+
+    Prose that merely mentions an error ("no errors found", "Error rates
+    fell") matches none of these.
+    """
+    head = text[:SCAN_CHARS].lstrip()
+    if not head:
+        return None
+    first = head[0]
+    if first == "{":
+        return _json_error(head)
+    match = _ERROR_PREFIX.match(head)
+    if match:
+        rest = _PLEASE_FIX.sub("", head[match.end() :])
+        invalid = _INVALID_TOOL.match(rest)
+        if invalid:
+            return Swallowed("", rest, (f"unknown_tool:{invalid.group(1)}",))
+        typed = _typed(rest)
+        return Swallowed(*typed) if typed else Swallowed("", rest.strip())
+    if _TRACEBACK in head[:256]:
+        last: tuple[str, str] | None = None
+        for tb in _TB_LAST.finditer(head):
+            if _looks_like_exception(tb.group(1)):
+                last = (tb.group(1), (tb.group(2) or "").strip())
+        return Swallowed(*last) if last else Swallowed("", head)
+    if first.isalpha() or first in "<_":
+        typed = _typed(head)
+        if typed:
+            return Swallowed(*typed)
+        stripped = head.rstrip()
+        if stripped in _LANGCHAIN_DEFAULTS:
+            return Swallowed(_LANGCHAIN_DEFAULTS[stripped], stripped)
+    return None
+
+
+# -- assembly ----------------------------------------------------------------
+
+
+def build_evidence(
+    *,
+    status_error: bool,
+    status_message: str,
+    exception: tuple[str, str] | None,
+    error_type: str,
+    http_status: int | None,
+    grpc_code: int | None,
+    finish_reasons: tuple[str, ...],
+    invalid_tool_calls: tuple[str, ...],
+    swallowed: Swallowed | None,
+    attrs: Mapping[str, AttrValue],
+    now_ns: int,
+) -> ErrorEvidence:
+    """Gather everything a failing span says into one :class:`ErrorEvidence`."""
+    exc_type, exc_message = exception if exception is not None else ("", "")
+    if not exc_type and status_message:
+        parsed_type, remainder = split_exception_prefix(status_message)
+        if parsed_type:
+            exc_type = parsed_type
+            exc_message = exc_message or remainder
+    if not exc_type and error_type:
+        exc_type = exception_type_from_error_type(error_type)
+    invalid = invalid_tool_calls
+    if swallowed is not None:
+        exc_type = exc_type or swallowed.exception_type
+        exc_message = exc_message or swallowed.message
+        invalid = invalid + swallowed.invalid_tool_calls
+    if status_message and status_message not in exc_message:
+        text = f"{exc_message[:SCAN_CHARS]}\n{status_message[:SCAN_CHARS]}"
+    else:
+        text = exc_message[:SCAN_CHARS]
+    if http_status is None and text:
+        http_status = http_status_from_text(text)
+    if http_status is None and exc_type:
+        http_status = _status_from_class(exc_type)
+    if grpc_code is None and text:
+        grpc_code = _grpc_from_text(text)
+    retry = retry_after_from_attributes(attrs, now_ns)
+    if retry is None and text:
+        retry = retry_after_from_text(text)
+    return ErrorEvidence(
+        status_error=status_error,
+        status_message=bounded(status_message, MAX_MESSAGE_CHARS),
+        exception_type=bounded(exc_type, MAX_NAME_CHARS),
+        exception_message=bounded(exc_message, MAX_MESSAGE_CHARS),
+        error_type=bounded(error_type, MAX_NAME_CHARS),
+        http_status=http_status,
+        grpc_code=grpc_code,
+        provider_code=provider_code_from_text(text) if text else "",
+        finish_reasons=finish_reasons,
+        swallowed=swallowed is not None,
+        retry_after_s=retry,
+        invalid_tool_calls=invalid,
+    )

@@ -1,0 +1,271 @@
+"""OpenTelemetry GenAI semantic conventions (``gen_ai.*``), old and new names.
+
+Covers the names of semconv 1.26 through the current experimental ones:
+``gen_ai.system`` → ``gen_ai.provider.name``, ``gen_ai.usage.prompt_tokens``
+→ ``input_tokens``, ``completion_tokens`` → ``output_tokens``, and the
+JSON message attributes ``gen_ai.input.messages`` / ``gen_ai.output.messages``
+(``[{"role", "parts": [{"type": "text", "content"} | {"type": "tool_call",
+"name", "arguments"}], "finish_reason"}]``), which the official
+``opentelemetry-instrumentation-openai-v2`` and OpenLLMetry >= 0.5x write.
+
+Provider names are normalised here to the semconv well-known values
+(``openai``, ``anthropic``, ``azure.ai.openai``, ``aws.bedrock``...), since
+every adapter needs the same spelling for the ``provider:model`` dependency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from supervisor.normalize.attributes import (
+    MAX_NAME_CHARS,
+    MAX_OUTPUT_CHARS,
+    Draft,
+    as_int,
+    as_str,
+    bounded,
+    parse_json,
+)
+from supervisor.records import AttrValue, Role
+
+__all__ = [
+    "applies",
+    "extract",
+    "message_output",
+    "normalize_provider",
+    "tool_name_of",
+    "tool_names",
+]
+
+_MARKERS = frozenset(
+    {
+        "gen_ai.operation.name",
+        "gen_ai.provider.name",
+        "gen_ai.system",
+        "gen_ai.request.model",
+        "gen_ai.response.model",
+        "gen_ai.tool.name",
+        "gen_ai.agent.name",
+    }
+)
+
+#: What a JSON object or a kvlist attribute converts to (concrete types: fast isinstance).
+_MAPS = (dict, MappingProxyType)
+
+_OPERATION_ROLES: Mapping[str, Role] = {
+    "chat": Role.LLM,
+    "text_completion": Role.LLM,
+    "completion": Role.LLM,
+    "generate_content": Role.LLM,
+    "embeddings": Role.LLM,
+    "embedding": Role.LLM,
+    "responses": Role.LLM,
+    "rerank": Role.LLM,
+    "execute_tool": Role.TOOL,
+    "invoke_agent": Role.AGENT,
+    "create_agent": Role.AGENT,
+    "invoke_workflow": Role.CHAIN,
+}
+
+#: Spellings seen in the wild → the semconv well-known provider name.
+_PROVIDERS: Mapping[str, str] = {
+    "openai": "openai",
+    "azure": "azure.ai.openai",
+    "azure_openai": "azure.ai.openai",
+    "azure-openai": "azure.ai.openai",
+    "azure openai": "azure.ai.openai",
+    "az.ai.openai": "azure.ai.openai",
+    "azure.ai.openai": "azure.ai.openai",
+    "az.ai.inference": "azure.ai.inference",
+    "azure.ai.inference": "azure.ai.inference",
+    "anthropic": "anthropic",
+    "aws.bedrock": "aws.bedrock",
+    "aws_bedrock": "aws.bedrock",
+    "bedrock": "aws.bedrock",
+    "aws": "aws.bedrock",
+    "vertex_ai": "gcp.vertex_ai",
+    "vertexai": "gcp.vertex_ai",
+    "vertex ai": "gcp.vertex_ai",
+    "gcp.vertex_ai": "gcp.vertex_ai",
+    "gemini": "gcp.gemini",
+    "gcp.gemini": "gcp.gemini",
+    "google": "gcp.gemini",
+    "google_genai": "gcp.gen_ai",
+    "gcp.gen_ai": "gcp.gen_ai",
+    "cohere": "cohere",
+    "mistral": "mistral_ai",
+    "mistralai": "mistral_ai",
+    "mistral_ai": "mistral_ai",
+    "groq": "groq",
+    "deepseek": "deepseek",
+    "perplexity": "perplexity",
+    "xai": "x_ai",
+    "x_ai": "x_ai",
+    "x.ai": "x_ai",
+    "watsonx": "ibm.watsonx.ai",
+    "ibm.watsonx.ai": "ibm.watsonx.ai",
+    "ollama": "ollama",
+}
+
+
+def normalize_provider(value: object) -> str:
+    """A provider name as the semconv spells it; unknown names lower-cased."""
+    text = as_str(value, MAX_NAME_CHARS)
+    if not text:
+        return ""
+    known = _PROVIDERS.get(text)
+    if known is not None:
+        return known
+    lowered = text.strip().lower()
+    return _PROVIDERS.get(lowered, lowered)
+
+
+def applies(attrs: Mapping[str, AttrValue]) -> bool:
+    """Whether the span carries GenAI semconv attributes."""
+    return not _MARKERS.isdisjoint(attrs.keys())
+
+
+def extract(draft: Draft) -> None:
+    """Fill the draft from ``gen_ai.*`` attributes (fields still empty only)."""
+    a = draft.attrs.values
+    draft.conventions.append("gen_ai")
+    op = a.get("gen_ai.operation.name")
+    if draft.role is None:
+        role = _OPERATION_ROLES.get(op) if isinstance(op, str) else None
+        if role is None:
+            if "gen_ai.tool.name" in a:
+                role = Role.TOOL
+            elif "gen_ai.request.model" in a or "gen_ai.response.model" in a:
+                role = Role.LLM
+            elif "gen_ai.agent.name" in a:
+                role = Role.AGENT
+        draft.role = role
+    if not draft.provider:
+        draft.provider = normalize_provider(a.get("gen_ai.provider.name") or a.get("gen_ai.system"))
+    if not draft.request_model:
+        draft.request_model = as_str(a.get("gen_ai.request.model"))
+    if not draft.response_model:
+        draft.response_model = as_str(a.get("gen_ai.response.model"))
+    if draft.input_tokens is None:
+        draft.input_tokens = as_int(
+            a.get("gen_ai.usage.input_tokens", a.get("gen_ai.usage.prompt_tokens"))
+        )
+    if draft.output_tokens is None:
+        draft.output_tokens = as_int(
+            a.get("gen_ai.usage.output_tokens", a.get("gen_ai.usage.completion_tokens"))
+        )
+    if not draft.session_id:
+        draft.session_id = as_str(a.get("gen_ai.conversation.id"))
+    if not draft.finish_reasons:
+        draft.finish_reasons = _reasons(a.get("gen_ai.response.finish_reasons"))
+    if "gen_ai.tool.name" in a and not draft.tool_name:
+        draft.tool_name = as_str(a.get("gen_ai.tool.name"))
+        if draft.tool_args is None:
+            draft.tool_args = draft.attrs.full("gen_ai.tool.call.arguments")
+        if not draft.output_text:
+            draft.output_text = _text(draft.attrs.full("gen_ai.tool.call.result"))
+    if "gen_ai.output.messages" in a:
+        text, calls, reasons = message_output(draft.attrs.full("gen_ai.output.messages"))
+        if not draft.output_text:
+            draft.output_text = text
+        if not draft.tool_calls:
+            draft.tool_calls = calls
+        if not draft.finish_reasons:
+            draft.finish_reasons = reasons
+    if draft.tool_calls and draft.offered_tools is None and "gen_ai.tool.definitions" in a:
+        draft.offered_tools = tool_names(draft.attrs.full("gen_ai.tool.definitions"))
+
+
+def _reasons(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (bounded(value, MAX_NAME_CHARS),) if value else ()
+    if isinstance(value, tuple):
+        return tuple(bounded(v, MAX_NAME_CHARS) for v in value[:16] if isinstance(v, str))
+    return ()
+
+
+def _text(value: object) -> str:
+    """An output value as text: strings verbatim (a JSON string is decoded)."""
+    if isinstance(value, str):
+        if value[:1] == '"':
+            decoded = parse_json(value)
+            if isinstance(decoded, str):
+                return bounded(decoded, MAX_OUTPUT_CHARS)
+        return bounded(value, MAX_OUTPUT_CHARS)
+    if value is None or isinstance(value, bytes):
+        return ""
+    return bounded(str(value), MAX_OUTPUT_CHARS)
+
+
+def _as_list(value: object) -> list[Any] | tuple[Any, ...] | None:
+    """A JSON-text or structured list attribute as a list (at most 64 items); else ``None``."""
+    if isinstance(value, str):
+        value = parse_json(value)
+    if isinstance(value, (list, tuple)):
+        return value if len(value) <= 64 else value[:64]
+    return None
+
+
+def message_output(
+    value: object,
+) -> tuple[str, list[tuple[str, object]], tuple[str, ...]]:
+    """Text, requested tool calls and finish reasons from ``gen_ai.output.messages``."""
+    messages = _as_list(value)
+    if not messages:
+        return "", [], ()
+    texts: list[str] = []
+    calls: list[tuple[str, object]] = []
+    reasons: list[str] = []
+    for message in messages:
+        if not isinstance(message, _MAPS):
+            continue
+        reason = message.get("finish_reason")
+        if isinstance(reason, str) and reason:
+            reasons.append(bounded(reason, MAX_NAME_CHARS))
+        content = message.get("content")
+        if isinstance(content, str) and content:
+            texts.append(content)
+        parts = message.get("parts")
+        if not isinstance(parts, (list, tuple)):
+            continue
+        for part in parts if len(parts) <= 64 else parts[:64]:
+            if not isinstance(part, _MAPS):
+                continue
+            kind = part.get("type")
+            if kind == "text":
+                body = part.get("content", part.get("text"))
+                if isinstance(body, str):
+                    texts.append(body)
+            elif kind == "tool_call":
+                name = as_str(part.get("name"))
+                if name:
+                    calls.append((name, part.get("arguments")))
+    text = "\n".join(texts) if len(texts) > 1 else (texts[0] if texts else "")
+    return bounded(text, MAX_OUTPUT_CHARS), calls, tuple(reasons)
+
+
+def tool_names(value: object) -> frozenset[str] | None:
+    """Names of offered tools from a definitions list (GenAI, OpenAI or Anthropic shape)."""
+    tools = _as_list(value)
+    if tools is None:
+        return None
+    names = set()
+    for tool in tools:
+        name = tool_name_of(tool)
+        if name:
+            names.add(name)
+    return frozenset(names)
+
+
+def tool_name_of(tool: object) -> str:
+    """The name in one tool definition: ``{"name"}`` or ``{"function": {"name"}}``."""
+    if not isinstance(tool, _MAPS):
+        return ""
+    name = tool.get("name")
+    if not name:
+        function = tool.get("function")
+        if isinstance(function, _MAPS):
+            name = function.get("name")
+    return as_str(name)

@@ -1,0 +1,148 @@
+"""HTTP and RPC semantic conventions: status codes and the remote host.
+
+Old and new names: ``http.response.status_code`` (semconv 1.21+) and
+``http.status_code``; ``server.address`` and ``net.peer.name`` /
+``http.host``, falling back to the host of ``url.full`` / ``http.url``;
+``rpc.grpc.status_code`` (an int), ``rpc.response.status_code`` (the new
+string name, e.g. ``"UNAVAILABLE"``) and ``rpc.status_code``. gRPC code names
+are mapped to their numbers so rules match one spelling.
+
+A span whose only convention is HTTP/RPC gets role ``http``; a client span
+(any kind but SERVER) also gets the ``http:<host>`` dependency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from supervisor.normalize.attributes import MAX_NAME_CHARS, Draft, as_int, as_str
+from supervisor.records import AttrValue, Role
+
+__all__ = ["GRPC_CODES", "SPAN_KIND_SERVER", "extract", "grpc_code", "host_of_url"]
+
+#: OTLP SpanKind SERVER.
+SPAN_KIND_SERVER = 2
+
+#: gRPC status code names → numbers (google.rpc.Code).
+GRPC_CODES: Mapping[str, int] = {
+    "OK": 0,
+    "CANCELLED": 1,
+    "CANCELED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "ABORTED": 10,
+    "OUT_OF_RANGE": 11,
+    "UNIMPLEMENTED": 12,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+
+_HOST_KEYS = ("server.address", "net.peer.name", "http.host")
+_URL_KEYS = ("url.full", "http.url")
+_MARKERS = frozenset(
+    {
+        "http.request.method",
+        "http.method",
+        "http.response.status_code",
+        "http.status_code",
+        "url.full",
+        "http.url",
+        "rpc.system",
+    }
+)
+
+
+def grpc_code(value: object) -> int | None:
+    """A gRPC status as its number, from an int, a digit string or a name.
+
+    Accepts ``14``, ``"14"``, ``"UNAVAILABLE"``, ``"unavailable"`` and
+    ``"StatusCode.UNAVAILABLE"``; anything else (or out of 0..16) is ``None``.
+    """
+    code = as_int(value)
+    if code is None and isinstance(value, str) and len(value) <= 64:
+        name = value.strip().upper()
+        if name.startswith("STATUSCODE."):
+            name = name[len("STATUSCODE.") :]
+        code = GRPC_CODES.get(name)
+    if code is None or not 0 <= code <= 16:
+        return None
+    return code
+
+
+def host_of_url(url: str) -> str:
+    """The host of an absolute URL (no port, no userinfo), lower-cased; ``""`` if none."""
+    start = url.find("://")
+    if start < 0:
+        return ""
+    rest = url[start + 3 : start + 3 + 2 * MAX_NAME_CHARS]
+    for sep in "/?#":
+        cut = rest.find(sep)
+        if cut >= 0:
+            rest = rest[:cut]
+    rest = rest.rpartition("@")[2]
+    if rest.startswith("["):
+        end = rest.find("]")
+        host = rest[1:end] if end > 0 else rest[1:]
+    else:
+        host = rest.partition(":")[0]
+    return host[:MAX_NAME_CHARS].lower()
+
+
+def extract(draft: Draft, span_kind: int) -> None:
+    """Read HTTP/RPC status codes for every span; role and host for HTTP/RPC spans."""
+    a = draft.attrs.values
+    status = a.get("http.response.status_code")
+    if status is None:
+        status = a.get("http.status_code")
+    if status is not None:
+        draft.http_status = as_int(status)
+        draft.conventions.append("http")
+    is_rpc = "rpc.system" in a or "rpc.grpc.status_code" in a or "rpc.response.status_code" in a
+    if is_rpc:
+        draft.conventions.append("rpc")
+        draft.grpc_code = _grpc(a)
+    if draft.role is not None:
+        return
+    if not is_rpc and status is None:
+        if not _is_http(a):
+            return
+        draft.conventions.append("http")
+    draft.role = Role.HTTP
+    if span_kind != SPAN_KIND_SERVER:
+        draft.host = _host(a) or (as_str(a.get("rpc.service")) if is_rpc else "")
+
+
+def _grpc(a: Mapping[str, AttrValue]) -> int | None:
+    for key in ("rpc.grpc.status_code", "rpc.response.status_code", "rpc.status_code"):
+        value = a.get(key)
+        if value is not None:
+            code = grpc_code(value)
+            if code is not None:
+                return code
+    return None
+
+
+def _is_http(a: Mapping[str, AttrValue]) -> bool:
+    return not _MARKERS.isdisjoint(a.keys())
+
+
+def _host(a: Mapping[str, AttrValue]) -> str:
+    for key in _HOST_KEYS:
+        host = as_str(a.get(key))
+        if host:
+            return host.lower()
+    for key in _URL_KEYS:
+        url = a.get(key)
+        if isinstance(url, str):
+            host = host_of_url(url)
+            if host:
+                return host
+    return ""

@@ -1,0 +1,174 @@
+"""OpenInference conventions (Arize/Phoenix): ``openinference.span.kind``, ``llm.*``, ``tool.*``.
+
+OpenInference flattens lists into indexed keys
+(``llm.output_messages.0.message.tool_calls.1.tool_call.function.name``), so
+this adapter probes indexed keys in order and stops at the first gap, with a
+bound on every index. What the instrumentations write (checked against
+``openinference-instrumentation-openai`` 0.1.66 and ``-anthropic`` 3.1):
+``llm.system``/``llm.provider``, ``llm.model_name`` (the response model),
+``llm.request.model_name``/``llm.response.model_name`` (Anthropic),
+``llm.token_count.prompt/completion``, ``llm.finish_reason``, output text in
+``llm.output_messages.N.message.content`` (OpenAI) or
+``...message.contents.K.message_content.text`` (Anthropic), offered tools in
+``llm.tools.N.tool.json_schema``, and for failures status ERROR with the
+description ``"<ExceptionClass>: <message>"`` plus an ``exception`` event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from supervisor.normalize.attributes import (
+    MAX_OUTPUT_CHARS,
+    Draft,
+    as_int,
+    as_str,
+    bounded,
+    parse_json,
+)
+from supervisor.normalize.genai import normalize_provider, tool_name_of
+from supervisor.records import AttrValue, Role
+
+__all__ = ["MARKER", "extract"]
+
+#: The attribute whose presence says the span follows OpenInference.
+MARKER = "openinference.span.kind"
+
+_KIND_ROLES: Mapping[str, Role] = {
+    "LLM": Role.LLM,
+    "EMBEDDING": Role.LLM,
+    "TOOL": Role.TOOL,
+    "RETRIEVER": Role.TOOL,
+    "RERANKER": Role.TOOL,
+    "AGENT": Role.AGENT,
+    "CHAIN": Role.CHAIN,
+}
+
+#: Bounds on the indexed keys probed.
+_MAX_MESSAGES = 8
+_MAX_CALLS = 64
+_MAX_CONTENTS = 16
+_MAX_TOOLS = 128
+
+
+def extract(draft: Draft) -> None:
+    """Fill the draft from OpenInference attributes (fields still empty only)."""
+    a = draft.attrs.values
+    draft.conventions.append("openinference")
+    kind = a.get(MARKER)
+    kind_name = kind.upper() if isinstance(kind, str) else ""
+    role = _KIND_ROLES.get(kind_name, Role.OTHER)
+    if draft.role is None:
+        draft.role = role
+    if not draft.session_id:
+        draft.session_id = as_str(a.get("session.id"))
+    if role is Role.LLM:
+        _llm(draft, a, kind_name)
+    elif role is Role.TOOL:
+        if not draft.tool_name:
+            draft.tool_name = as_str(a.get("tool.name"))
+        if draft.tool_args is None:
+            draft.tool_args = draft.attrs.full("input.value")
+    if not draft.output_text and role is not Role.LLM:
+        draft.output_text = output_value(draft.attrs.full("output.value"))
+
+
+def output_value(value: AttrValue) -> str:
+    """``output.value`` as text (a JSON-encoded string is decoded)."""
+    if isinstance(value, str):
+        if value[:1] == '"':
+            decoded = parse_json(value)
+            if isinstance(decoded, str):
+                return bounded(decoded, MAX_OUTPUT_CHARS)
+        return bounded(value, MAX_OUTPUT_CHARS)
+    return ""
+
+
+def _llm(draft: Draft, a: Mapping[str, AttrValue], kind_name: str) -> None:
+    if not draft.provider:
+        draft.provider = normalize_provider(a.get("llm.provider") or a.get("llm.system"))
+    if not draft.response_model:
+        draft.response_model = as_str(
+            a.get("llm.response.model_name")
+            or a.get("llm.model_name")
+            or a.get("embedding.model_name")
+        )
+    if not draft.request_model:
+        draft.request_model = as_str(a.get("llm.request.model_name"))
+    if not draft.request_model and not draft.response_model:
+        # Failed calls carry no response: the model is only in the request parameters.
+        params = a.get("llm.invocation_parameters")
+        parsed = parse_json(params) if isinstance(params, str) else None
+        if isinstance(parsed, dict):
+            draft.request_model = as_str(parsed.get("model"))
+    if draft.input_tokens is None:
+        draft.input_tokens = as_int(a.get("llm.token_count.prompt"))
+    if draft.output_tokens is None:
+        draft.output_tokens = as_int(a.get("llm.token_count.completion"))
+    if not draft.finish_reasons:
+        reason = a.get("llm.finish_reason")
+        if isinstance(reason, str) and reason:
+            draft.finish_reasons = (bounded(reason, 256),)
+    if kind_name != "LLM" or "llm.output_messages.0.message.role" not in a:
+        return
+    texts: list[str] = []
+    calls: list[tuple[str, object]] = []
+    for n in range(_MAX_MESSAGES):
+        prefix = f"llm.output_messages.{n}.message."
+        if prefix + "role" not in a:
+            break
+        content = a.get(prefix + "content")
+        if isinstance(content, str) and content:
+            texts.append(content)
+        found = _calls(draft, prefix + "tool_calls.", calls)
+        for k in range(_MAX_CONTENTS):
+            item = f"{prefix}contents.{k}."
+            kind = a.get(item + "message_content.type")
+            if kind is None:
+                break
+            if kind == "text":
+                text = draft.attrs.full(item + "message_content.text")
+                if isinstance(text, str) and text:
+                    texts.append(text)
+            elif not found:
+                name = as_str(a.get(item + "tool_call.function.name"))
+                if name:
+                    calls.append((name, draft.attrs.full(item + "tool_call.function.arguments")))
+    if not draft.output_text and texts:
+        draft.output_text = bounded("\n".join(texts), MAX_OUTPUT_CHARS)
+    if calls and not draft.tool_calls:
+        draft.tool_calls = calls
+        if draft.offered_tools is None:
+            draft.offered_tools = _offered(draft, a)
+
+
+def _calls(draft: Draft, prefix: str, out: list[tuple[str, object]]) -> bool:
+    """Append ``tool_calls.M`` under ``prefix``; whether any was found."""
+    a = draft.attrs.values
+    found = False
+    for m in range(_MAX_CALLS):
+        key = f"{prefix}{m}.tool_call.function."
+        name = a.get(key + "name")
+        if name is None:
+            break
+        found = True
+        out.append((as_str(name), draft.attrs.full(key + "arguments")))
+    return found
+
+
+def _offered(draft: Draft, a: Mapping[str, AttrValue]) -> frozenset[str] | None:
+    """Names in ``llm.tools.N.tool.json_schema``; ``None`` when none are recorded."""
+    if "llm.tools.0.tool.json_schema" not in a and "llm.tools.0.tool.name" not in a:
+        return None
+    names: set[str] = set()
+    for n in range(_MAX_TOOLS):
+        key = f"llm.tools.{n}.tool."
+        name = as_str(a.get(key + "name"))
+        if not name:
+            schema = draft.attrs.full(key + "json_schema")
+            if schema is None:
+                break
+            name = tool_name_of(parse_json(schema) if isinstance(schema, str) else schema)
+        if name:
+            names.add(name)
+    return frozenset(names)

@@ -1,0 +1,151 @@
+"""OpenLLMetry / Traceloop: ``traceloop.*``, ``llm.*``, indexed ``gen_ai.prompt/completion``.
+
+Two layers. The Traceloop SDK's decorators (``@workflow``, ``@task``,
+``@agent``, ``@tool``) write ``traceloop.span.kind`` with
+``traceloop.entity.name``/``input``/``output`` (input and output JSON-encoded).
+The provider instrumentations (``opentelemetry-instrumentation-openai`` and
+friends) wrote, before they moved to the GenAI message attributes, indexed
+keys: ``gen_ai.completion.N.content/finish_reason/tool_calls.M.name/arguments``,
+``llm.request.functions.N.name``, ``llm.request.type``,
+``llm.usage.total_tokens``. Version 0.62 writes ``gen_ai.input.messages``,
+``gen_ai.output.messages`` and ``gen_ai.tool.definitions`` instead, which
+:mod:`supervisor.normalize.genai` reads; both layers are handled here so
+older agents normalise too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from supervisor.normalize.attributes import (
+    MAX_NAME_CHARS,
+    MAX_OUTPUT_CHARS,
+    Draft,
+    as_str,
+    bounded,
+    parse_json,
+)
+from supervisor.records import AttrValue, Role
+
+__all__ = ["applies", "extract"]
+
+_MARKERS = frozenset(
+    {
+        "traceloop.span.kind",
+        "traceloop.entity.name",
+        "llm.request.type",
+        "gen_ai.completion.0.content",
+        "gen_ai.completion.0.role",
+        "gen_ai.completion.0.finish_reason",
+        "gen_ai.completion.0.tool_calls.0.name",
+        "llm.usage.total_tokens",
+    }
+)
+
+_KIND_ROLES: Mapping[str, Role] = {
+    "workflow": Role.CHAIN,
+    "task": Role.CHAIN,
+    "agent": Role.AGENT,
+    "tool": Role.TOOL,
+}
+
+_REQUEST_TYPES = frozenset({"chat", "completion", "embedding", "rerank"})
+_SESSION_KEYS = (
+    "traceloop.association.properties.session_id",
+    "traceloop.association.properties.thread_id",
+    "traceloop.association.properties.conversation_id",
+)
+_MAX_COMPLETIONS = 8
+_MAX_CALLS = 64
+_MAX_FUNCTIONS = 128
+
+
+def applies(attrs: Mapping[str, AttrValue]) -> bool:
+    """Whether the span carries OpenLLMetry / Traceloop attributes."""
+    return not _MARKERS.isdisjoint(attrs.keys())
+
+
+def extract(draft: Draft) -> None:
+    """Fill the draft from Traceloop attributes (fields still empty only)."""
+    a = draft.attrs.values
+    draft.conventions.append("openllmetry")
+    kind = a.get("traceloop.span.kind")
+    role = _KIND_ROLES.get(kind) if isinstance(kind, str) else None
+    request_type = a.get("llm.request.type")
+    if role is None and isinstance(request_type, str) and request_type in _REQUEST_TYPES:
+        role = Role.LLM
+    if draft.role is None and role is not None:
+        draft.role = role
+    if not draft.session_id:
+        for key in _SESSION_KEYS:
+            session = as_str(a.get(key))
+            if session:
+                draft.session_id = session
+                break
+    if role is Role.TOOL and not draft.tool_name:
+        draft.tool_name = as_str(a.get("traceloop.entity.name"))
+        if draft.tool_args is None:
+            draft.tool_args = draft.attrs.full("traceloop.entity.input")
+    if kind is not None and not draft.output_text:
+        draft.output_text = entity_output(draft.attrs.full("traceloop.entity.output"))
+    if not draft.finish_reasons:
+        reason = a.get("gen_ai.response.finish_reason") or a.get("gen_ai.response.stop_reason")
+        if isinstance(reason, str) and reason:
+            draft.finish_reasons = (bounded(reason, MAX_NAME_CHARS),)
+    if (
+        "gen_ai.completion.0.role" in a
+        or "gen_ai.completion.0.content" in a
+        or ("gen_ai.completion.0.finish_reason" in a)
+    ):
+        _completions(draft, a)
+
+
+def entity_output(value: AttrValue) -> str:
+    """``traceloop.entity.output`` as text: JSON strings decoded, else verbatim."""
+    if not isinstance(value, str):
+        return ""
+    if value[:1] == '"':
+        decoded = parse_json(value)
+        if isinstance(decoded, str):
+            return bounded(decoded, MAX_OUTPUT_CHARS)
+    return bounded(value, MAX_OUTPUT_CHARS)
+
+
+def _completions(draft: Draft, a: Mapping[str, AttrValue]) -> None:
+    texts: list[str] = []
+    reasons: list[str] = []
+    calls: list[tuple[str, object]] = []
+    for n in range(_MAX_COMPLETIONS):
+        prefix = f"gen_ai.completion.{n}."
+        content = a.get(prefix + "content")
+        reason = a.get(prefix + "finish_reason")
+        has_call = prefix + "tool_calls.0.name" in a or prefix + "function_call.name" in a
+        if content is None and reason is None and not has_call and prefix + "role" not in a:
+            break
+        if isinstance(content, str) and content:
+            texts.append(content)
+        if isinstance(reason, str) and reason:
+            reasons.append(bounded(reason, MAX_NAME_CHARS))
+        for m in range(_MAX_CALLS if has_call else 0):
+            key = f"{prefix}tool_calls.{m}."
+            name = a.get(key + "name")
+            if name is None:
+                break
+            calls.append((as_str(name), draft.attrs.full(key + "arguments")))
+        legacy = a.get(prefix + "function_call.name")
+        if legacy is not None:
+            calls.append((as_str(legacy), draft.attrs.full(prefix + "function_call.arguments")))
+    if texts and not draft.output_text:
+        draft.output_text = bounded("\n".join(texts), MAX_OUTPUT_CHARS)
+    if reasons and not draft.finish_reasons:
+        draft.finish_reasons = tuple(reasons)
+    if calls and not draft.tool_calls:
+        draft.tool_calls = calls
+        if draft.offered_tools is None and "llm.request.functions.0.name" in a:
+            names = set()
+            for i in range(_MAX_FUNCTIONS):
+                name = as_str(a.get(f"llm.request.functions.{i}.name"))
+                if not name:
+                    break
+                names.add(name)
+            draft.offered_tools = frozenset(names)

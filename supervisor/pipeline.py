@@ -1,0 +1,320 @@
+"""From a decoded OTLP request to failures and decisions, with no I/O.
+
+The pipeline is synchronous and deterministic so that ``spanvisor run`` and
+``spanvisor replay`` give the same verdicts on the same spans. Per span it
+normalizes; only spans that show a sign of failure go further (dedup,
+classification, attribution, decision), so spans that succeed pay nothing for
+the failure path.
+
+A failure is reported once, at the span where it originates. Ancestors that
+only propagate it are attributed to it instead of being reported again:
+
+* within one request (the usual case: an SDK exports a child and the parent
+  it fails in the same batch) by walking failing parents up from each
+  failing span;
+* across requests through a bounded map from ``(trace, parent span)`` to the
+  origin already reported, for parents that end in a later batch.
+
+When the origin is a plain HTTP or unlabelled span under an LLM or tool span
+that propagated it, the failure keeps the origin's span but takes the
+dependency of that LLM or tool span: a breaker belongs to ``openai:gpt-4o``,
+not to ``http:api.openai.com``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from policies import Policy
+from supervisor.bounded import BoundedMap
+from supervisor.normalize import normalize_request
+from supervisor.records import Classification, Decision, Failure, Role, SpanRecord
+
+#: Resource ``service.name`` of the sidecar's own spans, never judged again.
+OWN_SERVICE = "spanvisor"
+_MESSAGE_LIMIT = 300
+_SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One reported failure and the decision for it."""
+
+    failure: Failure
+    decision: Decision
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStats:
+    processed_batches: int
+    processed_spans: int
+    failing_spans: int
+    failures: int
+    attributed: int
+    duplicates: int
+    own_spans_skipped: int
+    evictions: int
+
+
+@dataclass(slots=True)
+class _Candidate:
+    record: SpanRecord
+    verdict: Classification
+    attributed_to: _Candidate | None = None
+
+
+class Pipeline:
+    """Normalize, classify, attribute and decide; one instance per sidecar.
+
+    Not thread-safe: the app calls :meth:`process` from its single event loop.
+    Memory is bounded by ``seen_capacity`` failing spans and ``runs_capacity``
+    attempt counters; evictions are counted in :meth:`stats`.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        seen_capacity: int = 100_000,
+        runs_capacity: int = 10_000,
+        observe_only: bool = False,
+        normalize: Callable[[ExportTraceServiceRequest], list[SpanRecord]] = normalize_request,
+    ) -> None:
+        self.policy = policy
+        # The whole sidecar in observe mode: decisions are computed and traced, not delivered.
+        self.observe_only = observe_only
+        self._normalize = normalize
+        # (trace, span) of failing spans already judged: exporters re-send batches.
+        self._seen: BoundedMap[tuple[str, str], bool] = BoundedMap(seen_capacity)
+        # (trace, span) of a parent → the origin failure one of its children reported.
+        self._origin_below: BoundedMap[tuple[str, str], Failure] = BoundedMap(seen_capacity)
+        # (run, dependency, kind) → failures so far: the attempt number of the next.
+        self._attempts: BoundedMap[tuple[str, str, str], int] = BoundedMap(runs_capacity)
+        self._batches = 0
+        self._spans = 0
+        self._failing = 0
+        self._failures = 0
+        self._attributed = 0
+        self._duplicates = 0
+        self._own = 0
+
+    def process(self, request: ExportTraceServiceRequest, received_ns: int) -> list[Outcome]:
+        """Judge every span of one request; return the failures it originates."""
+        records = self._normalize(request)
+        self._batches += 1
+        self._spans += len(records)
+        failing = [r for r in records if r.error is not None]
+        if not failing:
+            return []
+        return self._judge(failing, received_ns)
+
+    def process_records(self, records: Iterable[SpanRecord], received_ns: int) -> list[Outcome]:
+        """Like :meth:`process`, for records normalized elsewhere (tests, detectors)."""
+        failing = [r for r in records if r.error is not None]
+        self._batches += 1
+        self._spans += len(failing)
+        return self._judge(failing, received_ns)
+
+    def stats(self) -> PipelineStats:
+        return PipelineStats(
+            processed_batches=self._batches,
+            processed_spans=self._spans,
+            failing_spans=self._failing,
+            failures=self._failures,
+            attributed=self._attributed,
+            duplicates=self._duplicates,
+            own_spans_skipped=self._own,
+            evictions=self._seen.evictions
+            + self._origin_below.evictions
+            + self._attempts.evictions,
+        )
+
+    # -- the failure path -------------------------------------------------
+
+    def _judge(self, failing: list[SpanRecord], received_ns: int) -> list[Outcome]:
+        candidates: dict[tuple[str, str], _Candidate] = {}
+        for record in failing:
+            if record.service == OWN_SERVICE and record.name.startswith("spanvisor."):
+                self._own += 1
+                continue
+            key = (record.trace_id, record.span_id)
+            if key in self._seen or key in candidates:
+                self._duplicates += 1
+                continue
+            self._seen.set(key, True)
+            self._failing += 1
+            verdict = self.policy.classify(record)
+            if verdict is None:  # the policy found nothing to report
+                continue
+            candidates[key] = _Candidate(record, verdict)
+
+        # Within the request: a failing parent that only propagates its
+        # failing child is attributed to the child.
+        for cand in candidates.values():
+            rec = cand.record
+            if not rec.parent_span_id:
+                continue
+            parent = candidates.get((rec.trace_id, rec.parent_span_id))
+            if parent is not None and parent.attributed_to is None and _propagates(parent, cand):
+                parent.attributed_to = cand
+
+        outcomes: list[Outcome] = []
+        for key, cand in candidates.items():
+            if cand.attributed_to is not None:
+                self._attributed += 1
+                continue
+            earlier = self._origin_below.get(key)
+            if earlier is not None and _propagates_failure(cand, earlier):
+                # A child failed in an earlier request with the same error.
+                self._attributed += 1
+                self._remember_origin(cand.record, earlier)
+                continue
+            failure = self._failure(cand, candidates, received_ns)
+            self._remember_origin(_topmost(cand, candidates).record, failure)
+            attempt_key = (failure.run_id, failure.dependency, failure.kind)
+            attempt = (self._attempts.get(attempt_key) or 0) + 1
+            self._attempts.set(attempt_key, attempt)
+            self._failures += 1
+            decision = self.policy.decide(failure, attempt=attempt)
+            if self.observe_only and not decision.observe_only:
+                decision = replace(decision, observe_only=True)
+            outcomes.append(Outcome(failure, decision))
+        return outcomes
+
+    def _remember_origin(self, record: SpanRecord, failure: Failure) -> None:
+        if record.parent_span_id:
+            self._origin_below.set((record.trace_id, record.parent_span_id), failure)
+
+    def _failure(
+        self,
+        origin: _Candidate,
+        candidates: dict[tuple[str, str], _Candidate],
+        received_ns: int,
+    ) -> Failure:
+        rec = origin.record
+        verdict = origin.verdict
+        attributed: list[str] = []
+        dependency = verdict.dependency or rec.dependency
+        # Walk up the ancestors that propagate this failure.
+        parents = _ancestors_attributed_to(origin, candidates)
+        for parent in parents:
+            attributed.append(parent.record.span_id)
+            if rec.role not in _SPECIFIC_ROLES and parent.record.role in _SPECIFIC_ROLES:
+                dependency = parent.record.dependency or dependency
+        return Failure(
+            trace_id=rec.trace_id,
+            span_id=rec.span_id,
+            parent_span_id=rec.parent_span_id,
+            service=rec.service,
+            span_name=rec.name,
+            run_id=rec.run_id,
+            role=rec.role,
+            failure_class=verdict.failure_class,
+            kind=verdict.kind,
+            dependency=dependency,
+            rule=verdict.rule,
+            message=_summary(rec),
+            evidence=rec.error,  # type: ignore[arg-type]  # only failing records get here
+            received_ns=received_ns,
+            attributed=tuple(attributed),
+        )
+
+
+def _ancestors_attributed_to(
+    origin: _Candidate, candidates: dict[tuple[str, str], _Candidate]
+) -> list[_Candidate]:
+    chain: list[_Candidate] = []
+    current = origin
+    for _ in range(64):  # spans nest deeply only in pathological traces
+        rec = current.record
+        parent = candidates.get((rec.trace_id, rec.parent_span_id)) if rec.parent_span_id else None
+        if parent is None or parent.attributed_to is not current:
+            break
+        chain.append(parent)
+        current = parent
+    return chain
+
+
+def _topmost(origin: _Candidate, candidates: dict[tuple[str, str], _Candidate]) -> _Candidate:
+    chain = _ancestors_attributed_to(origin, candidates)
+    return chain[-1] if chain else origin
+
+
+def _propagates(parent: _Candidate, child: _Candidate) -> bool:
+    """Whether a failing parent shows nothing beyond its failing child's error."""
+    return _same_error(parent.record, parent.verdict, child.record, child.verdict)
+
+
+def _propagates_failure(parent: _Candidate, origin: Failure) -> bool:
+    origin_verdict = Classification(
+        origin.failure_class, origin.kind, origin.dependency, origin.rule
+    )
+    origin_record = SpanRecord(
+        trace_id=origin.trace_id,
+        span_id=origin.span_id,
+        parent_span_id=origin.parent_span_id,
+        name=origin.span_name,
+        service=origin.service,
+        kind=0,
+        start_ns=0,
+        end_ns=0,
+        role=origin.role,
+        error=origin.evidence,
+    )
+    return _same_error(parent.record, parent.verdict, origin_record, origin_verdict)
+
+
+def _same_error(
+    parent: SpanRecord,
+    parent_verdict: Classification,
+    child: SpanRecord,
+    child_verdict: Classification,
+) -> bool:
+    pe, ce = parent.error, child.error
+    if pe is None or ce is None:
+        return False
+    if parent_verdict.kind == "unknown":
+        return True  # the parent says nothing more specific than "it failed"
+    if (parent_verdict.failure_class, parent_verdict.kind) == (
+        child_verdict.failure_class,
+        child_verdict.kind,
+    ):
+        return True
+    if pe.exception_type and ce.exception_type:
+        return _tail(pe.exception_type) == _tail(ce.exception_type)
+    child_text = (ce.exception_message or ce.status_message)[:120]
+    return bool(child_text) and child_text in pe.text()
+
+
+def _tail(exception_type: str) -> str:
+    return exception_type.rsplit(".", 1)[-1]
+
+
+def _summary(record: SpanRecord) -> str:
+    ev = record.error
+    if ev is None:
+        return ""
+    parts: list[str] = []
+    if ev.exception_type:
+        parts.append(ev.exception_type)
+    text = ev.exception_message or ev.status_message
+    if text:
+        parts.append(text)
+    if ev.http_status is not None and f"{ev.http_status}" not in text:
+        parts.append(f"HTTP {ev.http_status}")
+    if ev.grpc_code is not None:
+        parts.append(f"gRPC {ev.grpc_code}")
+    if ev.provider_code and ev.provider_code not in text:
+        parts.append(ev.provider_code)
+    if ev.finish_reasons:
+        parts.append("finish_reason=" + ",".join(ev.finish_reasons))
+    if ev.invalid_tool_calls:
+        parts.append("invalid tool calls: " + ", ".join(ev.invalid_tool_calls))
+    if ev.swallowed:
+        parts.append("(caught by the tool, span status OK)")
+    line = ": ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
+    line = " ".join(line.split())  # one line, whatever the message held
+    return line if len(line) <= _MESSAGE_LIMIT else line[: _MESSAGE_LIMIT - 1] + "…"

@@ -1,0 +1,213 @@
+"""Frozen records that flow between the stages of the sidecar.
+
+This module is the contract between ingest, normalization, classification,
+decision and delivery. It imports nothing of ours, so ``policies`` can judge
+records without pulling in any I/O, and every stage can be tested on its own.
+
+Ids are lowercase hex strings (32 characters for a trace, 16 for a span), as
+the ``replay`` output and trace viewers show them. A missing parent is ``""``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Union
+
+#: An attribute value as OTLP carries it, converted to plain Python.
+AttrValue = Union[  # noqa: UP007 - a recursive alias needs Union on Python 3.10
+    str, bool, int, float, bytes, None, tuple["AttrValue", ...], Mapping[str, "AttrValue"]
+]
+
+_EMPTY: Mapping[str, AttrValue] = MappingProxyType({})
+
+
+class Role(str, Enum):
+    """What a span does in the agent, whatever convention named it."""
+
+    LLM = "llm"
+    TOOL = "tool"
+    AGENT = "agent"
+    CHAIN = "chain"
+    HTTP = "http"
+    OTHER = "other"
+
+
+class FailureClass(str, Enum):
+    """The four classes of failure (DESIGN's vocabulary)."""
+
+    TRANSIENT = "transient"
+    MODEL = "model"
+    PERMANENT = "permanent"
+    SEMANTIC = "semantic"
+
+
+#: Built-in failure kinds (DESIGN's vocabulary). A policy may add its own.
+BUILTIN_KINDS: tuple[str, ...] = (
+    "rate_limit",
+    "quota_exhausted",
+    "timeout",
+    "connection",
+    "unavailable",
+    "auth",
+    "permission",
+    "not_found",
+    "invalid_request",
+    "content_policy",
+    "context_overflow",
+    "output_truncated",
+    "parse_error",
+    "invalid_tool_call",
+    "reasoning_loop",
+    "stall",
+    "verification_failed",
+    "budget_exceeded",
+    "tool_error",
+    "unknown",
+)
+
+
+class Action(str, Enum):
+    """What the sidecar decides to do about a failure (DESIGN's vocabulary)."""
+
+    RETRY = "retry"
+    FALLBACK = "fallback"
+    FAIL_FAST = "fail_fast"
+    ESCALATE = "escalate"
+    REMEDIATE = "remediate"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvidence:
+    """Everything a span says about a failure, in one place.
+
+    Built only for spans that show some sign of failure, so spans that
+    succeed pay nothing for it. Strings are ``""`` when absent.
+    """
+
+    #: The span's status is ERROR.
+    status_error: bool = False
+    status_message: str = ""
+    #: From the first ``exception`` event, or parsed from the status message.
+    exception_type: str = ""
+    exception_message: str = ""
+    #: The ``error.type`` attribute (semconv), verbatim.
+    error_type: str = ""
+    http_status: int | None = None
+    #: Numeric gRPC status code (0..16).
+    grpc_code: int | None = None
+    #: A provider's own error code or type found in the body, e.g.
+    #: ``insufficient_quota``, ``rate_limit_exceeded``, ``overloaded_error``,
+    #: ``context_length_exceeded``, ``content_filter``.
+    provider_code: str = ""
+    #: Finish/stop reasons reported by an LLM response.
+    finish_reasons: tuple[str, ...] = ()
+    #: The evidence came from the output of a span whose status is OK
+    #: (a tool that caught its own exception and returned an error message).
+    swallowed: bool = False
+    #: A server-requested delay before retrying, in seconds, when the span
+    #: carries one (a header or the provider's own words).
+    retry_after_s: float | None = None
+    #: Tool calls requested by an LLM response to tools it was not offered,
+    #: or with arguments that are not valid JSON.
+    invalid_tool_calls: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        """All free-text evidence, for message matching."""
+        return " | ".join(part for part in (self.exception_message, self.status_message) if part)
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRecord:
+    """One span, normalized from whatever convention produced it."""
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    name: str
+    service: str
+    #: OTLP SpanKind as an integer (0 unspecified .. 5 consumer).
+    kind: int
+    start_ns: int
+    end_ns: int
+    role: Role
+    #: Conventions recognised on the span, e.g. ``("openinference",)``.
+    conventions: tuple[str, ...] = ()
+    #: ``provider:model`` for LLM calls, ``tool:<name>`` for tools,
+    #: ``http:<host>`` for plain HTTP, ``""`` when unknown.
+    dependency: str = ""
+    provider: str = ""
+    model: str = ""
+    tool_name: str = ""
+    #: Short stable digest of the tool call's arguments (``""`` if none).
+    tool_args_digest: str = ""
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    #: The span's output text when it carries one (bounded in length).
+    output_text: str = ""
+    #: ``gen_ai.conversation.id`` / ``session.id`` when present, else ``""``.
+    session_id: str = ""
+    #: ``None`` when the span shows no sign of failure.
+    error: ErrorEvidence | None = None
+    #: The span's attributes, read-only, for policies that match on them.
+    attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
+    resource_attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def run_id(self) -> str:
+        """The run this span belongs to: its session when named, else its trace."""
+        return self.session_id or self.trace_id
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """The verdict of a classification rule on one span."""
+
+    failure_class: FailureClass
+    kind: str
+    dependency: str
+    rule: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failure, reported once, at the span where it originates."""
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    service: str
+    span_name: str
+    run_id: str
+    role: Role
+    failure_class: FailureClass
+    kind: str
+    dependency: str
+    rule: str
+    #: A one-line human summary of the evidence (bounded).
+    message: str
+    evidence: ErrorEvidence
+    #: When the sidecar received the span (unix ns).
+    received_ns: int
+    #: Span ids of ancestors that only propagated this failure.
+    attributed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the policy says to do about one failure.
+
+    ``params`` holds the action's parameters (for ``retry``: ``attempt``,
+    ``max_attempts``, ``delay_s``; for ``fallback``: ``chain``...).
+    """
+
+    action: Action
+    #: Name of the policy entry that produced the decision.
+    policy: str
+    params: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
+    reason: str = ""
+    #: True when the decision is computed and reported but not delivered.
+    observe_only: bool = False

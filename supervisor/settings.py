@@ -1,0 +1,125 @@
+"""Settings of the sidecar: defaults, a YAML file, ``SPANVISOR_*`` variables.
+
+Precedence, highest first: explicit overrides (CLI flags), ``SPANVISOR_*``
+environment variables, the YAML settings file, defaults. Where forwarded and
+own spans go is read from the standard ``OTEL_EXPORTER_OTLP_*`` variables
+unless the settings name a downstream explicitly.
+
+Every knob is finite by default; loading never exits the process: errors are
+raised as :class:`~supervisor.errors.ConfigError` and turned into exit codes by
+the CLI only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from supervisor.errors import ConfigError
+
+LOOPBACK = "127.0.0.1"
+
+
+class DownstreamSettings(BaseModel):
+    """An explicit downstream; when absent, ``OTEL_EXPORTER_OTLP_*`` decide."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: str
+    protocol: Literal["grpc", "http/protobuf"] = "http/protobuf"
+    headers: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = Field(default=10.0, gt=0, le=300)
+    compression: Literal["none", "gzip"] = "none"
+
+
+class Settings(BaseSettings):
+    """Everything ``spanvisor run`` needs; see ``config/spanvisor.yaml``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SPANVISOR_", extra="forbid", frozen=True, env_nested_delimiter="__"
+    )
+
+    host: str = Field(default=LOOPBACK, description="Address the OTLP receivers bind to.")
+    otlp_grpc_port: int = Field(default=4317, ge=0, le=65535)
+    otlp_http_port: int = Field(default=4318, ge=0, le=65535)
+    api_host: str = Field(default=LOOPBACK, description="Address the control API binds to.")
+    api_port: int = Field(default=4320, ge=0, le=65535)
+    api_token: str | None = Field(
+        default=None,
+        description="Bearer token for the control API. Unset: a random one is made "
+        "at start and written to token_file (mode 0600).",
+    )
+    token_file: Path = Field(default_factory=lambda: Path.home() / ".spanvisor" / "api-token")
+    policy: Path | None = Field(default=None, description="Policy file; unset: the built-in one.")
+    observe_only: bool = Field(default=False, description="Compute and trace decisions only.")
+
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    ingest_queue_batches: int = Field(default=2048, ge=1, le=1_000_000)
+    ingest_queue_spans: int = Field(default=500_000, ge=1, le=50_000_000)
+    retry_after_s: float = Field(default=1.0, gt=0, le=60)
+
+    recent_failures: int = Field(default=1000, ge=1, le=1_000_000)
+    tracked_runs: int = Field(default=10_000, ge=1, le=10_000_000)
+    seen_failure_spans: int = Field(default=100_000, ge=1, le=10_000_000)
+
+    forward_queue_batches: int = Field(default=1024, ge=1, le=1_000_000)
+    forward_queue_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=8 * 1024**3)
+    forward_max_attempts: int = Field(default=5, ge=1, le=100)
+    downstream: DownstreamSettings | None = None
+
+    drain_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> Settings:
+    """Build settings from a YAML file, the environment and explicit overrides."""
+    file_values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read settings file: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the settings file must be a mapping of keys to values")
+        file_values = loaded
+    env_values = _env_values()
+    merged = {
+        **file_values,
+        **env_values,
+        **{k: v for k, v in (overrides or {}).items() if v is not None},
+    }
+    try:
+        # Values are merged here rather than by pydantic-settings' own sources so
+        # that the precedence above holds and errors name the file.
+        return Settings(**merged)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        origin = f"{path}: " if path is not None else ""
+        raise ConfigError(f"{origin}invalid settings: {problems}") from exc
+
+
+def _env_values() -> dict[str, Any]:
+    """``SPANVISOR_*`` variables as settings keys (``SPANVISOR_API_PORT`` → ``api_port``)."""
+    known = set(Settings.model_fields)
+    values: dict[str, Any] = {}
+    for name, value in os.environ.items():
+        if not name.startswith("SPANVISOR_"):
+            continue
+        key = name[len("SPANVISOR_") :].lower()
+        if key in known and key != "downstream":
+            values[key] = value
+    return values

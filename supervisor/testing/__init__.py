@@ -1,0 +1,17 @@
+"""Fakes shipped with the package so tests and the demo never need the internet.
+
+:mod:`supervisor.testing.fake_provider` is an OpenAI/Anthropic-compatible LLM
+server on loopback that the real SDKs talk to.
+"""
+
+from __future__ import annotations
+
+from supervisor.testing.fake_provider import (
+    FakeProvider,
+    FaultPlan,
+    RecordedRequest,
+    Reply,
+    ToolCall,
+)
+
+__all__ = ["FakeProvider", "FaultPlan", "RecordedRequest", "Reply", "ToolCall"]

@@ -1,0 +1,205 @@
+"""The CLI verbs users test policies with: replay, explain, validate, schema."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from openinference.instrumentation.openai import OpenAIInstrumentor
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from supervisor.cli import main
+from supervisor.testing.fake_provider import FakeProvider, Reply
+from tests.otlp_files import length_prefixed, to_otlp_json
+
+
+@pytest.fixture(scope="module")
+def recorded() -> Iterator[list[ExportTraceServiceRequest]]:
+    """Requests as a real instrumented agent exports them: one per LLM call."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "replayed-agent"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    instrumentor = OpenAIInstrumentor()
+    instrumentor.instrument(tracer_provider=provider)
+    requests: list[ExportTraceServiceRequest] = []
+    try:
+        with FakeProvider(default=Reply.text("ok")) as fake:
+            fake.script(
+                Reply.rate_limited(retry_after_s=1.5),
+                Reply.quota_exhausted(),
+                Reply.text("fine"),
+                Reply.unauthorized(),
+            )
+            client = openai.OpenAI(base_url=fake.base_url, api_key="sk-test", max_retries=0)
+            for _ in range(4):
+                exporter.clear()
+                with contextlib.suppress(openai.OpenAIError):
+                    client.chat.completions.create(
+                        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]
+                    )
+                requests.append(encode_spans(exporter.get_finished_spans()))
+    finally:
+        instrumentor.uninstrument()
+        provider.shutdown()
+    yield requests
+
+
+@pytest.fixture
+def json_file(tmp_path: Path, recorded: list[ExportTraceServiceRequest]) -> Path:
+    path = tmp_path / "traces.jsonl"
+    path.write_text("\n".join(to_otlp_json(r) for r in recorded) + "\n")
+    return path
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_replay_jsonl_reports_each_failure_with_the_contract_fields(
+    capsys: pytest.CaptureFixture[str], json_file: Path
+) -> None:
+    code, out, err = run_cli(capsys, "replay", str(json_file), "--output", "jsonl")
+
+    assert (code, err) == (0, "")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["class"], r["kind"], r["action"]) for r in rows] == [
+        ("transient", "rate_limit", "retry"),
+        ("permanent", "quota_exhausted", rows[1]["action"]),
+        ("permanent", "auth", "fail_fast"),
+    ]
+    for row in rows:
+        assert row["service"] == "replayed-agent"
+        assert row["dependency"] == "openai:gpt-4o-mini"
+        assert len(row["trace_id"]) == 32 and row["trace_id"] == row["trace_id"].lower()
+        assert len(row["span_id"]) == 16
+        assert row["rule"] and row["span_name"]
+    assert rows[1]["action"] in {"fallback", "escalate"}
+
+
+def test_replay_is_the_same_every_time_and_for_protobuf_input(
+    capsys: pytest.CaptureFixture[str],
+    json_file: Path,
+    tmp_path: Path,
+    recorded: list[ExportTraceServiceRequest],
+) -> None:
+    proto_file = tmp_path / "traces.pb"
+    proto_file.write_bytes(length_prefixed(recorded))
+
+    first = run_cli(capsys, "replay", str(json_file), "--output", "jsonl")
+    second = run_cli(capsys, "replay", str(json_file), "--output", "jsonl")
+    from_proto = run_cli(capsys, "replay", str(proto_file), "--output", "jsonl")
+
+    assert first == second == from_proto
+    assert first[1].count("\n") == 3
+
+
+def test_replay_table_has_a_header_and_a_row_per_failure(
+    capsys: pytest.CaptureFixture[str], json_file: Path
+) -> None:
+    code, out, _ = run_cli(capsys, "replay", str(json_file))
+
+    lines = out.splitlines()
+    assert code == 0
+    assert lines[0].split()[:3] == ["TRACE_ID", "SPAN_ID", "SERVICE"]
+    assert len(lines) == 4
+    assert "rate_limit" in lines[1]
+
+
+def test_replay_skips_a_bad_line_says_where_and_exits_1(
+    capsys: pytest.CaptureFixture[str], json_file: Path, tmp_path: Path
+) -> None:
+    lines = json_file.read_text().splitlines()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+
+    code, out, err = run_cli(capsys, "replay", str(broken), "--output", "jsonl")
+
+    assert code == 1
+    assert "line 2" in err
+    assert out.count("\n") == 3  # every good line still judged
+
+
+def test_replay_of_a_truncated_protobuf_file_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, recorded: list[ExportTraceServiceRequest]
+) -> None:
+    data = length_prefixed(recorded)
+    cut = tmp_path / "cut.pb"
+    cut.write_bytes(data[:-5])
+
+    code, out, err = run_cli(capsys, "replay", str(cut), "--output", "jsonl")
+
+    assert code == 1
+    assert "truncated" in err
+    assert out.count("\n") == 2  # the fourth request (the 401) was cut off
+
+
+def test_explain_names_the_rule_and_the_decision(
+    capsys: pytest.CaptureFixture[str], json_file: Path
+) -> None:
+    replayed = run_cli(capsys, "replay", str(json_file), "--output", "jsonl")[1]
+    first = json.loads(replayed.splitlines()[0])
+
+    code, out, _ = run_cli(capsys, "explain", str(json_file), "--span", first["span_id"])
+
+    assert code == 0
+    assert f"failure at span {first['span_id']}" in out
+    assert f"transient/rate_limit on openai:gpt-4o-mini by rule {first['rule']}" in out
+    assert "decision     retry" in out
+
+
+def test_explain_without_a_file_lists_the_rules_in_order(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run_cli(capsys, "explain")
+
+    assert code == 0
+    assert "first match wins" in out
+    assert "  1. " in out
+
+
+def test_validate_accepts_a_good_policy_and_lists_every_error_of_a_bad_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    good = Path(__file__).resolve().parent.parent / "config" / "policy.yaml"
+    assert run_cli(capsys, "validate", str(good))[0] == 0
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "version: 1\nrules:\n  - name: r\n    match: {message: '(unclosed'}\n"
+        "    class: transient\n    kind: timeout\n    surprise: 1\n"
+    )
+    code, _, err = run_cli(capsys, "validate", str(bad))
+
+    assert code == 1
+    assert f"{bad}:" in err
+    assert "surprise" in err
+    assert "(unclosed" in err or "regex" in err.lower() or "regular expression" in err.lower()
+
+
+def test_schema_is_json_schema_for_the_policy_file(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "schema")
+
+    schema = json.loads(out)
+    assert code == 0
+    assert schema["type"] == "object"
+    assert "rules" in schema["properties"]
+
+
+def test_replay_of_a_missing_file_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, err = run_cli(capsys, "replay", str(tmp_path / "nope.jsonl"))
+
+    assert code == 2
+    assert "nope.jsonl" in err

@@ -1,0 +1,180 @@
+"""The pipeline reports each failure once, at its origin, and counts attempts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from policies import load_policy
+from supervisor.pipeline import Pipeline
+from supervisor.records import Action, ErrorEvidence, FailureClass, Role, SpanRecord
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+_ids = itertools.count(1)
+
+RATE_LIMIT = ErrorEvidence(
+    status_error=True,
+    status_message="RateLimitError: Error code: 429 - {'error': {'code': 'rate_limit_exceeded'}}",
+    exception_type="openai.RateLimitError",
+    exception_message="Error code: 429 - {'error': {'code': 'rate_limit_exceeded'}}",
+    http_status=429,
+    provider_code="rate_limit_exceeded",
+)
+GENERIC = ErrorEvidence(status_error=True, status_message="")
+
+
+def span(
+    role: Role,
+    error: ErrorEvidence | None,
+    *,
+    parent: str = "",
+    span_id: str | None = None,
+    trace: str = TRACE,
+    dependency: str = "",
+    service: str = "agent",
+    name: str = "",
+) -> SpanRecord:
+    sid = span_id or f"{next(_ids):016x}"
+    return SpanRecord(
+        trace_id=trace,
+        span_id=sid,
+        parent_span_id=parent,
+        name=name or f"{role.value} span",
+        service=service,
+        kind=0,
+        start_ns=0,
+        end_ns=0,
+        role=role,
+        dependency=dependency,
+        error=error,
+    )
+
+
+@pytest.fixture
+def pipeline() -> Pipeline:
+    return Pipeline(load_policy())
+
+
+def test_parent_that_propagates_a_child_error_is_attributed_not_reported(
+    pipeline: Pipeline,
+) -> None:
+    llm = span(Role.LLM, RATE_LIMIT, parent="00000000000000aa", dependency="openai:gpt-4o-mini")
+    agent = span(Role.AGENT, RATE_LIMIT, span_id="00000000000000aa")
+
+    outcomes = pipeline.process_records([llm, agent], received_ns=1)
+
+    assert [o.failure.span_id for o in outcomes] == [llm.span_id]
+    failure = outcomes[0].failure
+    assert (failure.failure_class, failure.kind) == (FailureClass.TRANSIENT, "rate_limit")
+    assert failure.attributed == ("00000000000000aa",)
+    assert pipeline.stats().attributed == 1
+
+
+def test_http_origin_under_an_llm_span_takes_the_llm_dependency(pipeline: Pipeline) -> None:
+    http = span(
+        Role.HTTP,
+        ErrorEvidence(status_error=True, http_status=429),
+        parent="00000000000000bb",
+        dependency="http:api.openai.com",
+    )
+    llm = span(Role.LLM, RATE_LIMIT, span_id="00000000000000bb", dependency="openai:gpt-4o")
+
+    outcomes = pipeline.process_records([http, llm], received_ns=1)
+
+    assert len(outcomes) == 1
+    assert outcomes[0].failure.span_id == http.span_id
+    assert outcomes[0].failure.dependency == "openai:gpt-4o"
+
+
+def test_parent_failing_for_its_own_reason_is_reported_too(pipeline: Pipeline) -> None:
+    tool = span(
+        Role.TOOL,
+        ErrorEvidence(status_error=True, exception_type="TimeoutError", exception_message="5s"),
+        parent="00000000000000cc",
+        dependency="tool:get_weather",
+    )
+    llm = span(
+        Role.LLM,
+        ErrorEvidence(
+            status_error=True,
+            exception_type="openai.AuthenticationError",
+            exception_message="Error code: 401 - {'error': {'code': 'invalid_api_key'}}",
+            http_status=401,
+            provider_code="invalid_api_key",
+        ),
+        span_id="00000000000000cc",
+        dependency="openai:gpt-4o",
+    )
+
+    outcomes = pipeline.process_records([tool, llm], received_ns=1)
+
+    assert [(o.failure.span_id, o.failure.kind) for o in outcomes] == [
+        (tool.span_id, "timeout"),
+        (llm.span_id, "auth"),
+    ]
+
+
+def test_parent_in_a_later_batch_is_attributed_to_the_earlier_origin(pipeline: Pipeline) -> None:
+    llm = span(Role.LLM, RATE_LIMIT, parent="00000000000000dd", dependency="openai:gpt-4o")
+    chain = span(Role.CHAIN, GENERIC, parent="00000000000000ee", span_id="00000000000000dd")
+    agent = span(Role.AGENT, RATE_LIMIT, span_id="00000000000000ee")
+
+    first = pipeline.process_records([llm], received_ns=1)
+    second = pipeline.process_records([chain], received_ns=2)
+    third = pipeline.process_records([agent], received_ns=3)
+
+    assert [o.failure.span_id for o in first] == [llm.span_id]
+    assert second == []
+    assert third == []
+    assert pipeline.stats().attributed == 2
+
+
+def test_a_resent_batch_reports_nothing_new(pipeline: Pipeline) -> None:
+    llm = span(Role.LLM, RATE_LIMIT, dependency="openai:gpt-4o")
+
+    first = pipeline.process_records([llm], received_ns=1)
+    again = pipeline.process_records([llm], received_ns=2)
+
+    assert len(first) == 1
+    assert again == []
+    assert pipeline.stats().duplicates == 1
+
+
+def test_attempts_count_failures_of_one_dependency_and_kind_in_a_run(pipeline: Pipeline) -> None:
+    decisions = [
+        pipeline.process_records(
+            [span(Role.LLM, RATE_LIMIT, dependency="openai:gpt-4o")], received_ns=i
+        )[0].decision
+        for i in range(1, 4)
+    ]
+
+    assert [d.action for d in decisions] == [Action.RETRY] * 3
+    assert [d.params["attempt"] for d in decisions] == [1, 2, 3]
+
+
+def test_own_decision_spans_are_never_judged(pipeline: Pipeline) -> None:
+    own = span(Role.OTHER, GENERIC, service="spanvisor", name="spanvisor.decide")
+
+    assert pipeline.process_records([own], received_ns=1) == []
+    assert pipeline.stats().own_spans_skipped == 1
+
+
+def test_observe_mode_marks_every_decision() -> None:
+    observing = Pipeline(load_policy(), observe_only=True)
+
+    outcomes = observing.process_records(
+        [span(Role.LLM, RATE_LIMIT, dependency="openai:gpt-4o")], received_ns=1
+    )
+
+    assert [o.decision.observe_only for o in outcomes] == [True]
+
+
+def test_bounded_memory_counts_evictions() -> None:
+    small = Pipeline(load_policy(), seen_capacity=2, runs_capacity=2)
+
+    for _ in range(5):
+        small.process_records([span(Role.LLM, RATE_LIMIT, dependency="openai:gpt-4o")], 1)
+
+    assert small.stats().evictions > 0
+    assert small.stats().failures == 5
