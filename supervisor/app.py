@@ -243,7 +243,7 @@ class Sidecar:
         """Forward, judge and report one batch (synchronous, fast)."""
         if self.forwarder is not None:
             self.forwarder.offer(batch.raw_protobuf, batch.span_count)
-        outcomes = self.pipeline.process(batch.request, batch.received_ns)
+        outcomes = self.pipeline.process_payload(batch.raw_protobuf, batch.received_ns)
         for outcome in outcomes:
             self.failures.add(outcome, batch.received_ns)
             self.tracer.emit(outcome.failure, outcome.decision)

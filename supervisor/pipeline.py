@@ -30,7 +30,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from policies import Policy
 from supervisor.bounded import BoundedMap
-from supervisor.normalize import normalize_request
+from supervisor.normalize import normalize_payload
 from supervisor.records import Classification, Decision, Failure, Role, SpanRecord
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
@@ -81,7 +81,7 @@ class Pipeline:
         seen_capacity: int = 100_000,
         runs_capacity: int = 10_000,
         observe_only: bool = False,
-        normalize: Callable[[ExportTraceServiceRequest], list[SpanRecord]] = normalize_request,
+        normalize: Callable[[bytes], list[SpanRecord]] = normalize_payload,
     ) -> None:
         self.policy = policy
         # The whole sidecar in observe mode: decisions are computed and traced, not delivered.
@@ -102,8 +102,16 @@ class Pipeline:
         self._own = 0
 
     def process(self, request: ExportTraceServiceRequest, received_ns: int) -> list[Outcome]:
-        """Judge every span of one request; return the failures it originates."""
-        records = self._normalize(request)
+        """Judge every span of one decoded request; see :meth:`process_payload`."""
+        return self.process_payload(request.SerializeToString(), received_ns)
+
+    def process_payload(self, payload: bytes, received_ns: int) -> list[Outcome]:
+        """Judge every span of one encoded request; return the failures it originates.
+
+        ``payload`` is an ``ExportTraceServiceRequest`` that ingest already
+        decoded and validated once (``Batch.raw_protobuf``).
+        """
+        records = self._normalize(payload)
         self._batches += 1
         self._spans += len(records)
         failing = [r for r in records if r.error is not None]

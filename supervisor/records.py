@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Union
+from typing import NamedTuple, Union
 
 #: An attribute value as OTLP carries it, converted to plain Python.
 AttrValue = Union[  # noqa: UP007 - a recursive alias needs Union on Python 3.10
@@ -120,9 +120,14 @@ class ErrorEvidence:
         return " | ".join(part for part in (self.exception_message, self.status_message) if part)
 
 
-@dataclass(frozen=True, slots=True)
-class SpanRecord:
-    """One span, normalized from whatever convention produced it."""
+class SpanRecord(NamedTuple):
+    """One span, normalized from whatever convention produced it.
+
+    A ``NamedTuple`` rather than a frozen dataclass, as immutable, because it
+    is made for every span: a frozen dataclass of this many fields costs
+    about 2.4 µs to construct (one ``object.__setattr__`` per field), a tuple
+    about 0.4 µs. The records that only failures make stay dataclasses.
+    """
 
     trace_id: str
     span_id: str
@@ -153,8 +158,8 @@ class SpanRecord:
     #: ``None`` when the span shows no sign of failure.
     error: ErrorEvidence | None = None
     #: The span's attributes, read-only, for policies that match on them.
-    attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
-    resource_attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
+    attributes: Mapping[str, AttrValue] = _EMPTY
+    resource_attributes: Mapping[str, AttrValue] = _EMPTY
 
     @property
     def run_id(self) -> str:

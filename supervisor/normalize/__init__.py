@@ -27,6 +27,7 @@ from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import (
     MAX_MESSAGE_CHARS,
     MAX_NAME_CHARS,
+    AttributeSource,
     Draft,
     args_digest,
     as_str,
@@ -41,9 +42,16 @@ from supervisor.normalize.evidence import (
     detect_swallowed,
     failing_finish,
 )
+from supervisor.normalize.wire import LazyConverted, LiteRequest, RawAttributes
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
-__all__ = ["UNKNOWN_SERVICE", "failures", "normalize_request", "normalize_span"]
+__all__ = [
+    "UNKNOWN_SERVICE",
+    "failures",
+    "normalize_payload",
+    "normalize_request",
+    "normalize_span",
+]
 
 UNKNOWN_SERVICE = "unknown_service"
 
@@ -77,17 +85,43 @@ def normalize_request(request: ExportTraceServiceRequest) -> list[SpanRecord]:
     """Every span of an OTLP export request, normalized, in order."""
     out: list[SpanRecord] = []
     for resource_spans in request.resource_spans:
-        try:
-            converted = convert_attributes(resource_spans.resource.attributes).values
-        except Exception:  # boundary: odd resources still yield records
-            _count_failure()
-            converted = {}
-        resource = MappingProxyType(converted)
-        service = as_str(resource.get("service.name")) or UNKNOWN_SERVICE
+        resource, service = _resource(resource_spans)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 out.append(normalize_span(span, resource, service))
     return out
+
+
+def normalize_payload(payload: bytes) -> list[SpanRecord]:
+    """Every span of an encoded OTLP export request, normalized, in order.
+
+    The hot path: the same records as :func:`normalize_request` gives for the
+    decoded request, but span attributes are decoded only when read (see
+    :mod:`.wire`). ``payload`` must already have passed ingest's decoding.
+    """
+    request = LiteRequest.FromString(payload)
+    out: list[SpanRecord] = []
+    for resource_spans in request.resource_spans:
+        resource, service = _resource(resource_spans)
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                try:
+                    attributes = LazyConverted(RawAttributes(span.attributes))
+                    out.append(_normalize(span, resource, service, attributes))
+                except Exception:  # boundary: a record with fewer fields beats a lost span
+                    _count_failure()
+                    out.append(_minimal(span, resource, service))
+    return out
+
+
+def _resource(resource_spans: Any) -> tuple[Mapping[str, AttrValue], str]:
+    try:
+        converted = convert_attributes(resource_spans.resource.attributes).values
+    except Exception:  # boundary: odd resources still yield records
+        _count_failure()
+        converted = {}
+    resource = MappingProxyType(converted)
+    return resource, as_str(resource.get("service.name")) or UNKNOWN_SERVICE
 
 
 def normalize_span(span: Any, resource_attrs: Mapping[str, AttrValue], service: str) -> SpanRecord:
@@ -104,8 +138,14 @@ def normalize_span(span: Any, resource_attrs: Mapping[str, AttrValue], service: 
         return _minimal(span, resource, service)
 
 
-def _normalize(span: Any, resource: Mapping[str, AttrValue], service: str) -> SpanRecord:
-    converted = convert_attributes(span.attributes)
+def _normalize(
+    span: Any,
+    resource: Mapping[str, AttrValue],
+    service: str,
+    converted: AttributeSource | None = None,
+) -> SpanRecord:
+    if converted is None:
+        converted = convert_attributes(span.attributes)
     attrs = converted.values
     draft = Draft(converted)
     if openinference.MARKER in attrs:
@@ -188,7 +228,7 @@ def _normalize(span: Any, resource: Mapping[str, AttrValue], service: str) -> Sp
         draft.output_text,
         draft.session_id,
         error,
-        MappingProxyType(attrs),
+        attrs if isinstance(attrs, RawAttributes) else MappingProxyType(attrs),
         resource,
     )
 

@@ -17,7 +17,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from supervisor.records import AttrValue, Role
 
@@ -31,6 +31,7 @@ __all__ = [
     "MAX_OUTPUT_CHARS",
     "MAX_PARSE_CHARS",
     "MAX_VALUE_CHARS",
+    "AttributeSource",
     "Draft",
     "args_digest",
     "as_int",
@@ -224,6 +225,15 @@ def convert_attributes(kvs: Sequence[Any]) -> Converted:
 # -- the draft the adapters fill ---------------------------------------------
 
 
+class AttributeSource(Protocol):
+    """What the adapters read: bounded values, and the full text on request."""
+
+    @property
+    def values(self) -> Mapping[str, AttrValue]: ...
+
+    def full(self, key: str) -> AttrValue: ...
+
+
 class Draft:
     """What the adapters learn about one span, before it is frozen into a record.
 
@@ -253,7 +263,7 @@ class Draft:
         "tool_name",
     )
 
-    def __init__(self, attrs: Converted) -> None:
+    def __init__(self, attrs: AttributeSource) -> None:
         self.attrs = attrs
         self.conventions: list[str] = []
         self.role: Role | None = None

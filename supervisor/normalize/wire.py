@@ -1,0 +1,264 @@
+"""The hot path's view of OTLP: spans whose attributes stay undecoded until read.
+
+Why: reading a repeated ``KeyValue`` field through the protobuf runtime costs
+about a microsecond per attribute (a wrapper object for the pair, another for
+the value), which made attribute conversion the largest cost of the sidecar.
+Here a second, wire-compatible schema declares a span's attributes as
+``repeated bytes``: the runtime hands back each encoded ``KeyValue`` as one
+``bytes`` object, its key is sliced out, and its value is decoded only when
+an adapter asks for it. Most attributes of most spans are never read.
+
+The schema is built at import from descriptors (no generated code): every
+other field keeps its real OTLP type, so events, links and status read as
+usual. Anything the fast decoder does not recognise (a key over 127 bytes, a
+field order no encoder writes, arrays and maps) falls back to the real
+``KeyValue`` parser, so the answer never depends on which path was taken;
+``tests/test_normalize_wire.py`` checks that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from opentelemetry.proto.common.v1 import common_pb2  # registers the imported files
+from opentelemetry.proto.resource.v1 import resource_pb2  # noqa: F401 - same
+from opentelemetry.proto.trace.v1 import trace_pb2  # noqa: F401 - same
+
+from supervisor.normalize.attributes import (
+    MAX_ATTRIBUTES,
+    MAX_KEY_CHARS,
+    MAX_VALUE_CHARS,
+    convert_value,
+)
+from supervisor.records import AttrValue
+
+__all__ = ["LazyConverted", "LiteRequest", "RawAttributes"]
+
+_F = descriptor_pb2.FieldDescriptorProto
+_OPTIONAL, _REPEATED = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
+_TRACE = ".opentelemetry.proto.trace.v1."
+
+
+def _build_lite_request() -> Any:
+    fd = descriptor_pb2.FileDescriptorProto(
+        name="spanvisor/otlp_lite.proto",
+        package="spanvisor.lite",
+        syntax="proto3",
+        dependency=[
+            "opentelemetry/proto/trace/v1/trace.proto",
+            "opentelemetry/proto/resource/v1/resource.proto",
+        ],
+    )
+
+    def message(name: str, fields: Iterable[tuple[str, int, int, int, str]]) -> None:
+        msg = fd.message_type.add(name=name)
+        for field_name, number, ftype, label, type_name in fields:
+            field = msg.field.add(name=field_name, number=number, type=ftype, label=label)
+            if type_name:
+                field.type_name = type_name
+
+    # Field numbers are OTLP's (opentelemetry/proto/trace/v1/trace.proto).
+    message(
+        "Span",
+        [
+            ("trace_id", 1, _F.TYPE_BYTES, _OPTIONAL, ""),
+            ("span_id", 2, _F.TYPE_BYTES, _OPTIONAL, ""),
+            ("parent_span_id", 4, _F.TYPE_BYTES, _OPTIONAL, ""),
+            ("name", 5, _F.TYPE_STRING, _OPTIONAL, ""),
+            ("kind", 6, _F.TYPE_INT32, _OPTIONAL, ""),
+            ("start_time_unix_nano", 7, _F.TYPE_FIXED64, _OPTIONAL, ""),
+            ("end_time_unix_nano", 8, _F.TYPE_FIXED64, _OPTIONAL, ""),
+            ("attributes", 9, _F.TYPE_BYTES, _REPEATED, ""),
+            ("events", 11, _F.TYPE_MESSAGE, _REPEATED, _TRACE + "Span.Event"),
+            ("status", 15, _F.TYPE_MESSAGE, _OPTIONAL, _TRACE + "Status"),
+        ],
+    )
+    message("ScopeSpans", [("spans", 2, _F.TYPE_MESSAGE, _REPEATED, ".spanvisor.lite.Span")])
+    message(
+        "ResourceSpans",
+        [
+            (
+                "resource",
+                1,
+                _F.TYPE_MESSAGE,
+                _OPTIONAL,
+                ".opentelemetry.proto.resource.v1.Resource",
+            ),
+            ("scope_spans", 2, _F.TYPE_MESSAGE, _REPEATED, ".spanvisor.lite.ScopeSpans"),
+        ],
+    )
+    message(
+        "Request",
+        [("resource_spans", 1, _F.TYPE_MESSAGE, _REPEATED, ".spanvisor.lite.ResourceSpans")],
+    )
+    pool = descriptor_pool.Default()
+    # TypeError: already added (module reloaded); the same definition is in the pool.
+    with contextlib.suppress(TypeError):
+        pool.AddSerializedFile(fd.SerializeToString())
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("spanvisor.lite.Request"))
+
+
+#: ``ExportTraceServiceRequest``'s wire format, read with lazy span attributes.
+LiteRequest: Any = _build_lite_request()
+
+_MISSING = object()
+_DOUBLE = struct.Struct("<d")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """A base-128 varint at ``pos``: (value, position after it)."""
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _decode_fast(kv: bytes, start: int) -> object:
+    """The value of an encoded ``KeyValue`` whose value field starts at ``start``.
+
+    Returns ``_MISSING`` when the layout is not the plain one encoders write,
+    and the caller falls back to the real parser.
+    """
+    end = len(kv)
+    if start == end:
+        return None  # no value field: an empty AnyValue
+    if kv[start] != 0x12:  # field 2 (value), length-delimited
+        return _MISSING
+    size, pos = _varint(kv, start + 1)
+    if pos + size != end:
+        return _MISSING
+    if size == 0:
+        return None
+    tag = kv[pos]
+    if tag == 0x0A:  # string_value
+        length, text_at = _varint(kv, pos + 1)
+        if text_at + length != end:
+            return _MISSING
+        return kv[text_at:end].decode("utf-8", "replace")
+    if tag == 0x18:  # int_value (int64, two's complement varint)
+        value, after = _varint(kv, pos + 1)
+        if after != end:
+            return _MISSING
+        return value - (1 << 64) if value >= 1 << 63 else value
+    if tag == 0x10:  # bool_value
+        value, after = _varint(kv, pos + 1)
+        return bool(value) if after == end else _MISSING
+    if tag == 0x21 and pos + 9 == end:  # double_value (fixed64)
+        return _DOUBLE.unpack_from(kv, pos + 1)[0]
+    return _MISSING  # arrays, maps, bytes: the real parser
+
+
+def _decode(kv: bytes) -> AttrValue:
+    """Any encoded ``KeyValue``'s value, full length (the slow path included)."""
+    try:
+        if kv[0] == 0x0A and kv[1] < 0x80:
+            value = _decode_fast(kv, 2 + kv[1])
+            if value is not _MISSING:
+                return value  # type: ignore[return-value]  # str | int | float | bool | None
+    except (IndexError, ValueError):
+        pass
+    parsed = common_pb2.KeyValue.FromString(kv)
+    if parsed.value.WhichOneof("value") == "string_value":
+        return parsed.value.string_value  # unbounded here; RawAttributes bounds it
+    return convert_value(parsed.value)
+
+
+def _key(kv: bytes) -> str:
+    if kv[0] == 0x0A:
+        length = kv[1]
+        if length < 0x80:
+            return kv[2 : 2 + length].decode("utf-8", "replace")
+    return common_pb2.KeyValue.FromString(kv).key
+
+
+class RawAttributes(Mapping[str, AttrValue]):
+    """A span's attributes, keyed at once, decoded on first read.
+
+    It is the read-only mapping the record exposes; :class:`LazyConverted`
+    hands it to the adapters. String values read through the mapping are bounded to
+    ``MAX_VALUE_CHARS``; :meth:`full` gives the whole text.
+    """
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, encoded: Sequence[bytes]) -> None:
+        raw: dict[str, bytes] = {}
+        if len(encoded) > MAX_ATTRIBUTES:
+            encoded = encoded[:MAX_ATTRIBUTES]
+        for kv in encoded:
+            # The common layout (a key under 128 bytes first) is sliced here;
+            # anything else is parsed properly. A repeated key keeps the last.
+            if kv and kv[0] == 0x0A and len(kv) > 1 and kv[1] < 0x80:
+                raw[kv[2 : 2 + kv[1]].decode("utf-8", "replace")] = kv
+            else:
+                try:
+                    raw[_key(kv)[:MAX_KEY_CHARS]] = kv
+                except Exception:  # noqa: S112 - a pair that does not parse is skipped
+                    continue
+        self._raw = raw
+
+    def full(self, key: str) -> AttrValue:
+        kv = self._raw.get(key)
+        if kv is None:
+            return None
+        try:
+            return _decode(kv)
+        except Exception:  # a value that does not parse reads as absent
+            return None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        kv = self._raw.get(key)
+        if kv is None:
+            return default
+        # Inline fast path for the most common value, a string under 128
+        # bytes: adapters read a handful of these per span.
+        p = 2 + kv[1]
+        if kv[0] == 0x0A and p < 0x82 and len(kv) > p + 3 and kv[p] == 0x12:
+            size = kv[p + 1]
+            if len(kv) == p + 2 + size and kv[p + 2] == 0x0A and kv[p + 3] == size - 2:
+                return kv[p + 4 :].decode("utf-8", "replace")
+        value = self.full(key)
+        if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
+            return value[:MAX_VALUE_CHARS]
+        return value
+
+    def __getitem__(self, key: str) -> AttrValue:
+        if key not in self._raw:
+            raise KeyError(key)
+        return self.get(key)  # type: ignore[no-any-return]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def keys(self) -> Any:
+        return self._raw.keys()
+
+    def __repr__(self) -> str:
+        return f"RawAttributes({dict(self.items())!r})"
+
+
+class LazyConverted:
+    """:class:`RawAttributes` behind the interface the adapters read
+    (:class:`~supervisor.normalize.attributes.Converted`'s ``values`` and ``full``)."""
+
+    __slots__ = ("full", "values")
+
+    def __init__(self, raw: RawAttributes) -> None:
+        self.values = raw
+        self.full = raw.full

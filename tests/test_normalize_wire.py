@@ -1,0 +1,123 @@
+"""The hot path (lazy attributes) gives exactly the records the plain path gives."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+from supervisor.normalize import normalize_payload, normalize_request
+from supervisor.normalize.wire import RawAttributes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.spans import make_requests
+
+
+def same_records(request: ExportTraceServiceRequest) -> None:
+    expected = normalize_request(request)
+    actual = normalize_payload(request.SerializeToString())
+    assert len(actual) == len(expected)
+    for got, want in zip(actual, expected, strict=True):
+        assert got._replace(attributes=None) == want._replace(attributes=None)
+        assert dict(got.attributes) == dict(want.attributes)
+
+
+def test_generated_realistic_requests_normalize_alike() -> None:
+    for payload in make_requests(6, 200, failure_rate=0.2, seed=9):
+        same_records(ExportTraceServiceRequest.FromString(payload))
+
+
+scalars = st.one_of(
+    st.text(max_size=40),
+    st.text(min_size=1, max_size=5).map(lambda t: t * 3000),  # over MAX_VALUE_CHARS
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.floats(allow_nan=False),
+    st.binary(max_size=20),
+    st.none(),
+)
+
+
+def any_value(value: object) -> AnyValue:
+    if value is None:
+        return AnyValue()
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    if isinstance(value, float):
+        return AnyValue(double_value=value)
+    if isinstance(value, bytes):
+        return AnyValue(bytes_value=value)
+    if isinstance(value, str):
+        return AnyValue(string_value=value)
+    if isinstance(value, list):
+        return AnyValue(array_value=ArrayValue(values=[any_value(v) for v in value]))
+    assert isinstance(value, dict)
+    return AnyValue(
+        kvlist_value=KeyValueList(
+            values=[KeyValue(key=k, value=any_value(v)) for k, v in value.items()]
+        )
+    )
+
+
+values = st.one_of(
+    scalars,
+    st.lists(scalars, max_size=4),
+    st.dictionaries(st.text(max_size=8), scalars, max_size=3),
+)
+keys = st.one_of(
+    st.sampled_from(
+        [
+            "gen_ai.system",
+            "gen_ai.request.model",
+            "openinference.span.kind",
+            "tool.name",
+            "http.response.status_code",
+            "error.type",
+            "output.value",
+            "llm.model_name",
+            "gen_ai.response.finish_reasons",
+            "session.id",
+        ]
+    ),
+    st.text(max_size=20),
+    st.text(min_size=128, max_size=300),  # keys whose length needs a 2-byte varint
+)
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(st.tuples(keys, values), max_size=12), st.booleans())
+def test_random_attributes_normalize_alike(pairs: list[tuple[str, object]], error: bool) -> None:
+    span = Span(
+        trace_id=bytes(range(1, 17)),
+        span_id=bytes(range(1, 9)),
+        name="s",
+        attributes=[KeyValue(key=k, value=any_value(v)) for k, v in pairs],
+        status=Status(code=Status.STATUS_CODE_ERROR if error else Status.STATUS_CODE_UNSET),
+    )
+    request = ExportTraceServiceRequest()
+    request.resource_spans.add().scope_spans.add().spans.append(span)
+    same_records(request)
+
+
+def test_raw_attributes_read_like_a_mapping() -> None:
+    encoded = [
+        KeyValue(key="a", value=AnyValue(string_value="x" * 10_000)).SerializeToString(),
+        KeyValue(key="n", value=AnyValue(int_value=-5)).SerializeToString(),
+        KeyValue(key="a", value=AnyValue(string_value="last wins")).SerializeToString(),
+        KeyValue(key="k" * 200, value=AnyValue(double_value=1.5)).SerializeToString(),
+        KeyValue(key="empty").SerializeToString(),
+        b"\xff\xff not a key-value",
+    ]
+
+    attrs = RawAttributes(encoded)
+
+    assert dict(attrs) == {"a": "last wins", "n": -5, "k" * 200: 1.5, "empty": None}
+    assert attrs.get("missing", "d") == "d"
+    assert "n" in attrs and len(attrs) == 4
