@@ -36,23 +36,29 @@ def outcome_json(outcome: Outcome) -> dict[str, Any]:
 
 
 class RecentFailures:
-    """The last ``capacity`` outcomes, newest last; older ones are counted out."""
+    """The last ``capacity`` outcomes, newest last; older ones are counted out.
+
+    Outcomes are kept as the frozen records they are and turned into JSON
+    only when the API asks, so a burst of failures costs no serialization.
+    """
 
     def __init__(self, capacity: int) -> None:
-        self._items: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self._items: deque[Outcome] = deque(maxlen=capacity)
         self.total = 0
 
-    def add(self, outcome: Outcome, received_ns: int) -> None:
-        entry = outcome_json(outcome)
-        entry["received_ns"] = received_ns
-        self._items.append(entry)
+    def add(self, outcome: Outcome) -> None:
+        self._items.append(outcome)
         self.total += 1
-        # Nested: span content must not collide with LogRecord's own attributes.
-        log.info("failure classified", extra={"event": "failure", "failure": entry})
+        if log.isEnabledFor(logging.INFO):
+            # Nested: span content must not collide with LogRecord's own attributes.
+            log.info(
+                "failure classified", extra={"event": "failure", "failure": outcome_json(outcome)}
+            )
 
     def latest(self, limit: int) -> list[dict[str, Any]]:
         items = list(self._items)
-        return items[-limit:] if limit > 0 else []
+        chosen = items[-limit:] if limit > 0 else []
+        return [{**outcome_json(o), "received_ns": o.failure.received_ns} for o in chosen]
 
     @property
     def dropped(self) -> int:

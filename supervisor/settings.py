@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     downstream: DownstreamSettings | None = None
 
     drain_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    gc_full_interval_s: float = Field(
+        default=60.0, ge=1, le=3600, description="Seconds between full garbage collections."
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 

@@ -67,6 +67,8 @@ _MAX_MESSAGE: Final = 512
 #: Stand-in for an OTLP/JSON id that is not hex. Its length (13) is neither 8
 #: nor 16, so validation always rejects it, and it lets validation say *why*.
 _INVALID_HEX: Final = b"\xffinvalid-hex\xff"
+_ZERO_TRACE: Final = bytes(16)
+_ZERO_SPAN: Final = bytes(8)
 _HEX: Final = re.compile(r"(?:[0-9a-fA-F]{2})*")
 
 
@@ -292,6 +294,19 @@ def validate_spans(request: ExportTraceServiceRequest) -> Validation:
         for s, scope_spans in enumerate(resource_spans.scope_spans):
             bad: list[int] = []
             for i, span in enumerate(scope_spans.spans):
+                # Fast path for the well-formed span, which is nearly every span:
+                # one comparison per id instead of the checks that name a problem.
+                trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
+                if (
+                    len(trace_id) == 16
+                    and len(span_id) == 8
+                    and trace_id != _ZERO_TRACE
+                    and span_id != _ZERO_SPAN
+                    and (not parent or len(parent) == 8)
+                    and not span.links
+                ):
+                    accepted += 1
+                    continue
                 reason = _span_problem(span)
                 if reason is None:
                     accepted += 1

@@ -29,6 +29,7 @@ from opentelemetry.proto.resource.v1 import resource_pb2  # noqa: F401 - same
 from opentelemetry.proto.trace.v1 import trace_pb2  # noqa: F401 - same
 
 from supervisor.normalize.attributes import (
+    MAX_ARRAY_ITEMS,
     MAX_ATTRIBUTES,
     MAX_KEY_CHARS,
     MAX_VALUE_CHARS,
@@ -123,48 +124,83 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             raise ValueError("varint too long")
 
 
-def _decode_fast(kv: bytes, start: int) -> object:
-    """The value of an encoded ``KeyValue`` whose value field starts at ``start``.
+def _any_value(data: bytes, pos: int, end: int) -> object:
+    """The ``AnyValue`` encoded in ``data[pos:end]``, or ``_MISSING``.
 
-    Returns ``_MISSING`` when the layout is not the plain one encoders write,
-    and the caller falls back to the real parser.
+    Scalars and arrays of scalars, the values instrumentations write, are
+    decoded here; maps, bytes, nested arrays and any layout that is not the
+    plain one encoders write give ``_MISSING`` and the real parser's answer.
     """
-    end = len(kv)
-    if start == end:
-        return None  # no value field: an empty AnyValue
-    if kv[start] != 0x12:  # field 2 (value), length-delimited
-        return _MISSING
-    size, pos = _varint(kv, start + 1)
-    if pos + size != end:
-        return _MISSING
-    if size == 0:
-        return None
-    tag = kv[pos]
-    if tag == 0x0A:  # string_value
-        length, text_at = _varint(kv, pos + 1)
-        if text_at + length != end:
+    if pos == end:
+        return None  # an empty AnyValue
+    tag = data[pos]
+    if tag == 0x0A or tag == 0x2A:  # noqa: PLR1714 - string_value, array_value (both LEN)
+        size = data[pos + 1]
+        if size < 0x80:
+            at = pos + 2
+        else:
+            size, at = _varint(data, pos + 1)
+        if at + size != end:
             return _MISSING
-        return kv[text_at:end].decode("utf-8", "replace")
-    if tag == 0x18:  # int_value (int64, two's complement varint)
-        value, after = _varint(kv, pos + 1)
+        if tag == 0x0A:
+            return data[at:end].decode("utf-8", "replace")
+        return _array(data, at, end)
+    if tag == 0x18:  # int_value: int64 as a two's complement varint
+        value, after = _varint(data, pos + 1)
         if after != end:
             return _MISSING
         return value - (1 << 64) if value >= 1 << 63 else value
     if tag == 0x10:  # bool_value
-        value, after = _varint(kv, pos + 1)
+        value, after = _varint(data, pos + 1)
         return bool(value) if after == end else _MISSING
     if tag == 0x21 and pos + 9 == end:  # double_value (fixed64)
-        return _DOUBLE.unpack_from(kv, pos + 1)[0]
-    return _MISSING  # arrays, maps, bytes: the real parser
+        return _DOUBLE.unpack_from(data, pos + 1)[0]
+    return _MISSING
+
+
+def _array(data: bytes, at: int, end: int) -> object:
+    """An ``ArrayValue`` of scalars as a tuple (strings bounded, as the real path does)."""
+    items: list[object] = []
+    while at < end:
+        if data[at] != 0x0A:  # field 1, values
+            return _MISSING
+        size = data[at + 1]
+        if size < 0x80:
+            start = at + 2
+        else:
+            size, start = _varint(data, at + 1)
+        stop = start + size
+        if stop > end:
+            return _MISSING
+        item = _any_value(data, start, stop)
+        if item is _MISSING or isinstance(item, tuple):
+            return _MISSING  # nested arrays keep the real parser's depth limits
+        if isinstance(item, str) and len(item) > MAX_VALUE_CHARS:
+            item = item[:MAX_VALUE_CHARS]
+        items.append(item)
+        at = stop
+    return tuple(items[:MAX_ARRAY_ITEMS])
 
 
 def _decode(kv: bytes) -> AttrValue:
-    """Any encoded ``KeyValue``'s value, full length (the slow path included)."""
+    """Any encoded ``KeyValue``'s value; top-level strings full length."""
     try:
-        if kv[0] == 0x0A and kv[1] < 0x80:
-            value = _decode_fast(kv, 2 + kv[1])
-            if value is not _MISSING:
-                return value  # type: ignore[return-value]  # str | int | float | bool | None
+        if kv[0] == 0x0A:
+            p = 2 + kv[1]
+            if p < 0x82:  # a key under 128 bytes, first
+                end = len(kv)
+                if p == end:
+                    return None  # no value field
+                if kv[p] == 0x12:  # field 2, the value
+                    size = kv[p + 1]
+                    if size < 0x80:
+                        at = p + 2
+                    else:
+                        size, at = _varint(kv, p + 1)
+                    if at + size == end:
+                        value = _any_value(kv, at, end)
+                        if value is not _MISSING:
+                            return value  # type: ignore[return-value]  # scalar or tuple
     except (IndexError, ValueError):
         pass
     parsed = common_pb2.KeyValue.FromString(kv)
@@ -220,14 +256,10 @@ class RawAttributes(Mapping[str, AttrValue]):
         kv = self._raw.get(key)
         if kv is None:
             return default
-        # Inline fast path for the most common value, a string under 128
-        # bytes: adapters read a handful of these per span.
-        p = 2 + kv[1]
-        if kv[0] == 0x0A and p < 0x82 and len(kv) > p + 3 and kv[p] == 0x12:
-            size = kv[p + 1]
-            if len(kv) == p + 2 + size and kv[p + 2] == 0x0A and kv[p + 3] == size - 2:
-                return kv[p + 4 :].decode("utf-8", "replace")
-        value = self.full(key)
+        try:
+            value = _decode(kv)
+        except Exception:  # a value that does not parse reads as absent
+            return None
         if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
             return value[:MAX_VALUE_CHARS]
         return value
