@@ -12,7 +12,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from supervisor.normalize import normalize_payload, normalize_request
-from supervisor.normalize.wire import RawAttributes
+from supervisor.normalize.wire import LiteRequest, RawAttributes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.spans import make_requests
@@ -107,17 +107,25 @@ def test_random_attributes_normalize_alike(pairs: list[tuple[str, object]], erro
 
 
 def test_raw_attributes_read_like_a_mapping() -> None:
-    encoded = [
-        KeyValue(key="a", value=AnyValue(string_value="x" * 10_000)).SerializeToString(),
-        KeyValue(key="n", value=AnyValue(int_value=-5)).SerializeToString(),
-        KeyValue(key="a", value=AnyValue(string_value="last wins")).SerializeToString(),
-        KeyValue(key="k" * 200, value=AnyValue(double_value=1.5)).SerializeToString(),
-        KeyValue(key="empty").SerializeToString(),
-        b"\xff\xff not a key-value",
-    ]
+    span = Span(
+        trace_id=bytes(range(1, 17)),
+        span_id=bytes(range(1, 9)),
+        attributes=[
+            KeyValue(key="a", value=AnyValue(string_value="x" * 10_000)),
+            KeyValue(key="n", value=AnyValue(int_value=-5)),
+            KeyValue(key="a", value=AnyValue(string_value="last wins")),
+            KeyValue(key="k" * 300, value=AnyValue(double_value=1.5)),
+            KeyValue(key="empty"),
+        ],
+    )
+    request = ExportTraceServiceRequest()
+    request.resource_spans.add().scope_spans.add().spans.append(span)
+    lite = LiteRequest.FromString(request.SerializeToString())
 
-    attrs = RawAttributes(encoded)
+    attrs = RawAttributes(lite.resource_spans[0].scope_spans[0].spans[0].attributes)
 
-    assert dict(attrs) == {"a": "last wins", "n": -5, "k" * 200: 1.5, "empty": None}
+    assert dict(attrs) == {"a": "last wins", "n": -5, "k" * 300: 1.5, "empty": None}
     assert attrs.get("missing", "d") == "d"
-    assert "n" in attrs and len(attrs) == 4
+    assert attrs.full("a") == "last wins"
+    assert "n" in attrs and "k" * 300 in attrs and 3 not in attrs
+    assert len(attrs) == 4

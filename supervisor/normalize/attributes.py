@@ -44,7 +44,7 @@ __all__ = [
 
 #: Attributes kept per span (OTel SDK's default limit is 128).
 MAX_ATTRIBUTES = 256
-#: Characters kept of an attribute key.
+#: Characters kept of a key inside a kvlist value.
 MAX_KEY_CHARS = 256
 #: Characters kept of a string attribute value in the record's mapping.
 MAX_VALUE_CHARS = 8 * 1024
@@ -190,8 +190,8 @@ class Converted:
 def convert_attributes(kvs: Sequence[Any]) -> Converted:
     """Convert repeated OTLP ``KeyValue``s (the hot path: keep the loop lean).
 
-    Bounds are applied outside the loop where possible: the count by slicing
-    first, key lengths by one check over the finished dict.
+    The count is bounded by slicing first. Keys are kept whole, as the wire
+    path (:mod:`.wire`) keeps them: they live only as long as the batch.
     """
     if len(kvs) > MAX_ATTRIBUTES:
         kvs = kvs[:MAX_ATTRIBUTES]
@@ -215,10 +215,6 @@ def convert_attributes(kvs: Sequence[Any]) -> Converted:
             out[kv.key] = ""
         else:
             out[kv.key] = None if which is None else convert_value(value)
-    if out and max(map(len, out)) > MAX_KEY_CHARS:
-        out = {key[:MAX_KEY_CHARS]: item for key, item in out.items()}
-        if long is not None:
-            long = {key[:MAX_KEY_CHARS]: item for key, item in long.items()}
     return Converted(out, long)
 
 

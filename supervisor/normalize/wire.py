@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -30,8 +30,6 @@ from opentelemetry.proto.trace.v1 import trace_pb2  # noqa: F401 - same
 
 from supervisor.normalize.attributes import (
     MAX_ARRAY_ITEMS,
-    MAX_ATTRIBUTES,
-    MAX_KEY_CHARS,
     MAX_VALUE_CHARS,
     convert_value,
 )
@@ -55,15 +53,16 @@ def _build_lite_request() -> Any:
         ],
     )
 
-    def message(name: str, fields: Iterable[tuple[str, int, int, int, str]]) -> None:
+    def message(name: str, fields: Iterable[tuple[str, int, int, int, str]]) -> Any:
         msg = fd.message_type.add(name=name)
         for field_name, number, ftype, label, type_name in fields:
             field = msg.field.add(name=field_name, number=number, type=ftype, label=label)
             if type_name:
                 field.type_name = type_name
+        return msg
 
     # Field numbers are OTLP's (opentelemetry/proto/trace/v1/trace.proto).
-    message(
+    span = message(
         "Span",
         [
             ("trace_id", 1, _F.TYPE_BYTES, _OPTIONAL, ""),
@@ -73,11 +72,17 @@ def _build_lite_request() -> Any:
             ("kind", 6, _F.TYPE_INT32, _OPTIONAL, ""),
             ("start_time_unix_nano", 7, _F.TYPE_FIXED64, _OPTIONAL, ""),
             ("end_time_unix_nano", 8, _F.TYPE_FIXED64, _OPTIONAL, ""),
-            ("attributes", 9, _F.TYPE_BYTES, _REPEATED, ""),
+            ("attributes", 9, _F.TYPE_MESSAGE, _REPEATED, ".spanvisor.lite.Span.AttributesEntry"),
             ("events", 11, _F.TYPE_MESSAGE, _REPEATED, _TRACE + "Span.Event"),
             ("status", 15, _F.TYPE_MESSAGE, _OPTIONAL, _TRACE + "Status"),
         ],
     )
+    # A KeyValue is encoded exactly as a map entry (key = 1, value = 2), so the
+    # attributes parse as a map from key to the encoded AnyValue.
+    entry = span.nested_type.add(name="AttributesEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, type=_F.TYPE_STRING, label=_OPTIONAL)
+    entry.field.add(name="value", number=2, type=_F.TYPE_BYTES, label=_OPTIONAL)
     message("ScopeSpans", [("spans", 2, _F.TYPE_MESSAGE, _REPEATED, ".spanvisor.lite.Span")])
     message(
         "ResourceSpans",
@@ -182,82 +187,54 @@ def _array(data: bytes, at: int, end: int) -> object:
     return tuple(items[:MAX_ARRAY_ITEMS])
 
 
-def _decode(kv: bytes) -> AttrValue:
-    """Any encoded ``KeyValue``'s value; top-level strings full length."""
+def _decode(encoded: bytes) -> AttrValue:
+    """An encoded ``AnyValue``; top-level strings full length."""
     try:
-        if kv[0] == 0x0A:
-            p = 2 + kv[1]
-            if p < 0x82:  # a key under 128 bytes, first
-                end = len(kv)
-                if p == end:
-                    return None  # no value field
-                if kv[p] == 0x12:  # field 2, the value
-                    size = kv[p + 1]
-                    if size < 0x80:
-                        at = p + 2
-                    else:
-                        size, at = _varint(kv, p + 1)
-                    if at + size == end:
-                        value = _any_value(kv, at, end)
-                        if value is not _MISSING:
-                            return value  # type: ignore[return-value]  # scalar or tuple
+        value = _any_value(encoded, 0, len(encoded))
+        if value is not _MISSING:
+            return value  # type: ignore[return-value]  # a scalar or a tuple of them
     except (IndexError, ValueError):
         pass
-    parsed = common_pb2.KeyValue.FromString(kv)
-    if parsed.value.WhichOneof("value") == "string_value":
-        return parsed.value.string_value  # unbounded here; RawAttributes bounds it
-    return convert_value(parsed.value)
-
-
-def _key(kv: bytes) -> str:
-    if kv[0] == 0x0A:
-        length = kv[1]
-        if length < 0x80:
-            return kv[2 : 2 + length].decode("utf-8", "replace")
-    return common_pb2.KeyValue.FromString(kv).key
+    parsed = common_pb2.AnyValue.FromString(encoded)
+    if parsed.WhichOneof("value") == "string_value":
+        return parsed.string_value  # unbounded here; RawAttributes.get bounds it
+    return convert_value(parsed)
 
 
 class RawAttributes(Mapping[str, AttrValue]):
-    """A span's attributes, keyed at once, decoded on first read.
+    """A span's attributes as the parser left them: values decoded on read.
 
-    It is the read-only mapping the record exposes; :class:`LazyConverted`
-    hands it to the adapters. String values read through the mapping are bounded to
+    It wraps the lite span's attribute map (key to encoded ``AnyValue``), so
+    building it costs nothing and a lookup is the runtime's own. It is the
+    read-only mapping the record exposes; :class:`LazyConverted` hands it to
+    the adapters. String values read through the mapping are bounded to
     ``MAX_VALUE_CHARS``; :meth:`full` gives the whole text.
+
+    It shares the parsed request's memory: keep ``dict(attributes)``, not the
+    mapping, beyond the batch. Unlike the plain path it keeps every attribute
+    (the request's size limit bounds them), not the first ``MAX_ATTRIBUTES``.
     """
 
-    __slots__ = ("_raw",)
+    __slots__ = ("_map",)
 
-    def __init__(self, encoded: Sequence[bytes]) -> None:
-        raw: dict[str, bytes] = {}
-        if len(encoded) > MAX_ATTRIBUTES:
-            encoded = encoded[:MAX_ATTRIBUTES]
-        for kv in encoded:
-            # The common layout (a key under 128 bytes first) is sliced here;
-            # anything else is parsed properly. A repeated key keeps the last.
-            if kv and kv[0] == 0x0A and len(kv) > 1 and kv[1] < 0x80:
-                raw[kv[2 : 2 + kv[1]].decode("utf-8", "replace")] = kv
-            else:
-                try:
-                    raw[_key(kv)[:MAX_KEY_CHARS]] = kv
-                except Exception:  # noqa: S112 - a pair that does not parse is skipped
-                    continue
-        self._raw = raw
+    def __init__(self, encoded: Any) -> None:
+        self._map = encoded
 
     def full(self, key: str) -> AttrValue:
-        kv = self._raw.get(key)
-        if kv is None:
+        encoded = self._map.get(key)
+        if encoded is None:
             return None
         try:
-            return _decode(kv)
+            return _decode(encoded)
         except Exception:  # a value that does not parse reads as absent
             return None
 
     def get(self, key: str, default: Any = None) -> Any:
-        kv = self._raw.get(key)
-        if kv is None:
+        encoded = self._map.get(key)
+        if encoded is None:
             return default
         try:
-            value = _decode(kv)
+            value = _decode(encoded)
         except Exception:  # a value that does not parse reads as absent
             return None
         if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
@@ -265,21 +242,22 @@ class RawAttributes(Mapping[str, AttrValue]):
         return value
 
     def __getitem__(self, key: str) -> AttrValue:
-        if key not in self._raw:
+        if key not in self._map:
             raise KeyError(key)
         return self.get(key)  # type: ignore[no-any-return]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._raw
+        return isinstance(key, str) and key in self._map
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._raw)
+        return iter(self._map)
 
     def __len__(self) -> int:
-        return len(self._raw)
+        return len(self._map)
 
     def keys(self) -> Any:
-        return self._raw.keys()
+        """The runtime's own key view: a fast ``isdisjoint`` for the adapters."""
+        return self._map.keys()
 
     def __repr__(self) -> str:
         return f"RawAttributes({dict(self.items())!r})"
