@@ -317,6 +317,8 @@ def parse_duration(text: str) -> float | None:
 def retry_after_from_text(text: str) -> float | None:
     """A delay the provider asks for in its own words ("Please try again in 1.5s")."""
     head = text[:SCAN_CHARS]
+    if "try" not in head.lower():  # every hint says "try again", "retry" or "retry-after"
+        return None
     for match in _RETRY_HINT.finditer(head):
         delay = parse_duration(head[match.end() : match.end() + 64])
         if delay is not None:

@@ -124,7 +124,9 @@ def normalize_provider(value: object) -> str:
 
 def applies(attrs: Mapping[str, AttrValue]) -> bool:
     """Whether the span carries GenAI semconv attributes."""
-    return not _MARKERS.isdisjoint(attrs.keys())
+    # Membership tests, not a key scan: the wire path's mapping answers
+    # `in` from the runtime's own map.
+    return any(map(attrs.__contains__, _MARKERS))
 
 
 def extract(draft: Draft) -> None:

@@ -62,7 +62,9 @@ _MAX_FUNCTIONS = 128
 
 def applies(attrs: Mapping[str, AttrValue]) -> bool:
     """Whether the span carries OpenLLMetry / Traceloop attributes."""
-    return not _MARKERS.isdisjoint(attrs.keys())
+    # Membership tests, not a key scan: the wire path's mapping answers
+    # `in` from the runtime's own map.
+    return any(map(attrs.__contains__, _MARKERS))
 
 
 def extract(draft: Draft) -> None:
