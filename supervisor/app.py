@@ -20,6 +20,7 @@ import contextlib
 import gc
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Generator
@@ -33,6 +34,7 @@ from policies import Policy
 from supervisor.api import build_control_app, ensure_token
 from supervisor.bounded import LatencyWindow
 from supervisor.downstream import Downstream, downstream_from_env
+from supervisor.errors import ConfigError
 from supervisor.failure_log import RecentFailures
 from supervisor.forward import Forwarder
 from supervisor.ingest.grpc_receiver import GrpcReceiver
@@ -131,7 +133,21 @@ class Sidecar:
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> Ports:
-        _tune_gc()
+        """Bind everything and start the workers; on any failure, undo and raise."""
+        try:
+            return await self._start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._grpc.stop(grace=0)
+            for server in (self._http, self._api):
+                if server is not None:
+                    await self._stop_server(server)
+            for task in (self._worker, self._gc_task):
+                if task is not None:
+                    task.cancel()
+            raise
+
+    async def _start(self) -> Ports:
         grpc_port = await self._grpc.start()
         http_app = build_otlp_http_app(
             self.queue,
@@ -201,19 +217,33 @@ class Sidecar:
         return True
 
     async def _serve(self, app: Starlette, host: str, port: int) -> tuple[_EmbeddedServer, int]:
+        # The socket is bound here, not by uvicorn, whose start-up answers a
+        # bind error with sys.exit(1) from inside the event loop.
+        try:
+            sock = socket.create_server((host, port), reuse_port=False)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                "is another spanvisor or OTLP collector using the port?"
+            ) from exc
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            proxy_headers=False,
         )
         server = _EmbeddedServer(config)
-        task = asyncio.create_task(server.serve(), name=f"uvicorn-{host}:{port}")
+        task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn-{host}:{port}")
         self._server_tasks[id(server)] = task
         while not server.started:
             if task.done():
-                task.result()  # raises the bind error
-                raise OSError(f"server on {host}:{port} stopped during start-up")
+                task.result()  # raises what stopped it
+                raise ConfigError(f"the server on {host}:{port} stopped during start-up")
             await asyncio.sleep(0.005)
-        bound = server.servers[0].sockets[0].getsockname()[1]
-        return server, int(bound)
+        return server, int(sock.getsockname()[1])
 
     async def _stop_server(self, server: _EmbeddedServer) -> None:
         """Ask uvicorn to stop (it finishes in-flight requests), then wait, bounded."""
@@ -292,7 +322,7 @@ class Sidecar:
         }
 
 
-def _tune_gc() -> None:
+def tune_gc() -> None:
     """Keep the cyclic collector's full passes out of the span path.
 
     What exists at start (modules, the compiled policy) is frozen out of every

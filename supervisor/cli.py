@@ -156,7 +156,7 @@ def _policy(path: Path | None) -> Policy:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from supervisor.app import Sidecar, resolve_downstream  # heavy imports only for `run`
+    from supervisor.app import Sidecar, resolve_downstream, tune_gc  # heavy: only for `run`
     from supervisor.settings import load_settings
 
     overrides = {
@@ -184,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await sidecar.start()
+        tune_gc()
         if settings.api_token is None:
             log.info("control API token written", extra={"token_file": str(settings.token_file)})
         await stop.wait()

@@ -12,8 +12,8 @@ only propagate it are attributed to it instead of being reported again:
 * within one request (the usual case: an SDK exports a child and the parent
   it fails in the same batch) by walking failing parents up from each
   failing span;
-* across requests through a bounded map from ``(trace, parent span)`` to the
-  origin already reported, for parents that end in a later batch.
+* across requests through a bounded map from a parent's ids to a small
+  signature of the origin already reported, for parents that end in a later batch.
 
 When the origin is a plain HTTP or unlabelled span under an LLM or tool span
 that propagated it, the failure keeps the origin's span but takes the
@@ -25,18 +25,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from policies import Policy
 from supervisor.bounded import BoundedMap
 from supervisor.normalize import normalize_payload
-from supervisor.records import Classification, Decision, Failure, Role, SpanRecord
+from supervisor.records import (
+    Classification,
+    Decision,
+    Failure,
+    FailureClass,
+    Role,
+    SpanRecord,
+)
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
 OWN_SERVICE = "spanvisor"
 _MESSAGE_LIMIT = 300
 _SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
+#: Characters of an origin's message kept to recognise it in a parent's.
+_SIGNATURE_TEXT = 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +69,20 @@ class PipelineStats:
     evictions: int
 
 
+class _Signature(NamedTuple):
+    """What attribution compares of an origin; small, so many can be remembered."""
+
+    failure_class: FailureClass
+    kind: str
+    exception_tail: str
+    text: str
+
+
 @dataclass(slots=True)
 class _Candidate:
     record: SpanRecord
     verdict: Classification
+    sig: _Signature
     attributed_to: _Candidate | None = None
 
 
@@ -87,10 +107,10 @@ class Pipeline:
         # The whole sidecar in observe mode: decisions are computed and traced, not delivered.
         self.observe_only = observe_only
         self._normalize = normalize
-        # (trace, span) of failing spans already judged: exporters re-send batches.
-        self._seen: BoundedMap[tuple[str, str], bool] = BoundedMap(seen_capacity)
-        # (trace, span) of a parent → the origin failure one of its children reported.
-        self._origin_below: BoundedMap[tuple[str, str], Failure] = BoundedMap(seen_capacity)
+        # trace + span id of failing spans already judged: exporters re-send batches.
+        self._seen: BoundedMap[str, bool] = BoundedMap(seen_capacity)
+        # trace + span id of a parent → the signature of the origin below it.
+        self._origin_below: BoundedMap[str, _Signature] = BoundedMap(seen_capacity)
         # (run, dependency, kind) → failures so far: the attempt number of the next.
         self._attempts: BoundedMap[tuple[str, str, str], int] = BoundedMap(runs_capacity)
         self._batches = 0
@@ -143,12 +163,12 @@ class Pipeline:
     # -- the failure path -------------------------------------------------
 
     def _judge(self, failing: list[SpanRecord], received_ns: int) -> list[Outcome]:
-        candidates: dict[tuple[str, str], _Candidate] = {}
+        candidates: dict[str, _Candidate] = {}
         for record in failing:
             if record.service == OWN_SERVICE and record.name.startswith("spanvisor."):
                 self._own += 1
                 continue
-            key = (record.trace_id, record.span_id)
+            key = record.trace_id + record.span_id
             if key in self._seen or key in candidates:
                 self._duplicates += 1
                 continue
@@ -157,7 +177,7 @@ class Pipeline:
             verdict = self.policy.classify(record)
             if verdict is None:  # the policy found nothing to report
                 continue
-            candidates[key] = _Candidate(record, verdict)
+            candidates[key] = _Candidate(record, verdict, _signature(record, verdict))
 
         # Within the request: a failing parent that only propagates its
         # failing child is attributed to the child.
@@ -165,8 +185,12 @@ class Pipeline:
             rec = cand.record
             if not rec.parent_span_id:
                 continue
-            parent = candidates.get((rec.trace_id, rec.parent_span_id))
-            if parent is not None and parent.attributed_to is None and _propagates(parent, cand):
+            parent = candidates.get(rec.trace_id + rec.parent_span_id)
+            if (
+                parent is not None
+                and parent.attributed_to is None
+                and _propagates(parent, cand.sig)
+            ):
                 parent.attributed_to = cand
 
         outcomes: list[Outcome] = []
@@ -175,13 +199,13 @@ class Pipeline:
                 self._attributed += 1
                 continue
             earlier = self._origin_below.get(key)
-            if earlier is not None and _propagates_failure(cand, earlier):
+            if earlier is not None and _propagates(cand, earlier):
                 # A child failed in an earlier request with the same error.
                 self._attributed += 1
                 self._remember_origin(cand.record, earlier)
                 continue
             failure = self._failure(cand, candidates, received_ns)
-            self._remember_origin(_topmost(cand, candidates).record, failure)
+            self._remember_origin(_topmost(cand, candidates).record, cand.sig)
             attempt_key = (failure.run_id, failure.dependency, failure.kind)
             attempt = (self._attempts.get(attempt_key) or 0) + 1
             self._attempts.set(attempt_key, attempt)
@@ -192,14 +216,14 @@ class Pipeline:
             outcomes.append(Outcome(failure, decision))
         return outcomes
 
-    def _remember_origin(self, record: SpanRecord, failure: Failure) -> None:
+    def _remember_origin(self, record: SpanRecord, sig: _Signature) -> None:
         if record.parent_span_id:
-            self._origin_below.set((record.trace_id, record.parent_span_id), failure)
+            self._origin_below.set(record.trace_id + record.parent_span_id, sig)
 
     def _failure(
         self,
         origin: _Candidate,
-        candidates: dict[tuple[str, str], _Candidate],
+        candidates: dict[str, _Candidate],
         received_ns: int,
     ) -> Failure:
         rec = origin.record
@@ -232,13 +256,13 @@ class Pipeline:
 
 
 def _ancestors_attributed_to(
-    origin: _Candidate, candidates: dict[tuple[str, str], _Candidate]
+    origin: _Candidate, candidates: dict[str, _Candidate]
 ) -> list[_Candidate]:
     chain: list[_Candidate] = []
     current = origin
     for _ in range(64):  # spans nest deeply only in pathological traces
         rec = current.record
-        parent = candidates.get((rec.trace_id, rec.parent_span_id)) if rec.parent_span_id else None
+        parent = candidates.get(rec.trace_id + rec.parent_span_id) if rec.parent_span_id else None
         if parent is None or parent.attributed_to is not current:
             break
         chain.append(parent)
@@ -246,55 +270,34 @@ def _ancestors_attributed_to(
     return chain
 
 
-def _topmost(origin: _Candidate, candidates: dict[tuple[str, str], _Candidate]) -> _Candidate:
+def _topmost(origin: _Candidate, candidates: dict[str, _Candidate]) -> _Candidate:
     chain = _ancestors_attributed_to(origin, candidates)
     return chain[-1] if chain else origin
 
 
-def _propagates(parent: _Candidate, child: _Candidate) -> bool:
+def _signature(record: SpanRecord, verdict: Classification) -> _Signature:
+    ev = record.error
+    assert ev is not None  # only failing records are judged
+    return _Signature(
+        verdict.failure_class,
+        verdict.kind,
+        _tail(ev.exception_type) if ev.exception_type else "",
+        (ev.exception_message or ev.status_message)[:_SIGNATURE_TEXT],
+    )
+
+
+def _propagates(parent: _Candidate, child: _Signature) -> bool:
     """Whether a failing parent shows nothing beyond its failing child's error."""
-    return _same_error(parent.record, parent.verdict, child.record, child.verdict)
-
-
-def _propagates_failure(parent: _Candidate, origin: Failure) -> bool:
-    origin_verdict = Classification(
-        origin.failure_class, origin.kind, origin.dependency, origin.rule
-    )
-    origin_record = SpanRecord(
-        trace_id=origin.trace_id,
-        span_id=origin.span_id,
-        parent_span_id=origin.parent_span_id,
-        name=origin.span_name,
-        service=origin.service,
-        kind=0,
-        start_ns=0,
-        end_ns=0,
-        role=origin.role,
-        error=origin.evidence,
-    )
-    return _same_error(parent.record, parent.verdict, origin_record, origin_verdict)
-
-
-def _same_error(
-    parent: SpanRecord,
-    parent_verdict: Classification,
-    child: SpanRecord,
-    child_verdict: Classification,
-) -> bool:
-    pe, ce = parent.error, child.error
-    if pe is None or ce is None:
+    verdict, evidence = parent.verdict, parent.record.error
+    if evidence is None:
         return False
-    if parent_verdict.kind == "unknown":
+    if verdict.kind == "unknown":
         return True  # the parent says nothing more specific than "it failed"
-    if (parent_verdict.failure_class, parent_verdict.kind) == (
-        child_verdict.failure_class,
-        child_verdict.kind,
-    ):
+    if (verdict.failure_class, verdict.kind) == (child.failure_class, child.kind):
         return True
-    if pe.exception_type and ce.exception_type:
-        return _tail(pe.exception_type) == _tail(ce.exception_type)
-    child_text = (ce.exception_message or ce.status_message)[:120]
-    return bool(child_text) and child_text in pe.text()
+    if evidence.exception_type and child.exception_tail:
+        return _tail(evidence.exception_type) == child.exception_tail
+    return bool(child.text) and child.text in evidence.text()
 
 
 def _tail(exception_type: str) -> str:

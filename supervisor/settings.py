@@ -66,7 +66,7 @@ class Settings(BaseSettings):
 
     recent_failures: int = Field(default=1000, ge=1, le=1_000_000)
     tracked_runs: int = Field(default=10_000, ge=1, le=10_000_000)
-    seen_failure_spans: int = Field(default=100_000, ge=1, le=10_000_000)
+    seen_failure_spans: int = Field(default=20_000, ge=1, le=10_000_000)
 
     forward_queue_batches: int = Field(default=1024, ge=1, le=1_000_000)
     forward_queue_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=8 * 1024**3)

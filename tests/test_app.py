@@ -1,0 +1,120 @@
+"""The sidecar wired in process: ingest to verdicts, start-up errors, ordered shutdown."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from policies import load_policy
+from supervisor.app import BackgroundSidecar, Sidecar
+from supervisor.errors import ConfigError
+from supervisor.settings import Settings, load_settings
+from supervisor.telemetry import DecisionTracer
+
+
+def settings(tmp_path: Path, **overrides: object) -> Settings:
+    values: dict[str, object] = {
+        "otlp_grpc_port": 0,
+        "otlp_http_port": 0,
+        "api_port": 0,
+        "api_token": "tok",
+        "token_file": str(tmp_path / "token"),
+    }
+    values.update(overrides)
+    return load_settings(overrides=values)
+
+
+def failing_request() -> ExportTraceServiceRequest:
+    span = Span(
+        trace_id=bytes.fromhex("0af7651916cd43dd8448eb211c80319c"),
+        span_id=bytes.fromhex("b7ad6b7169203331"),
+        name="ChatCompletion",
+        attributes=[
+            KeyValue(key="openinference.span.kind", value=AnyValue(string_value="LLM")),
+            KeyValue(key="llm.provider", value=AnyValue(string_value="openai")),
+            KeyValue(key="llm.model_name", value=AnyValue(string_value="gpt-4o")),
+        ],
+        status=Status(
+            code=Status.STATUS_CODE_ERROR,
+            message="APITimeoutError: Request timed out.",
+        ),
+    )
+    request = ExportTraceServiceRequest()
+    resource = request.resource_spans.add()
+    resource.resource.attributes.append(
+        KeyValue(key="service.name", value=AnyValue(string_value="agent"))
+    )
+    resource.scope_spans.add().spans.append(span)
+    return request
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def running(tmp_path: Path, exporter: InMemorySpanExporter) -> Iterator[BackgroundSidecar]:
+    sidecar = Sidecar(
+        settings(tmp_path),
+        load_policy(),
+        tracer=DecisionTracer(None, exporter=exporter, schedule_delay_s=0.05),
+    )
+    background = BackgroundSidecar(sidecar)
+    background.start()
+    try:
+        yield background
+    finally:
+        background.stop()
+
+
+def test_a_failing_span_over_http_becomes_a_failure_a_decision_and_a_decide_span(
+    running: BackgroundSidecar, exporter: InMemorySpanExporter
+) -> None:
+    ports = running.ports
+    response = httpx.post(
+        f"http://127.0.0.1:{ports.otlp_http}/v1/traces",
+        content=failing_request().SerializeToString(),
+        headers={"Content-Type": "application/x-protobuf"},
+    )
+    assert response.status_code == 200
+
+    auth = {"Authorization": "Bearer tok"}
+    deadline = time.monotonic() + 10
+    failures: list[dict[str, object]] = []
+    while not failures and time.monotonic() < deadline:
+        failures = httpx.get(
+            f"http://127.0.0.1:{ports.api}/v1/failures", headers=auth
+        ).json()["failures"]
+        time.sleep(0.02)
+    assert [(f["class"], f["kind"], f["dependency"], f["action"]) for f in failures] == [
+        ("transient", "timeout", "openai:gpt-4o", "retry")
+    ]
+    running.stop()  # the ordered shutdown flushes the decision span
+    (decide,) = exporter.get_finished_spans()
+    assert decide.name == "spanvisor.decide"
+    assert decide.parent is not None
+    assert format(decide.parent.span_id, "016x") == "b7ad6b7169203331"
+    assert decide.attributes is not None
+    assert decide.attributes["spanvisor.failure.kind"] == "timeout"
+
+
+def test_a_port_in_use_is_a_clear_start_up_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        background = BackgroundSidecar(
+            Sidecar(settings(tmp_path, otlp_http_port=port), load_policy())
+        )
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            background.start()
