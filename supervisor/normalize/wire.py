@@ -201,6 +201,15 @@ def _decode(encoded: bytes) -> AttrValue:
     return convert_value(parsed)
 
 
+#: Decoded short values by their encoding. Most attribute values repeat from
+#: span to span (provider, model, span kind, operation, tool names, finish
+#: reasons), and a hash lookup is cheaper than decoding them again. Values are
+#: immutable (str, int, float, bool, None, tuples of those), so sharing is safe.
+_SHORT_VALUES: dict[bytes, object] = {}
+_SHORT_BYTES = 64
+_SHORT_ENTRIES = 4096
+
+
 class RawAttributes(Mapping[str, AttrValue]):
     """A span's attributes as the parser left them: values decoded on read.
 
@@ -233,12 +242,19 @@ class RawAttributes(Mapping[str, AttrValue]):
         encoded = self._map.get(key)
         if encoded is None:
             return default
+        value = _SHORT_VALUES.get(encoded, _MISSING)
+        if value is not _MISSING:
+            return value
         try:
             value = _decode(encoded)
         except Exception:  # a value that does not parse reads as absent
             return None
         if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
             return value[:MAX_VALUE_CHARS]
+        if len(encoded) <= _SHORT_BYTES:
+            if len(_SHORT_VALUES) >= _SHORT_ENTRIES:
+                _SHORT_VALUES.clear()  # bounded; rebuilt from the next spans
+            _SHORT_VALUES[encoded] = value
         return value
 
     def __getitem__(self, key: str) -> AttrValue:
