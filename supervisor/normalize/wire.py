@@ -263,7 +263,10 @@ class RawAttributes(Mapping[str, AttrValue]):
         return self.get(key)  # type: ignore[no-any-return]
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self._map
+        try:
+            return key in self._map
+        except TypeError:  # not a str
+            return False
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._map)
