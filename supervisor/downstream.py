@@ -171,11 +171,7 @@ def downstream_from_env(environ: Mapping[str, str]) -> Downstream | None:
                 "a gRPC endpoint has no path; ignoring it",
                 extra={"variable": endpoint_var, "path": urlsplit(endpoint).path},
             )
-        insecure = (
-            urlsplit(endpoint).scheme == "http"
-            if "://" in endpoint
-            else bool(insecure_flag)
-        )
+        insecure = urlsplit(endpoint).scheme == "http" if "://" in endpoint else bool(insecure_flag)
 
     headers_var, raw_headers = env.pick("HEADERS")
     headers = _parse_headers(headers_var, raw_headers) if raw_headers is not None else ()
@@ -302,9 +298,7 @@ def _parse_headers(var: str, raw: str) -> tuple[tuple[str, str], ...]:
                 f"{var}: the value of header {name!r} is not valid percent-encoded UTF-8"
             ) from None
         if _CONTROL.search(decoded):
-            raise ConfigError(
-                f"{var}: the value of header {name!r} contains control characters"
-            )
+            raise ConfigError(f"{var}: the value of header {name!r} contains control characters")
         headers[name.lower()] = decoded
     return tuple(headers.items())
 

@@ -23,7 +23,7 @@ not to ``http:api.openai.com``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -31,7 +31,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from policies import Policy
 from supervisor.bounded import BoundedMap
-from supervisor.normalize import normalize_payload
+from supervisor.normalize import (
+    WireSpan,
+    normalize_wire,
+    shows_failure_signal,
+    wire_spans,
+)
 from supervisor.records import (
     Classification,
     Decision,
@@ -79,6 +84,19 @@ class _Signature(NamedTuple):
 
 
 @dataclass(slots=True)
+class Deferred:
+    """The spans of a batch left after :meth:`Pipeline.first_pass`."""
+
+    spans: list[WireSpan]
+    received_ns: int
+    position: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.spans)
+
+
+@dataclass(slots=True)
 class _Candidate:
     record: SpanRecord
     verdict: Classification
@@ -89,7 +107,7 @@ class _Candidate:
 class Pipeline:
     """Normalize, classify, attribute and decide; one instance per sidecar.
 
-    Not thread-safe: the app calls :meth:`process` from its single event loop.
+    Not thread-safe: the app calls :meth:`process_payload` from its one event loop.
     Memory is bounded by ``seen_capacity`` failing spans and ``runs_capacity``
     attempt counters; evictions are counted in :meth:`stats`.
     """
@@ -98,15 +116,13 @@ class Pipeline:
         self,
         policy: Policy,
         *,
-        seen_capacity: int = 100_000,
+        seen_capacity: int = 20_000,
         runs_capacity: int = 10_000,
         observe_only: bool = False,
-        normalize: Callable[[bytes], list[SpanRecord]] = normalize_payload,
     ) -> None:
         self.policy = policy
         # The whole sidecar in observe mode: decisions are computed and traced, not delivered.
         self.observe_only = observe_only
-        self._normalize = normalize
         # trace + span id of failing spans already judged: exporters re-send batches.
         self._seen: BoundedMap[str, bool] = BoundedMap(seen_capacity)
         # trace + span id of a parent → the signature of the origin below it.
@@ -126,18 +142,43 @@ class Pipeline:
         return self.process_payload(request.SerializeToString(), received_ns)
 
     def process_payload(self, payload: bytes, received_ns: int) -> list[Outcome]:
-        """Judge every span of one encoded request; return the failures it originates.
+        """Judge every span of one encoded request; return the failures it originates."""
+        outcomes, rest = self.first_pass(payload, received_ns)
+        while not rest.done:
+            outcomes.extend(self.continue_pass(rest, len(rest.spans)))
+        return outcomes
+
+    def first_pass(self, payload: bytes, received_ns: int) -> tuple[list[Outcome], Deferred]:
+        """Judge the spans of one encoded request that show signs of failure.
 
         ``payload`` is an ``ExportTraceServiceRequest`` that ingest already
-        decoded and validated once (``Batch.raw_protobuf``).
+        decoded and validated once (``Batch.raw_protobuf``). Spans with the
+        usual signs (an ERROR status, an exception, a status code, a cut-off
+        answer) are normalized and judged now, so their decisions do not wait
+        for the whole batch; the rest are returned, to be judged with
+        :meth:`continue_pass` when the sidecar has time. A failing parent and
+        the failing child it propagates both show such signs, so attribution
+        within the batch is unaffected.
         """
-        records = self._normalize(payload)
+        spans = wire_spans(payload)
         self._batches += 1
-        self._spans += len(records)
+        self._spans += len(spans)
+        first: list[WireSpan] = []
+        later: list[WireSpan] = []
+        for item in spans:
+            (first if shows_failure_signal(item[0]) else later).append(item)
+        return self._judge_wire(first, received_ns), Deferred(later, received_ns)
+
+    def continue_pass(self, deferred: Deferred, max_spans: int) -> list[Outcome]:
+        """Judge up to ``max_spans`` more spans of a first pass's remainder."""
+        start = deferred.position
+        deferred.position = min(len(deferred.spans), start + max_spans)
+        return self._judge_wire(deferred.spans[start : deferred.position], deferred.received_ns)
+
+    def _judge_wire(self, spans: list[WireSpan], received_ns: int) -> list[Outcome]:
+        records = [normalize_wire(item) for item in spans]
         failing = [r for r in records if r.error is not None]
-        if not failing:
-            return []
-        return self._judge(failing, received_ns)
+        return self._judge(failing, received_ns) if failing else []
 
     def process_records(self, records: Iterable[SpanRecord], received_ns: int) -> list[Outcome]:
         """Like :meth:`process`, for records normalized elsewhere (tests, detectors)."""

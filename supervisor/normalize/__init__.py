@@ -16,6 +16,7 @@ fewer fields, and counts the failure (:func:`failures`).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -35,6 +36,7 @@ from supervisor.normalize.attributes import (
     convert_attributes,
 )
 from supervisor.normalize.evidence import (
+    FAILURE_FINISH_REASONS,
     SCAN_CHARS,
     Swallowed,
     build_evidence,
@@ -51,6 +53,9 @@ __all__ = [
     "normalize_payload",
     "normalize_request",
     "normalize_span",
+    "normalize_wire",
+    "shows_failure_signal",
+    "wire_spans",
 ]
 
 UNKNOWN_SERVICE = "unknown_service"
@@ -92,6 +97,38 @@ def normalize_request(request: ExportTraceServiceRequest) -> list[SpanRecord]:
     return out
 
 
+#: A span as the wire path holds it: (lite span, resource attributes, service).
+WireSpan = tuple[Any, Mapping[str, AttrValue], str]
+
+#: Every attribute the early look reads; most spans carry none of them.
+_SIGNAL_KEYS = frozenset(
+    {
+        "error.type",
+        "http.response.status_code",
+        "http.status_code",
+        "rpc.grpc.status_code",
+        "rpc.response.status_code",
+        "rpc.status_code",
+        "gen_ai.response.finish_reasons",
+        "llm.finish_reason",
+        "gen_ai.completion.0.finish_reason",
+    }
+)
+_HTTP_STATUS_KEYS = ("http.response.status_code", "http.status_code")
+_RPC_STATUS_KEYS = ("rpc.grpc.status_code", "rpc.response.status_code", "rpc.status_code")
+_FINISH_KEYS = (
+    "gen_ai.response.finish_reasons",
+    "llm.finish_reason",
+    "gen_ai.completion.0.finish_reason",
+)
+#: Any failing finish reason inside an encoded value (a superset test: the
+#: adapters decide).
+_FAILING_FINISH = re.compile(
+    b"|".join(re.escape(reason.encode()) for reason in sorted(FAILURE_FINISH_REASONS)),
+    re.IGNORECASE,
+)
+
+
 def normalize_payload(payload: bytes) -> list[SpanRecord]:
     """Every span of an encoded OTLP export request, normalized, in order.
 
@@ -99,19 +136,62 @@ def normalize_payload(payload: bytes) -> list[SpanRecord]:
     decoded request, but span attributes are decoded only when read (see
     :mod:`.wire`). ``payload`` must already have passed ingest's decoding.
     """
+    return [normalize_wire(span) for span in wire_spans(payload)]
+
+
+def wire_spans(payload: bytes) -> list[WireSpan]:
+    """The spans of an encoded request, in order, with their resource and service."""
     request = LiteRequest.FromString(payload)
-    out: list[SpanRecord] = []
+    out: list[WireSpan] = []
     for resource_spans in request.resource_spans:
         resource, service = _resource(resource_spans)
         for scope_spans in resource_spans.scope_spans:
-            for span in scope_spans.spans:
-                try:
-                    attributes = LazyConverted(RawAttributes(span.attributes))
-                    out.append(_normalize(span, resource, service, attributes))
-                except Exception:  # boundary: a record with fewer fields beats a lost span
-                    _count_failure()
-                    out.append(_minimal(span, resource, service))
+            out.extend((span, resource, service) for span in scope_spans.spans)
     return out
+
+
+def shows_failure_signal(span: Any) -> bool:
+    """A cheap look, before normalizing, for the usual signs of a failure.
+
+    True for an ERROR status, any event (``exception`` events), an
+    ``error.type``, an HTTP status of 400 or more, a non-OK RPC status or a
+    failing finish reason. Spans without these can still fail (a tool that
+    caught its own error, a call to a tool the model was not offered), which
+    only full normalization finds; this only orders the work so that most
+    failures are judged first. It must err towards True: a span it wrongly
+    passes over is still judged, only later.
+    """
+    if span.status.code == _STATUS_ERROR or len(span.events):
+        return True
+    encoded = span.attributes
+    if _SIGNAL_KEYS.isdisjoint(encoded):
+        return False
+    if "error.type" in encoded:
+        return True
+    attrs = RawAttributes(encoded)
+    for key in _HTTP_STATUS_KEYS:
+        status = attrs.get(key)
+        if status is not None:
+            return not (isinstance(status, int) and status < 400)
+    for key in _RPC_STATUS_KEYS:
+        code = attrs.get(key)
+        if code is not None and code not in (0, "OK", "0"):
+            return True
+    for key in _FINISH_KEYS:
+        raw = encoded.get(key)
+        if raw is not None and _FAILING_FINISH.search(raw):
+            return True
+    return False
+
+
+def normalize_wire(item: WireSpan) -> SpanRecord:
+    """One span of :func:`wire_spans` as a record; never raises."""
+    span, resource, service = item
+    try:
+        return _normalize(span, resource, service, LazyConverted(RawAttributes(span.attributes)))
+    except Exception:  # boundary: a record with fewer fields beats a lost span
+        _count_failure()
+        return _minimal(span, resource, service)
 
 
 def _resource(resource_spans: Any) -> tuple[Mapping[str, AttrValue], str]:
