@@ -1088,3 +1088,14 @@ def test_normalize_span_never_raises_and_keeps_bounds(
     if record.error is not None:
         assert len(record.error.exception_message) <= MAX_MESSAGE_CHARS
         assert len(record.error.status_message) <= MAX_MESSAGE_CHARS
+
+
+def test_every_provider_phrase_contains_a_prefilter_word() -> None:
+    from supervisor.normalize import evidence
+
+    missing = [
+        pattern
+        for pattern, _ in evidence._PHRASE_LIST
+        if not any(word in pattern.lower() for word in evidence._PHRASE_WORDS)
+    ]
+    assert missing == []

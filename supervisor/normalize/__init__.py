@@ -228,11 +228,12 @@ def _normalize(
         converted = convert_attributes(span.attributes)
     attrs = converted.values
     draft = Draft(converted)
-    if openinference.MARKER in attrs:
+    keys = set(attrs)  # one pass over the keys; the conventions test against it
+    if openinference.MARKER in keys:
         openinference.extract(draft)
-    if genai.applies(attrs):
+    if genai.applies(keys):
         genai.extract(draft)
-    if openllmetry.applies(attrs):
+    if openllmetry.applies(keys):
         openllmetry.extract(draft)
     kind = span.kind
     http_rpc.extract(draft, kind)

@@ -252,6 +252,19 @@ _PHRASES = re.compile(
     re.IGNORECASE,
 )
 _PHRASE_CODES = {f"p{i}": code for i, (_, code) in enumerate(_PHRASE_LIST)}
+#: A word every phrase contains: a substring test rules most messages out cheaply.
+_PHRASE_WORDS = (
+    "quota",
+    "credit",
+    "rate limit",
+    "context length",
+    "too long",
+    "api key",
+    "x-api-key",
+    "does not exist",
+    "safety system",
+    "content management",
+)
 
 
 def provider_code_from_text(text: str) -> str:
@@ -266,6 +279,9 @@ def provider_code_from_text(text: str) -> str:
     match = _BODY_STATUS.search(head)
     if match:
         return match.group(1)
+    lowered = head.lower()
+    if not any(word in lowered for word in _PHRASE_WORDS):
+        return ""
     match = _PHRASES.search(head)
     return _PHRASE_CODES[match.lastgroup] if match is not None and match.lastgroup else ""
 

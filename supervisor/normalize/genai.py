@@ -15,7 +15,7 @@ every adapter needs the same spelling for the ``provider:model`` dependency.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -28,7 +28,7 @@ from supervisor.normalize.attributes import (
     bounded,
     parse_json,
 )
-from supervisor.records import AttrValue, Role
+from supervisor.records import Role
 
 __all__ = [
     "applies",
@@ -122,11 +122,9 @@ def normalize_provider(value: object) -> str:
     return _PROVIDERS.get(lowered, lowered)
 
 
-def applies(attrs: Mapping[str, AttrValue]) -> bool:
-    """Whether the span carries GenAI semconv attributes."""
-    # Membership tests, not a key scan: the wire path's mapping answers
-    # `in` from the runtime's own map.
-    return any(map(attrs.__contains__, _MARKERS))
+def applies(keys: Collection[str]) -> bool:
+    """Whether a span with these attribute keys carries GenAI semconv attributes."""
+    return not _MARKERS.isdisjoint(keys)
 
 
 def extract(draft: Draft) -> None:

@@ -15,7 +15,7 @@ older agents normalise too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from supervisor.normalize.attributes import (
     MAX_NAME_CHARS,
@@ -60,11 +60,9 @@ _MAX_CALLS = 64
 _MAX_FUNCTIONS = 128
 
 
-def applies(attrs: Mapping[str, AttrValue]) -> bool:
-    """Whether the span carries OpenLLMetry / Traceloop attributes."""
-    # Membership tests, not a key scan: the wire path's mapping answers
-    # `in` from the runtime's own map.
-    return any(map(attrs.__contains__, _MARKERS))
+def applies(keys: Collection[str]) -> bool:
+    """Whether a span with these attribute keys carries OpenLLMetry / Traceloop attributes."""
+    return not _MARKERS.isdisjoint(keys)
 
 
 def extract(draft: Draft) -> None:

@@ -1,0 +1,97 @@
+"""The public surface other work builds on, pinned: change it on purpose or not at all."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import policies
+import supervisor.testing
+from supervisor import records
+from supervisor.cli import build_parser
+from supervisor.failure_log import outcome_json
+from supervisor.pipeline import Outcome
+
+
+def test_policies_exports() -> None:
+    assert sorted(policies.__all__) == ["Policy", "json_schema", "load_policy"]
+
+
+def test_testing_fakes_exports() -> None:
+    assert sorted(supervisor.testing.__all__) == [
+        "FakeProvider",
+        "FaultPlan",
+        "RecordedRequest",
+        "Reply",
+        "ToolCall",
+    ]
+
+
+def test_cli_verbs() -> None:
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(verbs.choices) == sorted(
+        ["run", "validate", "replay", "explain", "schema", "demo", "incidents"]
+    )
+
+
+def test_vocabulary() -> None:
+    assert [c.value for c in records.FailureClass] == [
+        "transient",
+        "model",
+        "permanent",
+        "semantic",
+    ]
+    assert [a.value for a in records.Action] == [
+        "retry",
+        "fallback",
+        "fail_fast",
+        "escalate",
+        "remediate",
+        "none",
+    ]
+    assert [r.value for r in records.Role] == ["llm", "tool", "agent", "chain", "http", "other"]
+    assert len(records.BUILTIN_KINDS) == 20
+
+
+def test_replay_jsonl_keys() -> None:
+    evidence = records.ErrorEvidence(status_error=True)
+    failure = records.Failure(
+        trace_id="0" * 31 + "1",
+        span_id="0" * 15 + "1",
+        parent_span_id="",
+        service="s",
+        span_name="n",
+        run_id="r",
+        role=records.Role.LLM,
+        failure_class=records.FailureClass.TRANSIENT,
+        kind="timeout",
+        dependency="openai:gpt-4o",
+        rule="builtin.x",
+        message="m",
+        evidence=evidence,
+        received_ns=0,
+    )
+    decision = records.Decision(action=records.Action.RETRY, policy="p")
+
+    keys = set(outcome_json(Outcome(failure, decision)))
+
+    assert {
+        "trace_id",
+        "span_id",
+        "service",
+        "span_name",
+        "class",
+        "kind",
+        "dependency",
+        "rule",
+        "action",
+    } <= keys
+
+
+def test_records_are_immutable() -> None:
+    assert dataclasses.fields(records.Failure)
+    assert records.Failure.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert records.Decision.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert records.ErrorEvidence.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert issubclass(records.SpanRecord, tuple)  # a NamedTuple: immutable and cheap to build
