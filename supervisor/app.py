@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import logging
 import os
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,16 +40,11 @@ from supervisor.forward import Forwarder
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import Batch, IngestQueue
-from supervisor.pipeline import Deferred, Outcome, Pipeline
+from supervisor.pipeline import Outcome, Pipeline
 from supervisor.settings import Settings
 from supervisor.telemetry import DecisionTracer
 
 log = logging.getLogger("spanvisor.app")
-
-#: Spans of a deferred remainder judged between two looks at the ingest queue.
-_SLICE_SPANS = 128
-#: Batches whose remainder may wait; beyond this, remainders go first.
-_MAX_DEFERRED_BATCHES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +129,6 @@ class Sidecar:
         self._errors = 0
         self._ready = False
         self._busy = False
-        self._deferred: deque[tuple[Batch, Deferred]] = deque()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -218,7 +210,7 @@ class Sidecar:
         log.info("spanvisor stopped", extra={"stats": self.stats()})
 
     async def _drain(self, deadline: float) -> bool:
-        while self.queue.qsize > 0 or self._deferred or self._busy:
+        while self.queue.qsize > 0 or self._busy:
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.01)
@@ -286,66 +278,30 @@ class Sidecar:
     # -- the pipeline worker ------------------------------------------------
 
     async def _work(self) -> None:
-        """Judge batches: likely failures as each batch arrives, the rest when idle.
-
-        A new batch's first pass (its spans that show signs of failure) runs
-        before older batches' remaining spans, which are judged in slices
-        between arrivals. A batch is released from the ingest queue's span
-        budget only when all of it is judged, so deferred work stays bounded
-        by the same limit and a backlog throttles clients as it should.
-        """
         while True:
-            if self._deferred and (
-                self.queue.qsize == 0 or len(self._deferred) >= _MAX_DEFERRED_BATCHES
-            ):
-                self._step(self._continue_oldest)
-            else:
-                batch = await self.queue.get()
-                self._step(functools.partial(self._first, batch))
-            await asyncio.sleep(0)  # let the receivers answer between steps
-
-    def _step(self, work: Callable[[], None]) -> None:
-        self._busy = True
-        try:
-            work()
-        except Exception:  # a bug in judging must not stop ingest
-            self._errors += 1
-            log.exception("pipeline failed on a batch; continuing")
-        finally:
-            self._busy = False
-
-    def _first(self, batch: Batch) -> None:
-        if self.forwarder is not None:
-            self.forwarder.offer(batch.raw_protobuf, batch.span_count)
-        try:
-            outcomes, rest = self.pipeline.first_pass(batch.raw_protobuf, batch.received_ns)
-        except Exception:
-            self.queue.task_done(batch)
-            raise
-        self._report(outcomes, batch)
-        if rest.done:
-            self.queue.task_done(batch)
-        else:
-            self._deferred.append((batch, rest))
-
-    def _continue_oldest(self) -> None:
-        batch, rest = self._deferred[0]
-        try:
-            outcomes = self.pipeline.continue_pass(rest, _SLICE_SPANS)
-        except Exception:
-            rest.position = len(rest.spans)  # give up on this remainder, keep the others
-            raise
-        finally:
-            if rest.done:
-                self._deferred.popleft()
+            batch = await self.queue.get()
+            self._busy = True
+            try:
+                self.handle(batch)
+            except Exception:  # a bug in judging must not stop ingest
+                self._errors += 1
+                log.exception("pipeline failed on a batch; continuing")
+            finally:
                 self.queue.task_done(batch)
-        self._report(outcomes, batch)
+                self._busy = False
+            await asyncio.sleep(0)  # let the receivers answer between batches
 
     def handle(self, batch: Batch) -> None:
-        """Forward, judge and report one whole batch at once (tests, tools)."""
+        """Forward, judge and report one batch (synchronous).
+
+        The spans that show signs of failure are judged and their decisions
+        emitted before the rest of the batch is normalized.
+        """
         if self.forwarder is not None:
             self.forwarder.offer(batch.raw_protobuf, batch.span_count)
-        self._report(self.pipeline.process_payload(batch.raw_protobuf, batch.received_ns), batch)
+        outcomes, rest = self.pipeline.first_pass(batch.raw_protobuf, batch.received_ns)
+        self._report(outcomes, batch)
+        self._report(self.pipeline.rest_pass(rest), batch)
 
     def _report(self, outcomes: list[Outcome], batch: Batch) -> None:
         for outcome in outcomes:

@@ -83,17 +83,12 @@ class _Signature(NamedTuple):
     text: str
 
 
-@dataclass(slots=True)
-class Deferred:
+@dataclass(frozen=True, slots=True)
+class Remainder:
     """The spans of a batch left after :meth:`Pipeline.first_pass`."""
 
     spans: list[WireSpan]
     received_ns: int
-    position: int = 0
-
-    @property
-    def done(self) -> bool:
-        return self.position >= len(self.spans)
 
 
 @dataclass(slots=True)
@@ -144,19 +139,17 @@ class Pipeline:
     def process_payload(self, payload: bytes, received_ns: int) -> list[Outcome]:
         """Judge every span of one encoded request; return the failures it originates."""
         outcomes, rest = self.first_pass(payload, received_ns)
-        while not rest.done:
-            outcomes.extend(self.continue_pass(rest, len(rest.spans)))
-        return outcomes
+        return outcomes + self.rest_pass(rest)
 
-    def first_pass(self, payload: bytes, received_ns: int) -> tuple[list[Outcome], Deferred]:
+    def first_pass(self, payload: bytes, received_ns: int) -> tuple[list[Outcome], Remainder]:
         """Judge the spans of one encoded request that show signs of failure.
 
         ``payload`` is an ``ExportTraceServiceRequest`` that ingest already
         decoded and validated once (``Batch.raw_protobuf``). Spans with the
         usual signs (an ERROR status, an exception, a status code, a cut-off
         answer) are normalized and judged now, so their decisions do not wait
-        for the whole batch; the rest are returned, to be judged with
-        :meth:`continue_pass` when the sidecar has time. A failing parent and
+        for the whole batch; the rest are returned, to be judged by
+        :meth:`rest_pass` once those decisions are out. A failing parent and
         the failing child it propagates both show such signs, so attribution
         within the batch is unaffected.
         """
@@ -167,13 +160,11 @@ class Pipeline:
         later: list[WireSpan] = []
         for item in spans:
             (first if shows_failure_signal(item[0]) else later).append(item)
-        return self._judge_wire(first, received_ns), Deferred(later, received_ns)
+        return self._judge_wire(first, received_ns), Remainder(later, received_ns)
 
-    def continue_pass(self, deferred: Deferred, max_spans: int) -> list[Outcome]:
-        """Judge up to ``max_spans`` more spans of a first pass's remainder."""
-        start = deferred.position
-        deferred.position = min(len(deferred.spans), start + max_spans)
-        return self._judge_wire(deferred.spans[start : deferred.position], deferred.received_ns)
+    def rest_pass(self, rest: Remainder) -> list[Outcome]:
+        """Judge the spans a :meth:`first_pass` left."""
+        return self._judge_wire(rest.spans, rest.received_ns)
 
     def _judge_wire(self, spans: list[WireSpan], received_ns: int) -> list[Outcome]:
         records = [normalize_wire(item) for item in spans]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from policies import load_policy
 from supervisor.pipeline import Pipeline
@@ -178,3 +181,45 @@ def test_bounded_memory_counts_evictions() -> None:
 
     assert small.stats().evictions > 0
     assert small.stats().failures == 5
+
+
+def _request(*spans: Span) -> ExportTraceServiceRequest:
+    request = ExportTraceServiceRequest()
+    request.resource_spans.add().scope_spans.add().spans.extend(spans)
+    return request
+
+
+def _span(span_id: int, attributes: dict[str, str], *, error: str = "") -> Span:
+    return Span(
+        trace_id=bytes.fromhex(TRACE),
+        span_id=span_id.to_bytes(8, "big"),
+        name="s",
+        attributes=[KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in attributes.items()],
+        status=Status(code=Status.STATUS_CODE_ERROR, message=error) if error else Status(),
+    )
+
+
+def test_spans_that_show_failure_are_judged_before_the_rest_of_the_batch(
+    pipeline: Pipeline,
+) -> None:
+    swallowed = _span(
+        1,
+        {
+            "openinference.span.kind": "TOOL",
+            "tool.name": "get_weather",
+            "output.value": "Error: TimeoutError: the weather service did not answer",
+        },
+    )
+    errored = _span(
+        2,
+        {"openinference.span.kind": "LLM", "llm.provider": "openai", "llm.model_name": "gpt-4o"},
+        error="APIConnectionError: Connection error.",
+    )
+    payload = _request(swallowed, errored).SerializeToString()
+
+    first, rest = pipeline.first_pass(payload, received_ns=1)
+    later = pipeline.rest_pass(rest)
+
+    assert [(o.failure.span_id, o.failure.kind) for o in first] == [(f"{2:016x}", "connection")]
+    assert [(o.failure.span_id, o.failure.kind) for o in later] == [(f"{1:016x}", "timeout")]
+    assert later[0].failure.evidence.swallowed
