@@ -159,7 +159,7 @@ class Pipeline:
         first: list[WireSpan] = []
         later: list[WireSpan] = []
         for item in spans:
-            (first if shows_failure_signal(item[0]) else later).append(item)
+            (first if shows_failure_signal(item) else later).append(item)
         return self._judge_wire(first, received_ns), Remainder(later, received_ns)
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:

@@ -97,8 +97,9 @@ def normalize_request(request: ExportTraceServiceRequest) -> list[SpanRecord]:
     return out
 
 
-#: A span as the wire path holds it: (lite span, resource attributes, service).
-WireSpan = tuple[Any, Mapping[str, AttrValue], str]
+#: A span as the wire path holds it: (lite span, resource attributes, service,
+#: the set of its attribute keys, read once for every test that needs them).
+WireSpan = tuple[Any, Mapping[str, AttrValue], str, set[str]]
 
 #: Every attribute the early look reads; most spans carry none of them.
 _SIGNAL_KEYS = frozenset(
@@ -146,11 +147,13 @@ def wire_spans(payload: bytes) -> list[WireSpan]:
     for resource_spans in request.resource_spans:
         resource, service = _resource(resource_spans)
         for scope_spans in resource_spans.scope_spans:
-            out.extend((span, resource, service) for span in scope_spans.spans)
+            out.extend(
+                (span, resource, service, set(span.attributes)) for span in scope_spans.spans
+            )
     return out
 
 
-def shows_failure_signal(span: Any) -> bool:
+def shows_failure_signal(item: WireSpan) -> bool:
     """A cheap look, before normalizing, for the usual signs of a failure.
 
     True for an ERROR status, any event (``exception`` events), an
@@ -161,13 +164,14 @@ def shows_failure_signal(span: Any) -> bool:
     failures are judged first. It must err towards True: a span it wrongly
     passes over is still judged, only later.
     """
+    span, _, _, keys = item
     if span.status.code == _STATUS_ERROR or len(span.events):
         return True
-    encoded = span.attributes
-    if _SIGNAL_KEYS.isdisjoint(encoded):
+    if _SIGNAL_KEYS.isdisjoint(keys):
         return False
-    if "error.type" in encoded:
+    if "error.type" in keys:
         return True
+    encoded = span.attributes
     attrs = RawAttributes(encoded)
     for key in _HTTP_STATUS_KEYS:
         status = attrs.get(key)
@@ -186,9 +190,10 @@ def shows_failure_signal(span: Any) -> bool:
 
 def normalize_wire(item: WireSpan) -> SpanRecord:
     """One span of :func:`wire_spans` as a record; never raises."""
-    span, resource, service = item
+    span, resource, service, keys = item
     try:
-        return _normalize(span, resource, service, LazyConverted(RawAttributes(span.attributes)))
+        attributes = LazyConverted(RawAttributes(span.attributes))
+        return _normalize(span, resource, service, attributes, keys)
     except Exception:  # boundary: a record with fewer fields beats a lost span
         _count_failure()
         return _minimal(span, resource, service)
@@ -223,12 +228,14 @@ def _normalize(
     resource: Mapping[str, AttrValue],
     service: str,
     converted: AttributeSource | None = None,
+    keys: set[str] | None = None,
 ) -> SpanRecord:
     if converted is None:
         converted = convert_attributes(span.attributes)
     attrs = converted.values
     draft = Draft(converted)
-    keys = set(attrs)  # one pass over the keys; the conventions test against it
+    if keys is None:
+        keys = set(attrs)  # one pass over the keys; the conventions test against it
     if openinference.MARKER in keys:
         openinference.extract(draft)
     if genai.applies(keys):
