@@ -43,32 +43,13 @@ from pydantic import (
 from pydantic.json_schema import WithJsonSchema
 
 from policies._glob import check_glob
+from supervisor.records import GRPC_CODES
 
 ClassName = Literal["transient", "model", "permanent", "semantic"]
 RoleName = Literal["llm", "tool", "agent", "chain", "http", "other"]
 SimpleActionName = Literal["fail_fast", "escalate", "none"]
 JitterName = Literal["none", "full", "equal"]
 
-#: gRPC status names (``google.rpc.Code``), accepted in any case.
-GRPC_CODES: dict[str, int] = {
-    "OK": 0,
-    "CANCELLED": 1,
-    "UNKNOWN": 2,
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "ABORTED": 10,
-    "OUT_OF_RANGE": 11,
-    "UNIMPLEMENTED": 12,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "DATA_LOSS": 15,
-    "UNAUTHENTICATED": 16,
-}
 
 #: Fields a rule's ``dependency`` template may use, e.g. ``"{provider}"``.
 TEMPLATE_FIELDS = frozenset({"dependency", "service", "provider", "model", "tool"})

@@ -24,6 +24,31 @@ AttrValue = Union[  # noqa: UP007 - a recursive alias needs Union on Python 3.10
 _EMPTY: Mapping[str, AttrValue] = MappingProxyType({})
 
 
+#: gRPC status code names → numbers (google.rpc.Code).
+GRPC_CODES: Mapping[str, int] = MappingProxyType(
+    {
+        "OK": 0,
+        "CANCELLED": 1,
+        "CANCELED": 1,
+        "UNKNOWN": 2,
+        "INVALID_ARGUMENT": 3,
+        "DEADLINE_EXCEEDED": 4,
+        "NOT_FOUND": 5,
+        "ALREADY_EXISTS": 6,
+        "PERMISSION_DENIED": 7,
+        "RESOURCE_EXHAUSTED": 8,
+        "FAILED_PRECONDITION": 9,
+        "ABORTED": 10,
+        "OUT_OF_RANGE": 11,
+        "UNIMPLEMENTED": 12,
+        "INTERNAL": 13,
+        "UNAVAILABLE": 14,
+        "DATA_LOSS": 15,
+        "UNAUTHENTICATED": 16,
+    }
+)
+
+
 class Role(str, Enum):
     """What a span does in the agent, whatever convention named it."""
 

@@ -95,6 +95,19 @@ def as_int(value: object) -> int | None:
     return None
 
 
+def text_value(value: object) -> str:
+    """An output attribute as text: strings verbatim, a JSON-encoded string decoded."""
+    if isinstance(value, str):
+        if value[:1] == '"':
+            decoded = parse_json(value)
+            if isinstance(decoded, str):
+                return bounded(decoded, MAX_OUTPUT_CHARS)
+        return bounded(value, MAX_OUTPUT_CHARS)
+    if value is None or isinstance(value, bytes):
+        return ""
+    return bounded(str(value), MAX_OUTPUT_CHARS)
+
+
 def parse_json(text: str) -> Any:
     """Parse JSON text, never raising; ``None`` for invalid or oversized text.
 

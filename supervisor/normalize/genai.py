@@ -27,6 +27,7 @@ from supervisor.normalize.attributes import (
     as_str,
     bounded,
     parse_json,
+    text_value,
 )
 from supervisor.records import Role
 
@@ -165,7 +166,7 @@ def extract(draft: Draft) -> None:
         if draft.tool_args is None:
             draft.tool_args = draft.attrs.full("gen_ai.tool.call.arguments")
         if not draft.output_text:
-            draft.output_text = _text(draft.attrs.full("gen_ai.tool.call.result"))
+            draft.output_text = text_value(draft.attrs.full("gen_ai.tool.call.result"))
     if "gen_ai.output.messages" in a:
         text, calls, reasons = message_output(draft.attrs.full("gen_ai.output.messages"))
         if not draft.output_text:
@@ -184,19 +185,6 @@ def _reasons(value: object) -> tuple[str, ...]:
     if isinstance(value, tuple):
         return tuple(bounded(v, MAX_NAME_CHARS) for v in value[:16] if isinstance(v, str))
     return ()
-
-
-def _text(value: object) -> str:
-    """An output value as text: strings verbatim (a JSON string is decoded)."""
-    if isinstance(value, str):
-        if value[:1] == '"':
-            decoded = parse_json(value)
-            if isinstance(decoded, str):
-                return bounded(decoded, MAX_OUTPUT_CHARS)
-        return bounded(value, MAX_OUTPUT_CHARS)
-    if value is None or isinstance(value, bytes):
-        return ""
-    return bounded(str(value), MAX_OUTPUT_CHARS)
 
 
 def _as_list(value: object) -> list[Any] | tuple[Any, ...] | None:

@@ -16,34 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from supervisor.normalize.attributes import MAX_NAME_CHARS, Draft, as_int, as_str
-from supervisor.records import AttrValue, Role
+from supervisor.records import GRPC_CODES, AttrValue, Role
 
 __all__ = ["GRPC_CODES", "SPAN_KIND_SERVER", "extract", "grpc_code", "host_of_url"]
 
 #: OTLP SpanKind SERVER.
 SPAN_KIND_SERVER = 2
 
-#: gRPC status code names → numbers (google.rpc.Code).
-GRPC_CODES: Mapping[str, int] = {
-    "OK": 0,
-    "CANCELLED": 1,
-    "CANCELED": 1,
-    "UNKNOWN": 2,
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "ABORTED": 10,
-    "OUT_OF_RANGE": 11,
-    "UNIMPLEMENTED": 12,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "DATA_LOSS": 15,
-    "UNAUTHENTICATED": 16,
-}
 
 _HOST_KEYS = ("server.address", "net.peer.name", "http.host")
 _URL_KEYS = ("url.full", "http.url")

@@ -25,6 +25,7 @@ from supervisor.normalize.attributes import (
     as_str,
     bounded,
     parse_json,
+    text_value,
 )
 from supervisor.normalize.genai import normalize_provider, tool_name_of
 from supervisor.records import AttrValue, Role
@@ -70,18 +71,7 @@ def extract(draft: Draft) -> None:
         if draft.tool_args is None:
             draft.tool_args = draft.attrs.full("input.value")
     if not draft.output_text and role is not Role.LLM:
-        draft.output_text = output_value(draft.attrs.full("output.value"))
-
-
-def output_value(value: AttrValue) -> str:
-    """``output.value`` as text (a JSON-encoded string is decoded)."""
-    if isinstance(value, str):
-        if value[:1] == '"':
-            decoded = parse_json(value)
-            if isinstance(decoded, str):
-                return bounded(decoded, MAX_OUTPUT_CHARS)
-        return bounded(value, MAX_OUTPUT_CHARS)
-    return ""
+        draft.output_text = text_value(draft.attrs.full("output.value"))
 
 
 def _llm(draft: Draft, a: Mapping[str, AttrValue], kind_name: str) -> None:

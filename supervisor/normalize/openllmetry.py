@@ -23,7 +23,7 @@ from supervisor.normalize.attributes import (
     Draft,
     as_str,
     bounded,
-    parse_json,
+    text_value,
 )
 from supervisor.records import AttrValue, Role
 
@@ -87,7 +87,7 @@ def extract(draft: Draft) -> None:
         if draft.tool_args is None:
             draft.tool_args = draft.attrs.full("traceloop.entity.input")
     if kind is not None and not draft.output_text:
-        draft.output_text = entity_output(draft.attrs.full("traceloop.entity.output"))
+        draft.output_text = text_value(draft.attrs.full("traceloop.entity.output"))
     if not draft.finish_reasons:
         reason = a.get("gen_ai.response.finish_reason") or a.get("gen_ai.response.stop_reason")
         if isinstance(reason, str) and reason:
@@ -98,17 +98,6 @@ def extract(draft: Draft) -> None:
         or ("gen_ai.completion.0.finish_reason" in a)
     ):
         _completions(draft, a)
-
-
-def entity_output(value: AttrValue) -> str:
-    """``traceloop.entity.output`` as text: JSON strings decoded, else verbatim."""
-    if not isinstance(value, str):
-        return ""
-    if value[:1] == '"':
-        decoded = parse_json(value)
-        if isinstance(decoded, str):
-            return bounded(decoded, MAX_OUTPUT_CHARS)
-    return bounded(value, MAX_OUTPUT_CHARS)
 
 
 def _completions(draft: Draft, a: Mapping[str, AttrValue]) -> None:
