@@ -11,8 +11,13 @@ What a request holds (deterministic for a given seed):
   (``gen_ai.*``, OpenAI or Anthropic) and ``support-agent`` instrumented with
   OpenInference (``openinference.span.kind`` AGENT / CHAIN / LLM / TOOL);
 * per trace an agent root, then steps of LLM call → tool call, some tools with
-  an HTTP client child span (``http.request.method``, ``url.full``...);
-* 10-20 attributes per span; prompts and outputs of a few hundred bytes;
+  an HTTP client child span (``http.request.method``, ``url.full``...). An LLM
+  span that leads to a tool call records it as its output (OpenInference
+  always, as its instrumentation does; GenAI in the half of the agents that
+  capture message content), and OpenInference LLM spans list the six offered
+  tools (``llm.tools.N.tool.json_schema``);
+* 10-20 attributes per span, up to 26 on LLM spans with the offered tools;
+  prompts and outputs of a few hundred bytes;
 * spans in end order (children before parents), as the SDK's batch processor
   exports them;
 * exactly ``round(failure_rate * spans)`` *originating* failures overall (an
@@ -255,10 +260,10 @@ def _fail(spec: _Spec, rng: random.Random) -> None:
             "llm.token_count.prompt",
             "llm.token_count.completion",
             "llm.token_count.total",
-            "llm.output_messages.0.message.role",
-            "llm.output_messages.0.message.content",
         ):
             a.pop(key, None)
+        for key in [k for k in a if k.startswith(("llm.output_messages.", "gen_ai.output."))]:
+            del a[key]
         if spec.flavor == "genai":
             a["error.type"] = short
         spec.error = (etype, message)
@@ -388,6 +393,14 @@ def _tool_args(tool: str, rng: random.Random) -> str:
     return json.dumps(args)
 
 
+def _tool_schema(name: str, description: str) -> str:
+    """An offered tool as OpenInference records it: the OpenAI tool definition."""
+    properties = {k: {"type": "string"} for k in json.loads(_tool_args(name, random.Random(0)))}
+    parameters = {"type": "object", "properties": properties, "required": list(properties)}
+    function = {"name": name, "description": description, "parameters": parameters}
+    return json.dumps({"type": "function", "function": function})
+
+
 def _tool_result(rng: random.Random) -> str:
     return json.dumps(
         {"results": [{"id": f"R-{rng.randint(100, 999)}", "text": rng.choice(_ANSWERS)[:180]}]}
@@ -460,14 +473,37 @@ def _genai_trace(b: _TraceBuilder) -> None:
             "app.request.id": rng.randbytes(6).hex(),
         },
     )
+    # Half the agents capture message content (the semconv's opt-in message attributes).
+    capture = rng.random() < 0.5
+    question = rng.choice(_QUESTIONS)
     steps = rng.randint(2, 5)
     for step in range(steps):
         last = step == steps - 1
-        in_tokens = rng.randint(400, 12_000)
-        out_tokens = rng.randint(20, 900)
-        finish = "stop" if last else ("tool_calls" if provider == "openai" else "tool_use")
+        calls_tool = not last and rng.random() >= 0.3
+        tool_name, description = rng.choice(_TOOLS)
+        args = _tool_args(tool_name, rng)
+        call_id = f"call_{rng.randbytes(12).hex()}"
+        finish = ("tool_calls" if provider == "openai" else "tool_use") if calls_tool else "stop"
         if rng.random() < 0.02:
             finish = "length" if provider == "openai" else "max_tokens"
+        in_tokens = rng.randint(400, 12_000)
+        out_tokens = rng.randint(20, 900)
+        content: dict[str, AttrValue] = {}
+        if capture:
+            part: dict[str, object] = {"type": "text", "content": rng.choice(_ANSWERS)}
+            if calls_tool:
+                part = {"type": "tool_call", "id": call_id, "name": tool_name, "arguments": args}
+            content = {
+                "gen_ai.input.messages": json.dumps(
+                    [
+                        {"role": "system", "parts": [{"type": "text", "content": _SYSTEM}]},
+                        {"role": "user", "parts": [{"type": "text", "content": question}]},
+                    ]
+                ),
+                "gen_ai.output.messages": json.dumps(
+                    [{"role": "assistant", "parts": [part], "finish_reason": finish}]
+                ),
+            }
         b.new(
             root,
             f"chat {model}",
@@ -496,12 +532,12 @@ def _genai_trace(b: _TraceBuilder) -> None:
                 "gen_ai.conversation.id": conversation,
                 "server.address": host,
                 "server.port": 443,
+                **content,
             },
             provider,
         )
-        if last or rng.random() < 0.3:
+        if not calls_tool:
             continue
-        tool_name, description = rng.choice(_TOOLS)
         tool = b.new(
             root,
             f"execute_tool {tool_name}",
@@ -517,8 +553,8 @@ def _genai_trace(b: _TraceBuilder) -> None:
                 "gen_ai.tool.name": tool_name,
                 "gen_ai.tool.description": description,
                 "gen_ai.tool.type": "function",
-                "gen_ai.tool.call.id": f"call_{rng.randbytes(12).hex()}",
-                "gen_ai.tool.call.arguments": _tool_args(tool_name, rng),
+                "gen_ai.tool.call.id": call_id,
+                "gen_ai.tool.call.arguments": args,
                 "gen_ai.tool.call.result": _tool_result(rng),
                 "gen_ai.conversation.id": conversation,
                 "code.function.name": f"tools.{tool_name}",
@@ -593,6 +629,29 @@ def _openinference_trace(b: _TraceBuilder) -> None:
             {"role": "system", "content": _SYSTEM},
             {"role": "user", "content": question},
         ]
+        calls_tool = not last and rng.random() >= 0.25
+        tool_name, description = rng.choice(_TOOLS)
+        args = _tool_args(tool_name, rng)
+        call_id = f"call_{rng.randbytes(12).hex()}"
+        reply: dict[str, object] = {"role": "assistant", "content": answer}
+        output: dict[str, AttrValue] = {"llm.output_messages.0.message.content": answer}
+        if calls_tool:
+            function = {"name": tool_name, "arguments": args}
+            reply = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+            }
+            call = "llm.output_messages.0.message.tool_calls.0.tool_call."
+            output = {
+                call + "id": call_id,
+                call + "function.name": tool_name,
+                call + "function.arguments": args,
+            }
+        offered = {
+            f"llm.tools.{i}.tool.json_schema": _tool_schema(name, text)
+            for i, (name, text) in enumerate(_TOOLS)
+        }
         b.new(
             parent,
             "ChatCompletion",
@@ -611,10 +670,7 @@ def _openinference_trace(b: _TraceBuilder) -> None:
                 "input.value": json.dumps({"messages": messages, "model": model}),
                 "input.mime_type": "application/json",
                 "output.value": json.dumps(
-                    {
-                        "id": f"chatcmpl-{rng.randbytes(14).hex()}",
-                        "choices": [{"message": {"role": "assistant", "content": answer}}],
-                    }
+                    {"id": f"chatcmpl-{rng.randbytes(14).hex()}", "choices": [{"message": reply}]}
                 ),
                 "output.mime_type": "application/json",
                 "llm.token_count.prompt": prompt,
@@ -624,15 +680,14 @@ def _openinference_trace(b: _TraceBuilder) -> None:
                 "llm.input_messages.0.message.content": _SYSTEM,
                 "llm.input_messages.1.message.role": "user",
                 "llm.output_messages.0.message.role": "assistant",
-                "llm.output_messages.0.message.content": answer,
+                **output,
+                **offered,
                 "session.id": session,
             },
             "openai",
         )
-        if last or rng.random() < 0.25:
+        if not calls_tool:
             continue
-        tool_name, description = rng.choice(_TOOLS)
-        args = _tool_args(tool_name, rng)
         tool = b.new(
             parent,
             tool_name,
@@ -656,7 +711,7 @@ def _openinference_trace(b: _TraceBuilder) -> None:
                 "input.mime_type": "application/json",
                 "output.value": _tool_result(rng),
                 "output.mime_type": "application/json",
-                "tool_call.id": f"call_{rng.randbytes(12).hex()}",
+                "tool_call.id": call_id,
                 "tool_call.function.name": tool_name,
                 "session.id": session,
                 "metadata": metadata,

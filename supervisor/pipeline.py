@@ -1,10 +1,10 @@
 """From a decoded OTLP request to failures and decisions, with no I/O.
 
 The pipeline is synchronous and deterministic so that ``spanvisor run`` and
-``spanvisor replay`` give the same verdicts on the same spans. Per span it
-normalizes; only spans that show a sign of failure go further (dedup,
-classification, attribution, decision), so spans that succeed pay nothing for
-the failure path.
+``spanvisor replay`` give the same verdicts on the same spans. Only spans that
+may be failures are normalized (:mod:`supervisor.normalize.screen` decides
+that from a few attributes), and only those that are go further (dedup,
+classification, attribution, decision), so spans that succeed pay little.
 
 A failure is reported once, at the span where it originates. Ancestors that
 only propagate it are attributed to it instead of being reported again:
@@ -33,6 +33,7 @@ from policies import Policy
 from supervisor.bounded import BoundedMap
 from supervisor.normalize import (
     WireSpan,
+    may_fail_quietly,
     normalize_wire,
     shows_failure_signal,
     wire_spans,
@@ -148,10 +149,13 @@ class Pipeline:
         decoded and validated once (``Batch.raw_protobuf``). Spans with the
         usual signs (an ERROR status, an exception, a status code, a cut-off
         answer) are normalized and judged now, so their decisions do not wait
-        for the whole batch; the rest are returned, to be judged by
-        :meth:`rest_pass` once those decisions are out. A failing parent and
-        the failing child it propagates both show such signs, so attribution
-        within the batch is unaffected.
+        for the whole batch. Of the rest, those that may fail quietly (a tool
+        output that is a caught error, a call to a tool the model was not
+        offered) are returned, to be judged by :meth:`rest_pass` once those
+        decisions are out; the others cannot be failures and are not
+        normalized at all (:mod:`supervisor.normalize.screen`). A failing
+        parent and the failing child it propagates both show such signs, so
+        attribution within the batch is unaffected.
         """
         spans = wire_spans(payload)
         self._batches += 1
@@ -159,7 +163,10 @@ class Pipeline:
         first: list[WireSpan] = []
         later: list[WireSpan] = []
         for item in spans:
-            (first if shows_failure_signal(item) else later).append(item)
+            if shows_failure_signal(item):
+                first.append(item)
+            elif may_fail_quietly(item):
+                later.append(item)
         return self._judge_wire(first, received_ns), Remainder(later, received_ns)
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:

@@ -62,6 +62,7 @@ from pydantic.warnings import PydanticDeprecatedSince20
 from supervisor.normalize import normalize_request
 from supervisor.records import ErrorEvidence, Role, SpanRecord
 from supervisor.testing import FakeProvider, Reply
+from tests.screening import assert_screened
 
 MODEL = "gpt-4o-mini"
 CLAUDE = "claude-3-5-haiku-latest"
@@ -96,7 +97,9 @@ def _tracer_provider() -> tuple[TracerProvider, InMemorySpanExporter]:
 def _records(exporter: InMemorySpanExporter) -> list[SpanRecord]:
     spans = exporter.get_finished_spans()
     exporter.clear()
-    return normalize_request(encode_spans(spans))
+    request = encode_spans(spans)
+    assert_screened(request.SerializeToString())  # the pipeline would judge each failure
+    return normalize_request(request)
 
 
 @contextlib.contextmanager

@@ -7,16 +7,17 @@ empty, so the most specific convention wins. :mod:`.evidence` turns signs of
 failure into :class:`~supervisor.records.ErrorEvidence`, and runs only when a
 span shows one, so the ~95% of spans that succeed pay nothing for it.
 
-The hot path is every span: attributes are converted once
-(:func:`.attributes.convert_attributes`) and read with dict lookups.
-:func:`normalize_span` never raises: at worst it returns a record with
-fewer fields, and counts the failure (:func:`failures`).
+Two paths give the same records: :func:`normalize_request` for a decoded
+request, and the hot path :func:`wire_spans` → :func:`normalize_wire`, which
+reads attributes from the wire only when asked (:mod:`.wire`). On the hot
+path the pipeline normalizes only the spans :mod:`.screen` passes.
+Normalizing never raises: at worst it returns a record with fewer fields,
+and counts the failure (:func:`failures`).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -36,7 +37,6 @@ from supervisor.normalize.attributes import (
     convert_attributes,
 )
 from supervisor.normalize.evidence import (
-    FAILURE_FINISH_REASONS,
     SCAN_CHARS,
     Swallowed,
     build_evidence,
@@ -44,12 +44,15 @@ from supervisor.normalize.evidence import (
     detect_swallowed,
     failing_finish,
 )
+from supervisor.normalize.screen import WireSpan, may_fail_quietly, shows_failure_signal
 from supervisor.normalize.wire import LazyConverted, LiteRequest, RawAttributes
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
 __all__ = [
     "UNKNOWN_SERVICE",
+    "WireSpan",
     "failures",
+    "may_fail_quietly",
     "normalize_payload",
     "normalize_request",
     "normalize_span",
@@ -97,39 +100,6 @@ def normalize_request(request: ExportTraceServiceRequest) -> list[SpanRecord]:
     return out
 
 
-#: A span as the wire path holds it: (lite span, resource attributes, service,
-#: the set of its attribute keys, read once for every test that needs them).
-WireSpan = tuple[Any, Mapping[str, AttrValue], str, set[str]]
-
-#: Every attribute the early look reads; most spans carry none of them.
-_SIGNAL_KEYS = frozenset(
-    {
-        "error.type",
-        "http.response.status_code",
-        "http.status_code",
-        "rpc.grpc.status_code",
-        "rpc.response.status_code",
-        "rpc.status_code",
-        "gen_ai.response.finish_reasons",
-        "llm.finish_reason",
-        "gen_ai.completion.0.finish_reason",
-    }
-)
-_HTTP_STATUS_KEYS = ("http.response.status_code", "http.status_code")
-_RPC_STATUS_KEYS = ("rpc.grpc.status_code", "rpc.response.status_code", "rpc.status_code")
-_FINISH_KEYS = (
-    "gen_ai.response.finish_reasons",
-    "llm.finish_reason",
-    "gen_ai.completion.0.finish_reason",
-)
-#: Any failing finish reason inside an encoded value (a superset test: the
-#: adapters decide).
-_FAILING_FINISH = re.compile(
-    b"|".join(re.escape(reason.encode()) for reason in sorted(FAILURE_FINISH_REASONS)),
-    re.IGNORECASE,
-)
-
-
 def normalize_payload(payload: bytes) -> list[SpanRecord]:
     """Every span of an encoded OTLP export request, normalized, in order.
 
@@ -147,53 +117,16 @@ def wire_spans(payload: bytes) -> list[WireSpan]:
     for resource_spans in request.resource_spans:
         resource, service = _resource(resource_spans)
         for scope_spans in resource_spans.scope_spans:
-            out.extend(
-                (span, resource, service, set(span.attributes)) for span in scope_spans.spans
-            )
+            out.extend((span, resource, service) for span in scope_spans.spans)
     return out
-
-
-def shows_failure_signal(item: WireSpan) -> bool:
-    """A cheap look, before normalizing, for the usual signs of a failure.
-
-    True for an ERROR status, any event (``exception`` events), an
-    ``error.type``, an HTTP status of 400 or more, a non-OK RPC status or a
-    failing finish reason. Spans without these can still fail (a tool that
-    caught its own error, a call to a tool the model was not offered), which
-    only full normalization finds; this only orders the work so that most
-    failures are judged first. It must err towards True: a span it wrongly
-    passes over is still judged, only later.
-    """
-    span, _, _, keys = item
-    if span.status.code == _STATUS_ERROR or len(span.events):
-        return True
-    if _SIGNAL_KEYS.isdisjoint(keys):
-        return False
-    if "error.type" in keys:
-        return True
-    encoded = span.attributes
-    attrs = RawAttributes(encoded)
-    for key in _HTTP_STATUS_KEYS:
-        status = attrs.get(key)
-        if status is not None:
-            return not (isinstance(status, int) and status < 400)
-    for key in _RPC_STATUS_KEYS:
-        code = attrs.get(key)
-        if code is not None and code not in (0, "OK", "0"):
-            return True
-    for key in _FINISH_KEYS:
-        raw = encoded.get(key)
-        if raw is not None and _FAILING_FINISH.search(raw):
-            return True
-    return False
 
 
 def normalize_wire(item: WireSpan) -> SpanRecord:
     """One span of :func:`wire_spans` as a record; never raises."""
-    span, resource, service, keys = item
+    span, resource, service = item
     try:
         attributes = LazyConverted(RawAttributes(span.attributes))
-        return _normalize(span, resource, service, attributes, keys)
+        return _normalize(span, resource, service, attributes)
     except Exception:  # boundary: a record with fewer fields beats a lost span
         _count_failure()
         return _minimal(span, resource, service)
@@ -228,14 +161,12 @@ def _normalize(
     resource: Mapping[str, AttrValue],
     service: str,
     converted: AttributeSource | None = None,
-    keys: set[str] | None = None,
 ) -> SpanRecord:
     if converted is None:
         converted = convert_attributes(span.attributes)
     attrs = converted.values
     draft = Draft(converted)
-    if keys is None:
-        keys = set(attrs)  # one pass over the keys; the conventions test against it
+    keys = set(attrs)  # one pass over the keys; the conventions test against it
     if openinference.MARKER in keys:
         openinference.extract(draft)
     if genai.applies(keys):

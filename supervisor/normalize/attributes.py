@@ -14,13 +14,15 @@ as a whole (message JSON), and is dropped with the draft.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
 from supervisor.records import AttrValue, Role
+
+_T = TypeVar("_T")
 
 __all__ = [
     "MAX_ARRAY_ITEMS",
@@ -207,6 +209,10 @@ class Converted:
             return self.long[key]
         return self.values.get(key)
 
+    def read(self, key: str, parse: Callable[[AttrValue], _T]) -> _T:
+        """``parse(full(key))``."""
+        return parse(self.full(key))
+
 
 def convert_attributes(kvs: Sequence[Any]) -> Converted:
     """Convert repeated OTLP ``KeyValue``s (the hot path: keep the loop lean).
@@ -249,6 +255,10 @@ class AttributeSource(Protocol):
     def values(self) -> Mapping[str, AttrValue]: ...
 
     def full(self, key: str) -> AttrValue: ...
+
+    def read(self, key: str, parse: Callable[[AttrValue], _T]) -> _T:
+        """``parse(full(key))``, which a source may memoize by the value: ``parse`` is pure."""
+        ...
 
 
 class Draft:

@@ -34,8 +34,11 @@ from supervisor.records import Role
 __all__ = [
     "applies",
     "extract",
+    "finish_reasons",
     "message_output",
     "normalize_provider",
+    "role_of",
+    "tool_name_in",
     "tool_name_of",
     "tool_names",
 ]
@@ -128,21 +131,26 @@ def applies(keys: Collection[str]) -> bool:
     return not _MARKERS.isdisjoint(keys)
 
 
+def role_of(a: Mapping[str, object]) -> Role | None:
+    """The role ``gen_ai.*`` attributes give a span: its operation, else what it names."""
+    op = a.get("gen_ai.operation.name")
+    role = _OPERATION_ROLES.get(op) if isinstance(op, str) else None
+    if role is None:
+        if "gen_ai.tool.name" in a:
+            role = Role.TOOL
+        elif "gen_ai.request.model" in a or "gen_ai.response.model" in a:
+            role = Role.LLM
+        elif "gen_ai.agent.name" in a:
+            role = Role.AGENT
+    return role
+
+
 def extract(draft: Draft) -> None:
     """Fill the draft from ``gen_ai.*`` attributes (fields still empty only)."""
     a = draft.attrs.values
     draft.conventions.append("gen_ai")
-    op = a.get("gen_ai.operation.name")
     if draft.role is None:
-        role = _OPERATION_ROLES.get(op) if isinstance(op, str) else None
-        if role is None:
-            if "gen_ai.tool.name" in a:
-                role = Role.TOOL
-            elif "gen_ai.request.model" in a or "gen_ai.response.model" in a:
-                role = Role.LLM
-            elif "gen_ai.agent.name" in a:
-                role = Role.AGENT
-        draft.role = role
+        draft.role = role_of(a)
     if not draft.provider:
         draft.provider = normalize_provider(a.get("gen_ai.provider.name") or a.get("gen_ai.system"))
     if not draft.request_model:
@@ -160,7 +168,7 @@ def extract(draft: Draft) -> None:
     if not draft.session_id:
         draft.session_id = as_str(a.get("gen_ai.conversation.id"))
     if not draft.finish_reasons:
-        draft.finish_reasons = _reasons(a.get("gen_ai.response.finish_reasons"))
+        draft.finish_reasons = finish_reasons(a.get("gen_ai.response.finish_reasons"))
     if "gen_ai.tool.name" in a and not draft.tool_name:
         draft.tool_name = as_str(a.get("gen_ai.tool.name"))
         if draft.tool_args is None:
@@ -176,10 +184,11 @@ def extract(draft: Draft) -> None:
         if not draft.finish_reasons:
             draft.finish_reasons = reasons
     if draft.tool_calls and draft.offered_tools is None and "gen_ai.tool.definitions" in a:
-        draft.offered_tools = tool_names(draft.attrs.full("gen_ai.tool.definitions"))
+        draft.offered_tools = draft.attrs.read("gen_ai.tool.definitions", tool_names)
 
 
-def _reasons(value: object) -> tuple[str, ...]:
+def finish_reasons(value: object) -> tuple[str, ...]:
+    """Finish reasons from a string or array attribute."""
     if isinstance(value, str):
         return (bounded(value, MAX_NAME_CHARS),) if value else ()
     if isinstance(value, tuple):
@@ -245,6 +254,11 @@ def tool_names(value: object) -> frozenset[str] | None:
         if name:
             names.add(name)
     return frozenset(names)
+
+
+def tool_name_in(definition: object) -> str:
+    """The name in one tool definition, given as JSON text or structured."""
+    return tool_name_of(parse_json(definition) if isinstance(definition, str) else definition)
 
 
 def tool_name_of(tool: object) -> str:

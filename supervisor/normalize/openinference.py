@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 from supervisor.normalize.attributes import (
     MAX_OUTPUT_CHARS,
+    AttributeSource,
     Draft,
     as_int,
     as_str,
@@ -27,10 +28,10 @@ from supervisor.normalize.attributes import (
     parse_json,
     text_value,
 )
-from supervisor.normalize.genai import normalize_provider, tool_name_of
+from supervisor.normalize.genai import normalize_provider, tool_name_in
 from supervisor.records import AttrValue, Role
 
-__all__ = ["MARKER", "extract"]
+__all__ = ["MARKER", "extract", "kind_role", "offered_tools", "output_messages"]
 
 #: The attribute whose presence says the span follows OpenInference.
 MARKER = "openinference.span.kind"
@@ -58,7 +59,7 @@ def extract(draft: Draft) -> None:
     draft.conventions.append("openinference")
     kind = a.get(MARKER)
     kind_name = kind.upper() if isinstance(kind, str) else ""
-    role = _KIND_ROLES.get(kind_name, Role.OTHER)
+    role = kind_role(kind)
     if draft.role is None:
         draft.role = role
     if not draft.session_id:
@@ -72,6 +73,11 @@ def extract(draft: Draft) -> None:
             draft.tool_args = draft.attrs.full("input.value")
     if not draft.output_text and role is not Role.LLM:
         draft.output_text = text_value(draft.attrs.full("output.value"))
+
+
+def kind_role(kind: object) -> Role:
+    """The role an ``openinference.span.kind`` value names (``OTHER`` if none)."""
+    return _KIND_ROLES.get(kind.upper(), Role.OTHER) if isinstance(kind, str) else Role.OTHER
 
 
 def _llm(draft: Draft, a: Mapping[str, AttrValue], kind_name: str) -> None:
@@ -101,6 +107,18 @@ def _llm(draft: Draft, a: Mapping[str, AttrValue], kind_name: str) -> None:
             draft.finish_reasons = (bounded(reason, 256),)
     if kind_name != "LLM" or "llm.output_messages.0.message.role" not in a:
         return
+    text, calls = output_messages(draft.attrs)
+    if not draft.output_text and text:
+        draft.output_text = text
+    if calls and not draft.tool_calls:
+        draft.tool_calls = calls
+        if draft.offered_tools is None:
+            draft.offered_tools = offered_tools(draft.attrs)
+
+
+def output_messages(attrs: AttributeSource) -> tuple[str, list[tuple[str, object]]]:
+    """Text and requested tool calls of ``llm.output_messages.N``."""
+    a = attrs.values
     texts: list[str] = []
     calls: list[tuple[str, object]] = []
     for n in range(_MAX_MESSAGES):
@@ -110,31 +128,26 @@ def _llm(draft: Draft, a: Mapping[str, AttrValue], kind_name: str) -> None:
         content = a.get(prefix + "content")
         if isinstance(content, str) and content:
             texts.append(content)
-        found = _calls(draft, prefix + "tool_calls.", calls)
+        found = _calls(attrs, prefix + "tool_calls.", calls)
         for k in range(_MAX_CONTENTS):
             item = f"{prefix}contents.{k}."
             kind = a.get(item + "message_content.type")
             if kind is None:
                 break
             if kind == "text":
-                text = draft.attrs.full(item + "message_content.text")
+                text = attrs.full(item + "message_content.text")
                 if isinstance(text, str) and text:
                     texts.append(text)
             elif not found:
                 name = as_str(a.get(item + "tool_call.function.name"))
                 if name:
-                    calls.append((name, draft.attrs.full(item + "tool_call.function.arguments")))
-    if not draft.output_text and texts:
-        draft.output_text = bounded("\n".join(texts), MAX_OUTPUT_CHARS)
-    if calls and not draft.tool_calls:
-        draft.tool_calls = calls
-        if draft.offered_tools is None:
-            draft.offered_tools = _offered(draft, a)
+                    calls.append((name, attrs.full(item + "tool_call.function.arguments")))
+    return (bounded("\n".join(texts), MAX_OUTPUT_CHARS) if texts else ""), calls
 
 
-def _calls(draft: Draft, prefix: str, out: list[tuple[str, object]]) -> bool:
+def _calls(attrs: AttributeSource, prefix: str, out: list[tuple[str, object]]) -> bool:
     """Append ``tool_calls.M`` under ``prefix``; whether any was found."""
-    a = draft.attrs.values
+    a = attrs.values
     found = False
     for m in range(_MAX_CALLS):
         key = f"{prefix}{m}.tool_call.function."
@@ -142,23 +155,25 @@ def _calls(draft: Draft, prefix: str, out: list[tuple[str, object]]) -> bool:
         if name is None:
             break
         found = True
-        out.append((as_str(name), draft.attrs.full(key + "arguments")))
+        out.append((as_str(name), attrs.full(key + "arguments")))
     return found
 
 
-def _offered(draft: Draft, a: Mapping[str, AttrValue]) -> frozenset[str] | None:
+def offered_tools(attrs: AttributeSource) -> frozenset[str] | None:
     """Names in ``llm.tools.N.tool.json_schema``; ``None`` when none are recorded."""
+    a = attrs.values
     if "llm.tools.0.tool.json_schema" not in a and "llm.tools.0.tool.name" not in a:
         return None
     names: set[str] = set()
     for n in range(_MAX_TOOLS):
         key = f"llm.tools.{n}.tool."
-        name = as_str(a.get(key + "name"))
-        if not name:
-            schema = draft.attrs.full(key + "json_schema")
-            if schema is None:
+        schema = key + "json_schema"
+        if schema in a:
+            name = attrs.read(schema, tool_name_in)  # the same schemas on every call: memoized
+        else:
+            name = as_str(a.get(key + "name"))
+            if not name:
                 break
-            name = tool_name_of(parse_json(schema) if isinstance(schema, str) else schema)
         if name:
             names.add(name)
     return frozenset(names)

@@ -15,19 +15,27 @@ older agents normalise too.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Container, Mapping
 
 from supervisor.normalize.attributes import (
     MAX_NAME_CHARS,
     MAX_OUTPUT_CHARS,
+    AttributeSource,
     Draft,
     as_str,
     bounded,
     text_value,
 )
-from supervisor.records import AttrValue, Role
+from supervisor.records import Role
 
-__all__ = ["applies", "extract"]
+__all__ = [
+    "applies",
+    "completions",
+    "extract",
+    "has_completions",
+    "kind_role",
+    "offered_functions",
+]
 
 _MARKERS = frozenset(
     {
@@ -70,7 +78,7 @@ def extract(draft: Draft) -> None:
     a = draft.attrs.values
     draft.conventions.append("openllmetry")
     kind = a.get("traceloop.span.kind")
-    role = _KIND_ROLES.get(kind) if isinstance(kind, str) else None
+    role = kind_role(kind)
     request_type = a.get("llm.request.type")
     if role is None and isinstance(request_type, str) and request_type in _REQUEST_TYPES:
         role = Role.LLM
@@ -92,15 +100,37 @@ def extract(draft: Draft) -> None:
         reason = a.get("gen_ai.response.finish_reason") or a.get("gen_ai.response.stop_reason")
         if isinstance(reason, str) and reason:
             draft.finish_reasons = (bounded(reason, MAX_NAME_CHARS),)
-    if (
-        "gen_ai.completion.0.role" in a
-        or "gen_ai.completion.0.content" in a
-        or ("gen_ai.completion.0.finish_reason" in a)
-    ):
-        _completions(draft, a)
+    if has_completions(a):
+        text, reasons, calls = completions(draft.attrs)
+        if text and not draft.output_text:
+            draft.output_text = text
+        if reasons and not draft.finish_reasons:
+            draft.finish_reasons = reasons
+        if calls and not draft.tool_calls:
+            draft.tool_calls = calls
+            if draft.offered_tools is None:
+                draft.offered_tools = offered_functions(draft.attrs)
 
 
-def _completions(draft: Draft, a: Mapping[str, AttrValue]) -> None:
+def kind_role(kind: object) -> Role | None:
+    """The role a ``traceloop.span.kind`` value names, if any."""
+    return _KIND_ROLES.get(kind) if isinstance(kind, str) else None
+
+
+def has_completions(keys: Container[str]) -> bool:
+    """Whether indexed ``gen_ai.completion.N.*`` attributes are present."""
+    return (
+        "gen_ai.completion.0.role" in keys
+        or "gen_ai.completion.0.content" in keys
+        or "gen_ai.completion.0.finish_reason" in keys
+    )
+
+
+def completions(
+    attrs: AttributeSource,
+) -> tuple[str, tuple[str, ...], list[tuple[str, object]]]:
+    """Text, finish reasons and requested tool calls of ``gen_ai.completion.N``."""
+    a = attrs.values
     texts: list[str] = []
     reasons: list[str] = []
     calls: list[tuple[str, object]] = []
@@ -120,21 +150,23 @@ def _completions(draft: Draft, a: Mapping[str, AttrValue]) -> None:
             name = a.get(key + "name")
             if name is None:
                 break
-            calls.append((as_str(name), draft.attrs.full(key + "arguments")))
+            calls.append((as_str(name), attrs.full(key + "arguments")))
         legacy = a.get(prefix + "function_call.name")
         if legacy is not None:
-            calls.append((as_str(legacy), draft.attrs.full(prefix + "function_call.arguments")))
-    if texts and not draft.output_text:
-        draft.output_text = bounded("\n".join(texts), MAX_OUTPUT_CHARS)
-    if reasons and not draft.finish_reasons:
-        draft.finish_reasons = tuple(reasons)
-    if calls and not draft.tool_calls:
-        draft.tool_calls = calls
-        if draft.offered_tools is None and "llm.request.functions.0.name" in a:
-            names = set()
-            for i in range(_MAX_FUNCTIONS):
-                name = as_str(a.get(f"llm.request.functions.{i}.name"))
-                if not name:
-                    break
-                names.add(name)
-            draft.offered_tools = frozenset(names)
+            calls.append((as_str(legacy), attrs.full(prefix + "function_call.arguments")))
+    text = bounded("\n".join(texts), MAX_OUTPUT_CHARS) if texts else ""
+    return text, tuple(reasons), calls
+
+
+def offered_functions(attrs: AttributeSource) -> frozenset[str] | None:
+    """Names in ``llm.request.functions.N.name``; ``None`` when none are recorded."""
+    a = attrs.values
+    if "llm.request.functions.0.name" not in a:
+        return None
+    names = set()
+    for i in range(_MAX_FUNCTIONS):
+        name = as_str(a.get(f"llm.request.functions.{i}.name"))
+        if not name:
+            break
+        names.add(name)
+    return frozenset(names)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from opentelemetry.proto.common.v1 import common_pb2  # registers the imported files
@@ -112,6 +112,7 @@ def _build_lite_request() -> Any:
 LiteRequest: Any = _build_lite_request()
 
 _MISSING = object()
+_T = TypeVar("_T")
 _DOUBLE = struct.Struct("<d")
 
 
@@ -210,6 +211,13 @@ _SHORT_BYTES = 64
 _SHORT_ENTRIES = 4096
 
 
+#: Parsed values by (parser, encoding), for :meth:`RawAttributes.read`: an
+#: agent offers the same tool definitions on every call, and parsing their
+#: JSON dominated reading LLM spans. Bounded like the short values.
+_PARSED: dict[tuple[object, bytes], object] = {}
+_PARSED_ENTRIES = 1024
+
+
 class RawAttributes(Mapping[str, AttrValue]):
     """A span's attributes as the parser left them: values decoded on read.
 
@@ -237,6 +245,20 @@ class RawAttributes(Mapping[str, AttrValue]):
             return _decode(encoded)
         except Exception:  # a value that does not parse reads as absent
             return None
+
+    def read(self, key: str, parse: Callable[[AttrValue], _T]) -> _T:
+        """``parse(full(key))``, memoized by the encoded value (``parse`` must be pure)."""
+        encoded = self._map.get(key)
+        if encoded is None:
+            return parse(None)
+        memo = (parse, encoded)
+        found = _PARSED.get(memo, _MISSING)
+        if found is _MISSING:
+            found = parse(self.full(key))
+            if len(_PARSED) >= _PARSED_ENTRIES:
+                _PARSED.clear()
+            _PARSED[memo] = found
+        return found  # type: ignore[return-value]  # what parse returned for this value
 
     def get(self, key: str, default: Any = None) -> Any:
         encoded = self._map.get(key)
@@ -286,8 +308,9 @@ class LazyConverted:
     """:class:`RawAttributes` behind the interface the adapters read
     (:class:`~supervisor.normalize.attributes.Converted`'s ``values`` and ``full``)."""
 
-    __slots__ = ("full", "values")
+    __slots__ = ("full", "read", "values")
 
     def __init__(self, raw: RawAttributes) -> None:
         self.values = raw
         self.full = raw.full
+        self.read = raw.read

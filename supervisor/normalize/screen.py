@@ -1,0 +1,201 @@
+"""Which spans can be failures, decided before normalizing them.
+
+Normalizing a span costs 7-20 µs in Python and ~95% of spans succeed, so the
+pipeline normalizes only the spans these screens pass (the issue's rule: keep
+work that only failures need off the per-span path). Two screens:
+
+* :func:`shows_failure_signal`: the usual signs (ERROR status, an event, an
+  ``error.type``, an HTTP status of 400 or more, a non-OK RPC status, a
+  failing finish reason in the usual places). Spans with these are judged
+  first, so that most decisions do not wait for the rest of the batch.
+* :func:`may_fail_quietly`: for the others, the failures a status does not
+  show: a finish reason in a message list, a tool call the model was not
+  offered or with arguments that are not a JSON object, a tool output that
+  is a caught error. It reads the attributes that decide these with the
+  adapters' own functions, for every convention present, so it passes a
+  superset of what :func:`supervisor.normalize.normalize_wire` finds failing
+  (a property test holds it to that).
+
+Both must err towards True: a span wrongly passed costs a normalization, a
+span wrongly dropped is a missed failure.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Container, Mapping
+from typing import Any
+
+from supervisor.normalize import genai, openinference, openllmetry
+from supervisor.normalize.attributes import text_value
+from supervisor.normalize.evidence import (
+    FAILURE_FINISH_REASONS,
+    check_tool_calls,
+    detect_swallowed,
+    failing_finish,
+)
+from supervisor.normalize.wire import LazyConverted, RawAttributes
+from supervisor.records import AttrValue, Role
+
+__all__ = ["WireSpan", "may_fail_quietly", "shows_failure_signal"]
+
+#: A span as the wire path holds it: (lite span, resource attributes, service).
+#: The screens test keys against the lite span's attribute map itself: one
+#: ``isdisjoint`` pass over it costs a quarter of building a set of its keys.
+WireSpan = tuple[Any, Mapping[str, AttrValue], str]
+
+_STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+
+#: Every attribute the early look reads; most spans carry none of them.
+_SIGNAL_KEYS = frozenset(
+    {
+        "error.type",
+        "http.response.status_code",
+        "http.status_code",
+        "rpc.grpc.status_code",
+        "rpc.response.status_code",
+        "rpc.status_code",
+        "gen_ai.response.finish_reasons",
+        "llm.finish_reason",
+        "gen_ai.completion.0.finish_reason",
+    }
+)
+_HTTP_STATUS_KEYS = ("http.response.status_code", "http.status_code")
+_RPC_STATUS_KEYS = ("rpc.grpc.status_code", "rpc.response.status_code", "rpc.status_code")
+_FINISH_KEYS = (
+    "gen_ai.response.finish_reasons",
+    "llm.finish_reason",
+    "gen_ai.completion.0.finish_reason",
+)
+#: Any failing finish reason inside an encoded value (a superset test: the
+#: adapters decide).
+_FAILING_FINISH = re.compile(
+    b"|".join(re.escape(reason.encode()) for reason in sorted(FAILURE_FINISH_REASONS)),
+    re.IGNORECASE,
+)
+
+#: Finish reasons in single attributes, of every convention (the message
+#: lists are read below).
+_REASON_KEYS = (
+    "gen_ai.response.finish_reasons",
+    "gen_ai.response.finish_reason",
+    "gen_ai.response.stop_reason",
+    "llm.finish_reason",
+)
+#: A tool span's output, whichever convention wrote it.
+_TOOL_OUTPUT_KEYS = ("output.value", "gen_ai.tool.call.result", "traceloop.entity.output")
+_OUTPUT_MESSAGES = "llm.output_messages.0.message.role"
+#: Keys without which a span that shows no signal cannot fail: no finish
+#: reason, no tool call and no tool role can be read from it.
+_QUIET_KEYS = frozenset(
+    {
+        openinference.MARKER,
+        "gen_ai.operation.name",
+        "gen_ai.tool.name",
+        "gen_ai.output.messages",
+        "traceloop.span.kind",
+        "gen_ai.completion.0.role",
+        "gen_ai.completion.0.content",
+        "gen_ai.completion.0.finish_reason",
+        *_REASON_KEYS,
+    }
+)
+
+
+def shows_failure_signal(item: WireSpan) -> bool:
+    """A cheap look, before normalizing, for the usual signs of a failure.
+
+    True for an ERROR status, any event (``exception`` events), an
+    ``error.type``, an HTTP status of 400 or more, a non-OK RPC status or a
+    failing finish reason. Spans without these can still fail; see
+    :func:`may_fail_quietly`.
+    """
+    span = item[0]
+    if span.status.code == _STATUS_ERROR or len(span.events):
+        return True
+    encoded = span.attributes
+    if _SIGNAL_KEYS.isdisjoint(encoded):
+        return False
+    if "error.type" in encoded:
+        return True
+    attrs = RawAttributes(encoded)
+    for key in _HTTP_STATUS_KEYS:
+        status = attrs.get(key)
+        if status is not None:
+            if not (isinstance(status, int) and status < 400):
+                return True
+            break  # the first present is the one normalization reads
+    for key in _RPC_STATUS_KEYS:
+        code = attrs.get(key)
+        if code is not None and code not in (0, "OK", "0"):
+            return True
+    for key in _FINISH_KEYS:
+        raw = encoded.get(key)
+        if raw is not None and _FAILING_FINISH.search(raw):
+            return True
+    return False
+
+
+def may_fail_quietly(item: WireSpan) -> bool:
+    """Whether a span without a :func:`shows_failure_signal` may still be a failure.
+
+    Where conventions disagree (a span written by two instrumentations),
+    every one's reading is tested, since normalization keeps only the first.
+    """
+    keys = item[0].attributes  # the lite span's map: fast ``in``
+    if _QUIET_KEYS.isdisjoint(keys):
+        return False
+    try:
+        return _quiet_failure(LazyConverted(RawAttributes(keys)), keys)
+    except Exception:  # boundary: what cannot be screened is normalized, never dropped
+        return True
+
+
+def _quiet_failure(attrs: LazyConverted, keys: Container[str]) -> bool:
+    a = attrs.values
+    reasons: list[str] = []
+    for key in _REASON_KEYS:
+        if key in keys:
+            reasons.extend(genai.finish_reasons(a.get(key)))
+    texts: list[str] = []
+    calls: list[list[tuple[str, object]]] = []  # each convention's, checked apart
+    oi_role = openinference.kind_role(a.get(openinference.MARKER))
+    if oi_role is Role.LLM and _OUTPUT_MESSAGES in keys:
+        text, found = openinference.output_messages(attrs)
+        texts.append(text)
+        calls.append(found)
+    if "gen_ai.output.messages" in keys:
+        text, found, finish = genai.message_output(attrs.full("gen_ai.output.messages"))
+        texts.append(text)
+        calls.append(found)
+        reasons.extend(finish)
+    if openllmetry.has_completions(keys):
+        text, finish, found = openllmetry.completions(attrs)
+        texts.append(text)
+        calls.append(found)
+        reasons.extend(finish)
+    if reasons and failing_finish(tuple(reasons)):
+        return True
+    if any(calls) and _any_invalid(attrs, keys, calls):
+        return True
+    if not (
+        oi_role is Role.TOOL
+        or genai.role_of(a) is Role.TOOL
+        or openllmetry.kind_role(a.get("traceloop.span.kind")) is Role.TOOL
+    ):
+        return False
+    texts.extend(text_value(attrs.full(key)) for key in _TOOL_OUTPUT_KEYS if key in keys)
+    return any(text and detect_swallowed(text) is not None for text in texts)
+
+
+def _any_invalid(
+    attrs: LazyConverted, keys: Container[str], calls: list[list[tuple[str, object]]]
+) -> bool:
+    """Whether any convention's calls are invalid against any offered tools the span records."""
+    offered = {openinference.offered_tools(attrs), openllmetry.offered_functions(attrs)}
+    if "gen_ai.tool.definitions" in keys:
+        offered.add(attrs.read("gen_ai.tool.definitions", genai.tool_names))
+    # A call checked against no list finds only bad arguments; any non-empty list finds those too.
+    lists: list[frozenset[str] | None] = [tools for tools in offered if tools]
+    lists = lists or [None]
+    return any(check_tool_calls(found, tools) for found in calls if found for tools in lists)
