@@ -44,7 +44,12 @@ from supervisor.normalize.evidence import (
     detect_swallowed,
     failing_finish,
 )
-from supervisor.normalize.screen import WireSpan, may_fail_quietly, shows_failure_signal
+from supervisor.normalize.screen import (
+    WATCHED_KEYS,
+    WireSpan,
+    may_fail_quietly,
+    shows_failure_signal,
+)
 from supervisor.normalize.wire import LazyConverted, LiteRequest, RawAttributes
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
@@ -112,18 +117,21 @@ def normalize_payload(payload: bytes) -> list[SpanRecord]:
 
 def wire_spans(payload: bytes) -> list[WireSpan]:
     """The spans of an encoded request, in order, with their resource and service."""
+    watched = WATCHED_KEYS.intersection
     request = LiteRequest.FromString(payload)
     out: list[WireSpan] = []
     for resource_spans in request.resource_spans:
         resource, service = _resource(resource_spans)
         for scope_spans in resource_spans.scope_spans:
-            out.extend((span, resource, service) for span in scope_spans.spans)
+            out.extend(
+                (span, resource, service, watched(span.attributes)) for span in scope_spans.spans
+            )
     return out
 
 
 def normalize_wire(item: WireSpan) -> SpanRecord:
     """One span of :func:`wire_spans` as a record; never raises."""
-    span, resource, service = item
+    span, resource, service, _ = item
     try:
         attributes = LazyConverted(RawAttributes(span.attributes))
         return _normalize(span, resource, service, attributes)

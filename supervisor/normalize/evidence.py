@@ -290,6 +290,8 @@ _GRPC_IN_TEXT = re.compile(r"\bStatusCode\.([A-Z_]{2,24})\b")
 
 
 def _grpc_from_text(text: str) -> int | None:
+    if "StatusCode." not in text:  # a plain substring test is ten times cheaper than the regex
+        return None
     match = _GRPC_IN_TEXT.search(text[:SCAN_CHARS])
     return GRPC_CODES.get(match.group(1)) if match else None
 
@@ -384,6 +386,9 @@ def _absolute_delay(text: str, now_ns: int) -> float | None:
     return min(max(delay, 0.0), MAX_RETRY_AFTER_S)
 
 
+_RETRY_KEYS = frozenset(prefix + name for name, _ in _RETRY_HEADERS for prefix in _HEADER_PREFIXES)
+
+
 def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> float | None:
     """A delay from captured response headers, if an instrumentation recorded any.
 
@@ -391,6 +396,8 @@ def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> 
     longest of the rate-limit reset headers (the limit that was hit is not
     known, so waiting for the longest never retries too early).
     """
+    if _RETRY_KEYS.isdisjoint(attrs):  # one pass over the keys instead of 16 lookups
+        return None
     resets: list[float] = []
     for name, how in _RETRY_HEADERS:
         for prefix in _HEADER_PREFIXES:

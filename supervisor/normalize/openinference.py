@@ -167,13 +167,16 @@ def offered_tools(attrs: AttributeSource) -> frozenset[str] | None:
     names: set[str] = set()
     for n in range(_MAX_TOOLS):
         key = f"llm.tools.{n}.tool."
-        schema = key + "json_schema"
-        if schema in a:
-            name = attrs.read(schema, tool_name_in)  # the same schemas on every call: memoized
-        else:
+        name = attrs.read(key + "json_schema", _schema_name)  # the same on every call: memoized
+        if name is None:
             name = as_str(a.get(key + "name"))
             if not name:
                 break
         if name:
             names.add(name)
     return frozenset(names)
+
+
+def _schema_name(schema: AttrValue) -> str | None:
+    """The tool's name in a ``json_schema`` value; ``None`` when there is no value."""
+    return None if schema is None else tool_name_in(schema)

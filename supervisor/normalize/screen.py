@@ -23,7 +23,7 @@ span wrongly dropped is a missed failure.
 from __future__ import annotations
 
 import re
-from collections.abc import Container, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from supervisor.normalize import genai, openinference, openllmetry
@@ -37,12 +37,13 @@ from supervisor.normalize.evidence import (
 from supervisor.normalize.wire import LazyConverted, RawAttributes
 from supervisor.records import AttrValue, Role
 
-__all__ = ["WireSpan", "may_fail_quietly", "shows_failure_signal"]
+__all__ = ["WATCHED_KEYS", "WireSpan", "may_fail_quietly", "shows_failure_signal"]
 
-#: A span as the wire path holds it: (lite span, resource attributes, service).
-#: The screens test keys against the lite span's attribute map itself: one
-#: ``isdisjoint`` pass over it costs a quarter of building a set of its keys.
-WireSpan = tuple[Any, Mapping[str, AttrValue], str]
+#: A span as the wire path holds it: (lite span, resource attributes, service,
+#: which of :data:`WATCHED_KEYS` it carries). That subset is found in one pass
+#: over the attribute map (``WATCHED_KEYS.intersection``), which costs a third
+#: of building the set of all its keys, and answers every test below.
+WireSpan = tuple[Any, Mapping[str, AttrValue], str, frozenset[str]]
 
 _STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 
@@ -102,6 +103,11 @@ _QUIET_KEYS = frozenset(
 )
 
 
+#: Every key the screens test for.
+WATCHED_KEYS = _SIGNAL_KEYS | _QUIET_KEYS | {_OUTPUT_MESSAGES, "gen_ai.tool.definitions"}
+WATCHED_KEYS |= frozenset(_TOOL_OUTPUT_KEYS)
+
+
 def shows_failure_signal(item: WireSpan) -> bool:
     """A cheap look, before normalizing, for the usual signs of a failure.
 
@@ -110,14 +116,14 @@ def shows_failure_signal(item: WireSpan) -> bool:
     failing finish reason. Spans without these can still fail; see
     :func:`may_fail_quietly`.
     """
-    span = item[0]
+    span, _, _, present = item
     if span.status.code == _STATUS_ERROR or len(span.events):
         return True
-    encoded = span.attributes
-    if _SIGNAL_KEYS.isdisjoint(encoded):
+    if _SIGNAL_KEYS.isdisjoint(present):
         return False
-    if "error.type" in encoded:
+    if "error.type" in present:
         return True
+    encoded = span.attributes
     attrs = RawAttributes(encoded)
     for key in _HTTP_STATUS_KEYS:
         status = attrs.get(key)
@@ -142,16 +148,16 @@ def may_fail_quietly(item: WireSpan) -> bool:
     Where conventions disagree (a span written by two instrumentations),
     every one's reading is tested, since normalization keeps only the first.
     """
-    keys = item[0].attributes  # the lite span's map: fast ``in``
-    if _QUIET_KEYS.isdisjoint(keys):
+    span, _, _, present = item
+    if _QUIET_KEYS.isdisjoint(present):
         return False
     try:
-        return _quiet_failure(LazyConverted(RawAttributes(keys)), keys)
+        return _quiet_failure(LazyConverted(RawAttributes(span.attributes)), present)
     except Exception:  # boundary: what cannot be screened is normalized, never dropped
         return True
 
 
-def _quiet_failure(attrs: LazyConverted, keys: Container[str]) -> bool:
+def _quiet_failure(attrs: LazyConverted, keys: frozenset[str]) -> bool:
     a = attrs.values
     reasons: list[str] = []
     for key in _REASON_KEYS:
@@ -189,7 +195,7 @@ def _quiet_failure(attrs: LazyConverted, keys: Container[str]) -> bool:
 
 
 def _any_invalid(
-    attrs: LazyConverted, keys: Container[str], calls: list[list[tuple[str, object]]]
+    attrs: LazyConverted, keys: frozenset[str], calls: list[list[tuple[str, object]]]
 ) -> bool:
     """Whether any convention's calls are invalid against any offered tools the span records."""
     offered = {openinference.offered_tools(attrs), openllmetry.offered_functions(attrs)}
