@@ -21,8 +21,15 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from policies._compile import CompiledEntry, CompiledRule, compile_entry, compile_rule
-from policies._policy import Policy
-from policies._schema import KNOWN_KEYS, PolicyFile
+from policies._glob import GlobSet
+from policies._policy import Policy, RuntimeLimits
+from policies._schema import (
+    KNOWN_KEYS,
+    BreakersSpec,
+    PolicyFile,
+    RestartIntensitySpec,
+    RetryBudgetSpec,
+)
 from policies._yamldoc import MAX_TEXT_CHARS, PathElem, YamlDoc, join_path, parse
 from supervisor.errors import PolicyError, PolicyIssue
 from supervisor.records import BUILTIN_KINDS
@@ -239,8 +246,8 @@ def _builtin_entries(observe: bool) -> tuple[CompiledEntry, ...]:
 
 @functools.cache
 def _builtin_policy() -> Policy:
-    _, rules = _builtin()
-    return Policy(rules, _builtin_entries(observe=False), BUILTIN_SOURCE)
+    spec, rules = _builtin()
+    return Policy(rules, _builtin_entries(observe=False), BUILTIN_SOURCE, _limits(spec, None))
 
 
 def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
@@ -252,4 +259,19 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
     if not spec.builtin:
         base_entries = base_entries[-1:]
     own_entries = tuple(compile_entry(e, observe=spec.observe) for e in spec.policies)
-    return Policy(rules, own_entries + base_entries, doc.source)
+    builtin_spec, _ = _builtin()
+    return Policy(rules, own_entries + base_entries, doc.source, _limits(spec, builtin_spec))
+
+
+def _limits(spec: PolicyFile, base: PolicyFile | None) -> RuntimeLimits:
+    """The file's breaker, budget and intensity settings, else the base's, else defaults."""
+    breakers = spec.breakers or (base.breakers if base is not None else None) or BreakersSpec()
+    budget = spec.retry_budget or (base.retry_budget if base is not None else None)
+    intensity = spec.restart_intensity or (base.restart_intensity if base is not None else None)
+    return RuntimeLimits(
+        breakers_enabled=breakers.enabled,
+        breaker_default=breakers.default,
+        breaker_globs=tuple((GlobSet([g]), b) for g, b in breakers.dependencies.items()),
+        retry_budget=budget or RetryBudgetSpec(),
+        restart_intensity=intensity or RestartIntensitySpec(),
+    )

@@ -9,18 +9,45 @@ every failure gets a decision.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from policies._actions import CompiledAction, Fallback
 from policies._compile import CompiledEntry, CompiledRule
+from policies._glob import GlobSet
 from policies._match import Subject
+from policies._schema import BreakerSpec, RestartIntensitySpec, RetryBudgetSpec
 from supervisor.records import Classification, Decision, Failure, SpanRecord
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeLimits:
+    """The policy's knobs for state kept across failures: breakers, budget, intensity."""
+
+    breakers_enabled: bool = True
+    breaker_default: BreakerSpec = field(default_factory=BreakerSpec)
+    #: (dependency globs, spec), first match wins; else ``breaker_default``.
+    breaker_globs: tuple[tuple[GlobSet, BreakerSpec], ...] = ()
+    retry_budget: RetryBudgetSpec = field(default_factory=RetryBudgetSpec)
+    restart_intensity: RestartIntensitySpec = field(default_factory=RestartIntensitySpec)
+
+    def breaker_for(self, dependency: str) -> BreakerSpec:
+        for globs, spec in self.breaker_globs:
+            if globs(dependency):
+                return spec
+        return self.breaker_default
 
 
 class Policy:
     """Ordered classification rules and decision entries, compiled once."""
 
-    __slots__ = ("_entries", "_rules", "policies", "rules", "source")
+    __slots__ = ("_entries", "_rules", "limits", "policies", "rules", "source")
 
     def __init__(
-        self, rules: tuple[CompiledRule, ...], entries: tuple[CompiledEntry, ...], source: str
+        self,
+        rules: tuple[CompiledRule, ...],
+        entries: tuple[CompiledEntry, ...],
+        source: str,
+        limits: RuntimeLimits | None = None,
     ) -> None:
         if not rules or rules[-1].conditions:
             raise ValueError("the last classification rule must be a catch-all")
@@ -34,6 +61,8 @@ class Policy:
         self.policies: tuple[str, ...] = tuple(e.name for e in entries)
         #: Where the policy came from (a path, ``<builtin>`` or the ``source`` given).
         self.source = source
+        #: Breakers, retry budget and restart intensity settings.
+        self.limits = limits if limits is not None else RuntimeLimits()
 
     def classify(self, record: SpanRecord) -> Classification | None:
         """The first matching rule's verdict; None only when the span shows no failure."""
@@ -69,6 +98,14 @@ class Policy:
                 return entry.action.decide(failure, attempt, entry.name, entry.observe)
         raise AssertionError("unreachable: the last entry is a catch-all")  # pragma: no cover
 
+    def fallback_chain(self, dependency: str) -> tuple[str, ...] | None:
+        """The first fallback chain, in entry order, that covers ``dependency``."""
+        for entry in self._entries:
+            chain = _chain_in(entry.action, dependency)
+            if chain is not None:
+                return chain
+        return None
+
     def __repr__(self) -> str:
         counts = f"rules={len(self.rules)}, policies={len(self.policies)}"
         return f"Policy(source={self.source!r}, {counts})"
@@ -84,3 +121,17 @@ def _is_catch_all(entry: CompiledEntry) -> bool:
         and entry.service is None
         and entry.rule is None
     )
+
+
+def _chain_in(action: CompiledAction, dependency: str) -> tuple[str, ...] | None:
+    """A fallback chain for ``dependency`` in an action or what it does when exhausted."""
+    seen = 0
+    current: CompiledAction | None = action
+    while current is not None and seen < 8:  # on_exhausted nests a few levels at most
+        if isinstance(current, Fallback):
+            for globs, chain in current.chains:
+                if globs(dependency):
+                    return chain
+        current = getattr(current, "on_exhausted", None)
+        seen += 1
+    return None

@@ -451,6 +451,45 @@ Entry = Annotated[
 ActionSpec = RetrySpec | FallbackSpec | RemediateSpec | SimpleSpec
 
 
+class BreakerSpec(_Strict):
+    """A circuit breaker: ``fail_max`` failures in a row open it for ``reset_timeout_s``."""
+
+    fail_max: int = Field(default=5, ge=1, le=10_000)
+    reset_timeout_s: float = Field(default=30.0, gt=0, le=86_400)
+    success_threshold: int = Field(
+        default=2, ge=1, le=10_000, description="Trial successes that close a half-open breaker."
+    )
+
+
+class BreakersSpec(_Strict):
+    """One breaker per dependency, fed by every run's spans."""
+
+    enabled: bool = True
+    default: BreakerSpec = Field(default_factory=BreakerSpec)
+    dependencies: Annotated[dict[Glob, BreakerSpec], Field(max_length=256)] = Field(
+        default_factory=dict, description="Per dependency glob; the first matching glob wins."
+    )
+
+
+class RetryBudgetSpec(_Strict):
+    """Envoy's retry budget: retries at most ``ratio`` of recent calls, never below a floor."""
+
+    enabled: bool = True
+    ratio: float = Field(default=0.2, gt=0, le=10)
+    min_retries: int = Field(
+        default=3, ge=0, le=1_000_000, description="Retries always allowed per window."
+    )
+    window_s: float = Field(default=10.0, ge=1, le=3600)
+
+
+class RestartIntensitySpec(_Strict):
+    """Erlang's restart intensity: more corrective actions than this in a run escalate."""
+
+    enabled: bool = True
+    max_actions: int = Field(default=5, ge=1, le=10_000)
+    period_s: float = Field(default=60.0, gt=0, le=86_400)
+
+
 class PolicyFile(_Strict):
     """A spanvisor policy file (``version: 1``)."""
 
@@ -463,6 +502,11 @@ class PolicyFile(_Strict):
     )
     rules: Annotated[list[Rule], Field(max_length=1000)] = Field(default_factory=list)
     policies: Annotated[list[Entry], Field(max_length=1000)] = Field(default_factory=list)
+    breakers: BreakersSpec | None = Field(
+        default=None, description="Unset: the built-in policy's (or the defaults)."
+    )
+    retry_budget: RetryBudgetSpec | None = None
+    restart_intensity: RestartIntensitySpec | None = None
 
 
 FallbackSpec.model_rebuild()
@@ -485,6 +529,10 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         SimpleEntry,
         FixedWait,
         ExponentialWait,
+        BreakersSpec,
+        BreakerSpec,
+        RetryBudgetSpec,
+        RestartIntensitySpec,
     )
     for name, field in model.model_fields.items()
 )

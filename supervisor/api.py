@@ -1,9 +1,12 @@
-"""The control API on port 4320: health, recent failures, counters.
+"""The control API on port 4320 (FastAPI, so ``/openapi.json`` describes every route).
 
-Every route but ``/healthz`` needs ``Authorization: Bearer <token>``; the
-token comes from the settings or is generated at start and written to a
-file only the user can read. Span content in responses is data: it is
-returned as JSON strings, never interpreted.
+Every route but ``/healthz`` and ``/openapi.json`` needs
+``Authorization: Bearer <token>``; the token comes from the settings or is
+generated at start and written to a file only the user can read, and the
+sidecar refuses to listen beyond loopback without one configured. Errors are
+``{"error": "..."}`` with a 4xx status that says which kind; span content in
+answers is JSON data, never interpreted. The routes only translate HTTP:
+what they do is :class:`supervisor.control.Control`'s.
 """
 
 from __future__ import annotations
@@ -11,16 +14,18 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-Handler = Callable[[Request], Awaitable[Response]]
+from supervisor.control import Control, ControlError
+from supervisor.inline import Question
+
+__all__ = ["build_control_app", "ensure_token"]
 
 
 def ensure_token(configured: str | None, token_file: Path) -> str:
@@ -35,52 +40,181 @@ def ensure_token(configured: str | None, token_file: Path) -> str:
     return token
 
 
-def build_control_app(
-    *,
-    token: str,
-    failures: Callable[[int], list[dict[str, Any]]],
-    stats: Callable[[], dict[str, Any]],
-    ready: Callable[[], bool],
-) -> Starlette:
-    """The control API over callables, so it holds no state of its own."""
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DecideBody(_Body):
+    """An agent's question: it caught this error calling this dependency; what now?"""
+
+    dependency: str = Field(min_length=1, max_length=512, examples=["openai:gpt-4o"])
+    exception_type: str = Field(default="", max_length=512, examples=["openai.RateLimitError"])
+    message: str = Field(default="", max_length=65_536)
+    status_code: int | None = Field(default=None, ge=100, le=599)
+    service: str = Field(default="", max_length=256)
+    run_id: str = Field(default="", max_length=256)
+    attempt: int = Field(
+        default=1, ge=1, le=1000, description="1-based number of the failed attempt."
+    )
+
+
+class AnswerBody(_Body):
+    by: str = Field(default="api", max_length=200, description="Who answers, for the record.")
+    note: str = Field(default="", max_length=2000)
+
+
+class AckBody(_Body):
+    service: str = Field(min_length=1, max_length=256)
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+def build_control_app(*, token: str, control: Control) -> FastAPI:
+    """The control API over ``control``; it holds no state of its own."""
     expected = f"Bearer {token}".encode()
 
-    def authenticated(handler: Handler) -> Handler:
-        async def guarded(request: Request) -> Response:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return JSONResponse(
-                    {"error": "missing or wrong bearer token"},
-                    status_code=401,
-                    headers={"WWW-Authenticate": 'Bearer realm="spanvisor"'},
-                )
-            return await handler(request)
+    def authenticated(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise _Unauthorized
 
-        return guarded
+    app = FastAPI(
+        title="spanvisor control API",
+        version="1",
+        description="Incidents, commands, approvals, breakers and inline decisions of a"
+        " running spanvisor sidecar. Bearer-token authentication on every route but"
+        " /healthz and /openapi.json.",
+        docs_url=None,
+        redoc_url=None,
+    )
+    auth = [Depends(authenticated)]
 
-    async def healthz(_: Request) -> Response:
-        ok = ready()
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(_: Request, __: Exception) -> JSONResponse:
+        return JSONResponse(
+            {"error": "missing or wrong bearer token"},
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer realm="spanvisor"'},
+        )
+
+    @app.exception_handler(ControlError)
+    async def refused(_: Request, exc: Exception) -> JSONResponse:
+        status = exc.status if isinstance(exc, ControlError) else 400
+        return JSONResponse({"error": str(exc)}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: Exception) -> JSONResponse:
+        errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg', '')}"
+            for e in errors
+        )
+        return JSONResponse({"error": problems or "invalid request"}, status_code=400)
+
+    @app.get("/healthz", summary="Liveness and readiness")
+    async def healthz() -> JSONResponse:
+        ok = control.ready()
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
-    async def list_failures(request: Request) -> Response:
-        raw = request.query_params.get("limit", "100")
-        try:
-            limit = int(raw)
-        except ValueError:
-            return JSONResponse(
-                {"error": f"limit must be an integer, got {raw!r}"}, status_code=400
-            )
-        if not 1 <= limit <= 10_000:
-            return JSONResponse({"error": "limit must be between 1 and 10000"}, status_code=400)
-        return JSONResponse({"failures": failures(limit)})
+    @app.get("/v1/stats", dependencies=auth, summary="Counters of every stage")
+    async def stats() -> dict[str, Any]:
+        return control.stats()
 
-    async def get_stats(_: Request) -> Response:
-        return JSONResponse(stats())
+    @app.get("/v1/failures", dependencies=auth, summary="Recent failures (in memory)")
+    async def failures(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> dict[str, Any]:
+        return {"failures": control.failures(limit)}
 
-    return Starlette(
-        routes=[
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/v1/failures", authenticated(list_failures), methods=["GET"]),
-            Route("/v1/stats", authenticated(get_stats), methods=["GET"]),
-        ]
+    @app.get("/v1/incidents", dependencies=auth, summary="Stored incidents and their decisions")
+    async def incidents(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict[str, Any]:
+        return {"incidents": control.incidents(limit)}
+
+    @app.get("/v1/incidents/{key}", dependencies=auth, summary="One incident")
+    async def incident(key: str) -> dict[str, Any]:
+        return control.incident(key)
+
+    @app.get(
+        "/v1/commands",
+        dependencies=auth,
+        summary="Pull: lease the service's due commands (long poll)",
+        description="Commands handed out here must be acknowledged (POST"
+        " /v1/commands/{id}/ack); an unacknowledged one is handed out again after the"
+        " service's visibility timeout.",
     )
+    async def pull(
+        service: Annotated[str, Query(min_length=1, max_length=256)],
+        wait: Annotated[float, Query(ge=0, le=30)] = 0.0,
+        limit: Annotated[int, Query(ge=1, le=100)] = 10,
+    ) -> dict[str, Any]:
+        return {"commands": await control.pull(service, wait_s=wait, limit=limit)}
+
+    @app.post("/v1/commands/{command_id}/ack", dependencies=auth, summary="Acknowledge a command")
+    async def ack(command_id: str, body: AckBody) -> dict[str, Any]:
+        return control.ack(command_id, body.service)
+
+    @app.get("/v1/commands/log", dependencies=auth, summary="Commands of every channel")
+    async def command_log(
+        status: str | None = None,
+        service: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> dict[str, Any]:
+        return {"commands": control.commands(status=status, service=service, limit=limit)}
+
+    @app.get("/v1/dead-letters", dependencies=auth, summary="Commands that could not be delivered")
+    async def dead_letters(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict[str, Any]:
+        return {"dead_letters": control.dead_letters(limit)}
+
+    @app.get("/v1/approvals", dependencies=auth, summary="Approval requests")
+    async def approvals(
+        status: str | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    ) -> dict[str, Any]:
+        return {"approvals": control.approvals(status, limit)}
+
+    @app.get("/v1/approvals/{approval_id}", dependencies=auth, summary="One approval request")
+    async def approval(approval_id: str) -> dict[str, Any]:
+        return control.approval(approval_id)
+
+    @app.post("/v1/approvals/{approval_id}/approve", dependencies=auth, summary="Approve")
+    async def approve(approval_id: str, body: AnswerBody | None = None) -> dict[str, Any]:
+        answer = body or AnswerBody()
+        return control.answer(approval_id, approved=True, by=answer.by, note=answer.note)
+
+    @app.post("/v1/approvals/{approval_id}/deny", dependencies=auth, summary="Deny")
+    async def deny(approval_id: str, body: AnswerBody | None = None) -> dict[str, Any]:
+        answer = body or AnswerBody()
+        return control.answer(approval_id, approved=False, by=answer.by, note=answer.note)
+
+    @app.get("/v1/breakers", dependencies=auth, summary="Every tracked circuit breaker")
+    async def breakers() -> dict[str, Any]:
+        return {"breakers": control.breakers()}
+
+    @app.post(
+        "/v1/breakers/{dependency:path}/isolate",
+        dependencies=auth,
+        summary="Force a breaker open until closed",
+    )
+    async def isolate(dependency: str) -> dict[str, Any]:
+        return control.isolate(dependency)
+
+    @app.post("/v1/breakers/{dependency:path}/close", dependencies=auth, summary="Close a breaker")
+    async def close(dependency: str) -> dict[str, Any]:
+        return control.close_breaker(dependency)
+
+    @app.get(
+        "/v1/breakers/{dependency:path}",
+        dependencies=auth,
+        summary="One breaker (closed when none is tracked)",
+    )
+    async def breaker(dependency: str) -> dict[str, Any]:
+        return control.breaker(dependency)
+
+    @app.post("/v1/policy/reload", dependencies=auth, summary="Reload the policy file")
+    async def reload() -> dict[str, Any]:
+        return control.reload()
+
+    @app.post("/v1/decide", dependencies=auth, summary="Decide inline for an agent that asks")
+    async def decide(body: DecideBody) -> dict[str, Any]:
+        return control.decide(Question(**body.model_dump()))
+
+    return app

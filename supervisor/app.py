@@ -30,18 +30,27 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
-from policies import Policy
+from policies import Policy, load_policy
+from policies._breakers import BreakerChange
+from policies._governor import Governor
+from supervisor.act import Actor
+from supervisor.actuators import Actuator
+from supervisor.actuators.command import CommandActuator
+from supervisor.actuators.webhook import WebhookActuator
 from supervisor.api import build_control_app, ensure_token
 from supervisor.bounded import LatencyWindow
+from supervisor.control import Control
+from supervisor.dispatch import Dispatcher, actuator_table
 from supervisor.downstream import Downstream, downstream_from_env
-from supervisor.errors import ConfigError
+from supervisor.errors import ConfigError, PolicyError
 from supervisor.failure_log import RecentFailures
 from supervisor.forward import Forwarder
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.pipeline import Outcome, Pipeline
-from supervisor.settings import Settings
+from supervisor.settings import LOOPBACK, AgentDelivery, Settings
+from supervisor.store import Store
 from supervisor.telemetry import DecisionTracer
 
 log = logging.getLogger("spanvisor.app")
@@ -88,16 +97,41 @@ class Sidecar:
         downstream: Downstream | None = None,
         tracer: DecisionTracer | None = None,
     ) -> None:
+        if not _is_loopback(settings.api_host) and not settings.api_token:
+            raise ConfigError(
+                f"the control API would listen on {settings.api_host}, beyond loopback, without"
+                " a token: set SPANVISOR_API_TOKEN (or api_token in the settings file)"
+            )
         self.settings = settings
         self.policy = policy
         self.downstream = downstream
         self.queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
+        self.breaker_changes = 0
+        self.governor = Governor(
+            policy, on_breaker_change=self._breaker_changed, max_runs=settings.tracked_runs
+        )
         self.pipeline = Pipeline(
             policy,
             seen_capacity=settings.seen_failure_spans,
             runs_capacity=settings.tracked_runs,
             observe_only=settings.observe_only,
+            governor=self.governor,
         )
+        self.store = Store.open(
+            settings.state_path,
+            max_pending=settings.max_pending_commands,
+            retention_s=settings.retention_s,
+        )
+        self.actuators = _actuators(settings.agents)
+        self.dispatcher = Dispatcher(
+            self.store,
+            actuator_table(self.actuators),
+            max_attempts=lambda service: _max_attempts(settings.agents, service),
+        )
+        self.actor = Actor(self.store, settings.agents, wake_push=self.dispatcher.wake)
+        self._act_errors = 0
+        self._policy_stamp = _stamp(settings.policy)
+        self.reloads = {"ok": 0, "rejected": 0}
         self.failures = RecentFailures(settings.recent_failures)
         self.latency = LatencyWindow()
         self.tracer = tracer if tracer is not None else DecisionTracer(downstream)
@@ -125,6 +159,7 @@ class Sidecar:
         self._server_tasks: dict[int, asyncio.Task[None]] = {}
         self._worker: asyncio.Task[None] | None = None
         self._gc_task: asyncio.Task[None] | None = None
+        self._housekeeping: asyncio.Task[None] | None = None
         self._decisions = 0
         self._errors = 0
         self._ready = False
@@ -142,9 +177,11 @@ class Sidecar:
             for server in (self._http, self._api):
                 if server is not None:
                     await self._stop_server(server)
-            for task in (self._worker, self._gc_task):
+            for task in (self._worker, self._gc_task, self._housekeeping):
                 if task is not None:
                     task.cancel()
+            with contextlib.suppress(Exception):
+                self.store.close()
             raise
 
     async def _start(self) -> Ports:
@@ -159,14 +196,23 @@ class Sidecar:
         )
         if self.forwarder is not None:
             self.forwarder.start()
+        for actuator in set(self.actuators.values()):
+            await actuator.start()
+        self.dispatcher.start()
         self._worker = asyncio.create_task(self._work(), name="spanvisor-pipeline")
         self._gc_task = asyncio.create_task(self._collect_periodically(), name="spanvisor-gc")
-        control = build_control_app(
-            token=self.token,
+        self._housekeeping = asyncio.create_task(self._keep_house(), name="spanvisor-house")
+        self.control = Control(
+            store=self.store,
+            actor=self.actor,
+            governor=self.governor,
+            policy=lambda: self.policy,
             failures=self.failures.latest,
             stats=self.stats,
             ready=lambda: self._ready,
+            reload=self.reload_policy,
         )
+        control = build_control_app(token=self.token, control=self.control)
         self._api, api_port = await self._serve(
             control, self.settings.api_host, self.settings.api_port
         )
@@ -197,17 +243,22 @@ class Sidecar:
                 "drain timed out; spans still queued were not judged",
                 extra={"queued_batches": self.queue.qsize, "queued_spans": self.queue.queued_spans},
             )
-        for task in (self._worker, self._gc_task):
+        for task in (self._worker, self._gc_task, self._housekeeping):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        await self.dispatcher.shutdown(max(0.1, min(5.0, deadline - time.monotonic())))
+        for actuator in set(self.actuators.values()):
+            with contextlib.suppress(Exception):
+                await actuator.close()
         if self.forwarder is not None:
             await self.forwarder.shutdown(max(0.1, deadline - time.monotonic()))
         await asyncio.to_thread(self.tracer.shutdown, max(0.1, deadline - time.monotonic()))
         if self._api is not None:
             await self._stop_server(self._api)
         log.info("spanvisor stopped", extra={"stats": self.stats()})
+        self.store.close()
 
     async def _drain(self, deadline: float) -> bool:
         while self.queue.qsize > 0 or self._busy:
@@ -309,6 +360,75 @@ class Sidecar:
             self.tracer.emit(outcome.failure, outcome.decision)
             self._decisions += 1
             self.latency.add((time.time_ns() - batch.received_ns) / 1e6)
+        if not outcomes:
+            return
+        try:
+            self.actor.record(outcomes)
+        except Exception:  # a store error must not stop judging; the failures stay listed
+            self._act_errors += 1
+            log.exception("could not store incidents and commands for a batch")
+
+    def _breaker_changed(self, change: BreakerChange) -> None:
+        self.breaker_changes += 1
+        log.warning(
+            "circuit breaker changed state",
+            extra={
+                "event": "breaker",
+                "dependency": change.dependency,
+                "from": change.old.value,
+                "to": change.new.value,
+                "reason": change.reason,
+                "failures": change.failures,
+            },
+        )
+        self.tracer.emit_breaker_change(
+            change.dependency, change.old.value, change.new.value, change.reason, change.failures
+        )
+
+    # -- policy reload -------------------------------------------------------
+
+    def reload_policy(self) -> dict[str, Any]:
+        """Load the policy file again; a bad file is rejected and the old policy kept."""
+        path = self.settings.policy
+        try:
+            policy = load_policy(path)
+        except PolicyError as exc:
+            self.reloads["rejected"] += 1
+            log.error(
+                "policy reload rejected; keeping the current policy",
+                extra={"policy": str(path), "problems": [str(i) for i in exc.issues]},
+            )
+            return {"reloaded": False, "source": self.policy.source, "error": str(exc)}
+        self.policy = policy
+        self.pipeline.policy = policy
+        self.governor.set_policy(policy)
+        self.reloads["ok"] += 1
+        log.info("policy reloaded", extra={"policy": policy.source, "rules": len(policy.rules)})
+        return {"reloaded": True, "source": policy.source, "error": None}
+
+    async def _keep_house(self) -> None:
+        """Every so often: reload a changed policy file, expire and prune stored rows."""
+        last_prune = 0.0
+        while True:
+            interval = self.settings.policy_poll_s or 60.0
+            await asyncio.sleep(min(interval, 60.0))
+            try:
+                stamp = _stamp(self.settings.policy)
+                if self.settings.policy_poll_s and stamp != self._policy_stamp:
+                    self._policy_stamp = stamp
+                    self.reload_policy()
+                now = time.time()
+                if now - last_prune >= 60.0:
+                    last_prune = now
+                    for name, delivery in self.settings.agents.items():
+                        if delivery.pull is not None and name != "*":
+                            self.store.expire_pull(now, delivery.pull.ttl_s)
+                    default = self.settings.agents.get("*")
+                    if default is not None and default.pull is not None:
+                        self.store.expire_pull(now, default.pull.ttl_s)
+                    self.store.prune(now)
+            except Exception:  # housekeeping must never end; try again next round
+                log.exception("housekeeping failed; trying again later")
 
     # -- introspection -----------------------------------------------------
 
@@ -327,7 +447,69 @@ class Sidecar:
             },
             "failures": {"total": self.failures.total, "dropped_from_list": self.failures.dropped},
             "forward": asdict(self.forwarder.stats()) if self.forwarder is not None else None,
+            "delivery": {
+                **asdict(self.dispatcher.stats()),
+                **self.actor.describe(),
+                "store_errors": self._act_errors,
+                "latency_ms": _percentiles(self.dispatcher.latency),
+            },
+            "breakers": {
+                "tracked": len(self.governor.board),
+                "changes": self.breaker_changes,
+                "not_closed": sum(
+                    1 for b in self.governor.board.snapshot() if b.state.value != "closed"
+                ),
+            },
+            "retry_budget": {"denied": self.governor.budget.denied},
+            "restart_intensity": {"escalated": self.governor.intensity.denied},
+            "policy": {"source": self.policy.source, "reloads": dict(self.reloads)},
         }
+
+
+def _is_loopback(host: str) -> bool:
+    return host in (LOOPBACK, "localhost", "::1") or host.startswith("127.")
+
+
+def _max_attempts(agents: dict[str, AgentDelivery], service: str) -> int:
+    found = agents.get(service) or agents.get("*")
+    return found.max_attempts if found is not None else 1
+
+
+def _actuators(agents: dict[str, AgentDelivery]) -> dict[str, Actuator]:
+    """One actuator per service with a push channel (webhook or command)."""
+    built: dict[str, Actuator] = {}
+    for service, delivery in agents.items():
+        if delivery.webhook is not None:
+            hook = delivery.webhook
+            built[service] = WebhookActuator(
+                url=hook.url,
+                secret=hook.resolved_secret(),
+                timeout_s=hook.timeout_s,
+                headers=hook.headers,
+            )
+        elif delivery.command is not None:
+            run = delivery.command
+            built[service] = CommandActuator(argv=run.argv, timeout_s=run.timeout_s, env=run.env)
+    return built
+
+
+def _stamp(path: object) -> tuple[int, int] | None:
+    """What tells a changed policy file: its mtime and size (None when unset or unreadable)."""
+    if path is None:
+        return None
+    try:
+        info = os.stat(str(path))
+    except OSError:
+        return None
+    return (info.st_mtime_ns, info.st_size)
+
+
+def _percentiles(window: LatencyWindow) -> dict[str, float | None]:
+    p50, p99 = window.percentile(0.5), window.percentile(0.99)
+    return {
+        "p50": None if p50 is None else round(p50, 3),
+        "p99": None if p99 is None else round(p99, 3),
+    }
 
 
 def tune_gc() -> None:

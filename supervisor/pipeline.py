@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -33,6 +33,7 @@ from policies import Policy
 from supervisor.bounded import BoundedMap
 from supervisor.normalize import (
     WireSpan,
+    dependency_of,
     may_fail_quietly,
     normalize_wire,
     shows_failure_signal,
@@ -53,6 +54,20 @@ _MESSAGE_LIMIT = 300
 _SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
 #: Characters of an origin's message kept to recognise it in a parent's.
 _SIGNATURE_TEXT = 120
+
+
+class Governor(Protocol):
+    """State kept across failures (breakers, retry budget, restart intensity).
+
+    The pipeline tells it every call outcome it sees, in arrival order
+    (``observe``), and lets it revise each decision (``review``) right after
+    the failure it is about was observed, so the failure that trips a breaker
+    already gets the breaker's decision. Called from the pipeline's thread only.
+    """
+
+    def observe(self, dependency: str, ok: bool) -> None: ...
+
+    def review(self, failure: Failure, decision: Decision) -> Decision: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +130,11 @@ class Pipeline:
         seen_capacity: int = 20_000,
         runs_capacity: int = 10_000,
         observe_only: bool = False,
+        governor: Governor | None = None,
     ) -> None:
         self.policy = policy
+        #: Sees every call outcome and revises decisions; None: the policy alone decides.
+        self.governor = governor
         # The whole sidecar in observe mode: decisions are computed and traced, not delivered.
         self.observe_only = observe_only
         # trace + span id of failing spans already judged: exporters re-send batches.
@@ -162,28 +180,40 @@ class Pipeline:
         self._spans += len(spans)
         first: list[WireSpan] = []
         later: list[WireSpan] = []
+        calls: list[tuple[int, str, bool]] = []
+        counting = self.governor is not None
         for item in spans:
             if shows_failure_signal(item):
                 first.append(item)
             elif may_fail_quietly(item):
                 later.append(item)
-        return self._judge_wire(first, received_ns), Remainder(later, received_ns)
+            elif counting:
+                dependency = dependency_of(item)  # a success, for breakers and budgets
+                if dependency:
+                    calls.append((item[0].end_time_unix_nano, dependency, True))
+        return self._judge_wire(first, received_ns, calls), Remainder(later, received_ns)
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:
         """Judge the spans a :meth:`first_pass` left."""
-        return self._judge_wire(rest.spans, rest.received_ns)
+        return self._judge_wire(rest.spans, rest.received_ns, [])
 
-    def _judge_wire(self, spans: list[WireSpan], received_ns: int) -> list[Outcome]:
+    def _judge_wire(
+        self, spans: list[WireSpan], received_ns: int, calls: list[tuple[int, str, bool]]
+    ) -> list[Outcome]:
         records = [normalize_wire(item) for item in spans]
         failing = [r for r in records if r.error is not None]
-        return self._judge(failing, received_ns) if failing else []
+        if self.governor is not None:
+            calls.extend(
+                (r.end_ns, r.dependency, True) for r in records if r.error is None and r.dependency
+            )
+        return self._judge(failing, received_ns, calls)
 
     def process_records(self, records: Iterable[SpanRecord], received_ns: int) -> list[Outcome]:
         """Like :meth:`process`, for records normalized elsewhere (tests, detectors)."""
         failing = [r for r in records if r.error is not None]
         self._batches += 1
         self._spans += len(failing)
-        return self._judge(failing, received_ns)
+        return self._judge(failing, received_ns, [])
 
     def stats(self) -> PipelineStats:
         return PipelineStats(
@@ -201,7 +231,15 @@ class Pipeline:
 
     # -- the failure path -------------------------------------------------
 
-    def _judge(self, failing: list[SpanRecord], received_ns: int) -> list[Outcome]:
+    def _judge(
+        self, failing: list[SpanRecord], received_ns: int, calls: list[tuple[int, str, bool]]
+    ) -> list[Outcome]:
+        """Report each failure once, at its origin, with its decision.
+
+        ``calls`` are the batch's successful calls; with the failures found
+        here they are told to the governor in the order the calls ended
+        (breakers count failures in a row), before it reviews the decisions.
+        """
         candidates: dict[str, _Candidate] = {}
         for record in failing:
             if record.service == OWN_SERVICE and record.name.startswith("spanvisor."):
@@ -250,10 +288,26 @@ class Pipeline:
             self._attempts.set(attempt_key, attempt)
             self._failures += 1
             decision = self.policy.decide(failure, attempt=attempt)
-            if self.observe_only and not decision.observe_only:
-                decision = replace(decision, observe_only=True)
+            if failure.dependency and self.governor is not None:
+                calls.append((cand.record.end_ns, failure.dependency, False))
             outcomes.append(Outcome(failure, decision))
+        if self.governor is not None:
+            outcomes = self._govern(self.governor, outcomes, calls)
+        if self.observe_only:
+            outcomes = [
+                o if o.decision.observe_only else replace(o, decision=_observed(o.decision))
+                for o in outcomes
+            ]
         return outcomes
+
+    @staticmethod
+    def _govern(
+        governor: Governor, outcomes: list[Outcome], calls: list[tuple[int, str, bool]]
+    ) -> list[Outcome]:
+        calls.sort(key=lambda call: call[0])  # stable: a tie keeps arrival order
+        for _, dependency, ok in calls:
+            governor.observe(dependency, ok)
+        return [replace(o, decision=governor.review(o.failure, o.decision)) for o in outcomes]
 
     def _remember_origin(self, record: SpanRecord, sig: _Signature) -> None:
         if record.parent_span_id:
@@ -307,6 +361,10 @@ def _ancestors_attributed_to(
         chain.append(parent)
         current = parent
     return chain
+
+
+def _observed(decision: Decision) -> Decision:
+    return replace(decision, observe_only=True)
 
 
 def _topmost(origin: _Candidate, candidates: dict[str, _Candidate]) -> _Candidate:

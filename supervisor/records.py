@@ -10,8 +10,10 @@ the ``replay`` output and trace viewers show them. A missing parent is ``""``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from enum import Enum
 from types import MappingProxyType
 from typing import NamedTuple, Union
@@ -241,3 +243,82 @@ class Decision:
     reason: str = ""
     #: True when the decision is computed and reported but not delivered.
     observe_only: bool = False
+
+
+class CommandType(str, Enum):
+    """What a command asks the agent to do (DESIGN's command contract)."""
+
+    RETRY_STEP = "retry_step"
+    RESUME_RUN = "resume_run"
+    REWIND_RUN = "rewind_run"
+    SWITCH_FALLBACK = "switch_fallback"
+    PAUSE_RUN = "pause_run"
+    ABORT_RUN = "abort_run"
+    INJECT_GUIDANCE = "inject_guidance"
+    COMPACT_CONTEXT = "compact_context"
+    APPROVAL_RESULT = "approval_result"
+
+
+def command_key(trace_id: str, span_id: str, rule: str, step: str = "") -> str:
+    """The idempotency key of a command: a digest of what triggered it.
+
+    The same triggering span and rule always give the same key, so a span seen
+    twice (an exporter re-sending, a sidecar restarted mid-way) cannot make a
+    second command. ``step`` tells apart the commands one failure leads to in
+    turn (``"approval_result"`` after ``"pause_run"``).
+    """
+    text = f"{trace_id}/{span_id}/{rule}/{step}".encode("utf-8", "surrogatepass")
+    return hashlib.sha256(text).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One instruction to an agent, as delivered (webhook body, pull answer, command env).
+
+    ``not_before`` is when it may be delivered (unix seconds): the sidecar
+    keeps delays itself, so the agent is never asked to block.
+    """
+
+    id: str
+    idempotency_key: str
+    type: CommandType
+    service: str
+    run_id: str
+    trigger_trace_id: str
+    trigger_span_id: str
+    #: ``class``, ``kind``, ``dependency``, ``rule``, ``message`` of the failure (may be empty).
+    failure: Mapping[str, AttrValue]
+    params: Mapping[str, AttrValue]
+    not_before: float
+    created_at: float
+
+    def to_json(self) -> dict[str, object]:
+        """The command as DESIGN's JSON schema (times as RFC 3339 UTC)."""
+        return {
+            "id": self.id,
+            "idempotency_key": self.idempotency_key,
+            "type": self.type.value,
+            "service": self.service,
+            "run_id": self.run_id,
+            "trigger": {"trace_id": self.trigger_trace_id, "span_id": self.trigger_span_id},
+            "failure": dict(self.failure),
+            "params": _jsonable(self.params),
+            "not_before": _rfc3339(self.not_before),
+            "created_at": _rfc3339(self.created_at),
+        }
+
+
+def _rfc3339(unix_s: float) -> str:
+    moment = datetime.fromtimestamp(unix_s, tz=timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _jsonable(value: object) -> object:
+    """Tuples and read-only mappings as JSON lists and objects."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    return value

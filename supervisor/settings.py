@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from supervisor.errors import ConfigError
@@ -36,6 +36,85 @@ class DownstreamSettings(BaseModel):
     headers: dict[str, str] = Field(default_factory=dict)
     timeout_s: float = Field(default=10.0, gt=0, le=300)
     compression: Literal["none", "gzip"] = "none"
+
+
+class WebhookChannel(BaseModel):
+    """POST each command, signed (HMAC-SHA256, Standard Webhooks) with the secret."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(pattern=r"^https?://", description="The agent's webhook endpoint.")
+    secret: str | None = Field(default=None, min_length=16, description="Signing secret.")
+    secret_env: str | None = Field(
+        default=None, description="Name of the environment variable holding the secret."
+    )
+    timeout_s: float = Field(default=5.0, gt=0, le=60)
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    def resolved_secret(self) -> str:
+        """The secret itself; ConfigError when neither it nor its variable is set."""
+        if self.secret:
+            return self.secret
+        value = os.environ.get(self.secret_env or "", "")
+        if len(value) < 16:
+            raise ConfigError(
+                f"webhook {self.url}: set secret (16+ characters) or secret_env naming a"
+                " variable that holds one"
+            )
+        return value
+
+
+class CommandChannel(BaseModel):
+    """Run an executable (no shell) per command; span values only as whole arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    argv: list[str] = Field(min_length=1, max_length=64)
+    timeout_s: float = Field(default=10.0, gt=0, le=600)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class PullChannel(BaseModel):
+    """The agent fetches commands (``GET /v1/commands?service=...&wait=...``) and acks them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    visibility_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="An unacknowledged command is handed out again after this.",
+    )
+    ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        le=7 * 86_400,
+        description="A command nobody fetched is dead-lettered after this.",
+    )
+
+
+class AgentDelivery(BaseModel):
+    """How commands reach one agent service: exactly one channel."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    webhook: WebhookChannel | None = None
+    command: CommandChannel | None = None
+    pull: PullChannel | None = None
+    max_attempts: int = Field(
+        default=8, ge=1, le=100, description="Push attempts before dead-lettering."
+    )
+
+    @model_validator(mode="after")
+    def _one_channel(self) -> AgentDelivery:
+        chosen = [n for n in ("webhook", "command", "pull") if getattr(self, n) is not None]
+        if len(chosen) != 1:
+            raise ValueError(f"set exactly one of webhook, command, pull (got {chosen or 'none'})")
+        return self
+
+    @property
+    def channel(self) -> str:
+        return "webhook" if self.webhook else "command" if self.command else "pull"
 
 
 class Settings(BaseSettings):
@@ -72,6 +151,24 @@ class Settings(BaseSettings):
     forward_queue_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=8 * 1024**3)
     forward_max_attempts: int = Field(default=5, ge=1, le=100)
     downstream: DownstreamSettings | None = None
+
+    agents: dict[str, AgentDelivery] = Field(
+        default_factory=dict,
+        description="Delivery per agent service name; '*' for every other service. "
+        "Without an entry, a service's commands are stored as dead letters.",
+    )
+    state_path: Path = Field(
+        default_factory=lambda: Path.home() / ".spanvisor" / "state.db",
+        description="SQLite file of incidents, commands and approvals (':memory:' for none).",
+    )
+    max_pending_commands: int = Field(default=100_000, ge=1, le=10_000_000)
+    retention_s: float = Field(default=7 * 86_400.0, ge=60, le=365 * 86_400)
+    policy_poll_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=3600,
+        description="Seconds between policy file checks; 0: only SIGHUP.",
+    )
 
     drain_timeout_s: float = Field(default=10.0, gt=0, le=600)
     gc_full_interval_s: float = Field(

@@ -42,6 +42,7 @@ from supervisor.records import AttrValue, Decision, Failure
 log = logging.getLogger("spanvisor.telemetry")
 
 SPAN_NAME: Final = "spanvisor.decide"
+BREAKER_SPAN_NAME: Final = "spanvisor.breaker"
 #: Longest failure message or reason put on a span (characters).
 MAX_TEXT: Final = 1024
 _TRACE_ID = re.compile(r"[0-9a-fA-F]{32}")
@@ -126,6 +127,37 @@ class DecisionTracer:
         with self._lock:
             self._emitted += 1
         return format(span_id, "016x") if span_id else ""
+
+    def emit_breaker_change(
+        self, dependency: str, old: str, new: str, reason: str, failures: int
+    ) -> None:
+        """Record a breaker's state change as a ``spanvisor.breaker`` span (a trace of its own).
+
+        Never raises; errors are counted like :meth:`emit`'s.
+        """
+        try:
+            span = self._tracer.start_span(
+                BREAKER_SPAN_NAME,
+                context=trace.set_span_in_context(trace.INVALID_SPAN),
+                kind=SpanKind.INTERNAL,
+                attributes={
+                    "spanvisor.breaker.dependency": dependency[:512],
+                    "spanvisor.breaker.from": old,
+                    "spanvisor.breaker.to": new,
+                    "spanvisor.breaker.reason": reason,
+                    "spanvisor.breaker.failures": failures,
+                },
+            )
+            span.end()
+        except Exception as exc:
+            with self._lock:
+                self._errors += 1
+            if not self._error_logged:
+                self._error_logged = True
+                log.warning("could not record a breaker span (logged once): %s", exc)
+            return
+        with self._lock:
+            self._emitted += 1
 
     def force_flush(self, timeout_s: float) -> bool:
         """Export what is buffered; False when ``timeout_s`` passed first."""

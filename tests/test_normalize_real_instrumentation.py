@@ -62,7 +62,7 @@ from pydantic.warnings import PydanticDeprecatedSince20
 from supervisor.normalize import normalize_request
 from supervisor.records import ErrorEvidence, Role, SpanRecord
 from supervisor.testing import FakeProvider, Reply
-from tests.screening import assert_screened
+from tests.screening import assert_early_reads_agree
 
 MODEL = "gpt-4o-mini"
 CLAUDE = "claude-3-5-haiku-latest"
@@ -98,7 +98,7 @@ def _records(exporter: InMemorySpanExporter) -> list[SpanRecord]:
     spans = exporter.get_finished_spans()
     exporter.clear()
     request = encode_spans(spans)
-    assert_screened(request.SerializeToString())  # the pipeline would judge each failure
+    assert_early_reads_agree(request.SerializeToString())  # the pipeline would judge each failure
     return normalize_request(request)
 
 

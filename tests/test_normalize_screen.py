@@ -1,4 +1,4 @@
-"""The screens pass every span that normalization finds failing.
+"""The early reads (screens, dependency_of) agree with normalization.
 
 The pipeline normalizes only what :mod:`supervisor.normalize.screen` passes,
 so a span it wrongly drops is a missed failure. These tests hold the screens
@@ -21,12 +21,13 @@ from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from supervisor.normalize import (
+    dependency_of,
     may_fail_quietly,
     normalize_wire,
     shows_failure_signal,
     wire_spans,
 )
-from tests.screening import assert_screened
+from tests.screening import assert_early_reads_agree
 from tests.test_normalize_wire import any_value
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -155,6 +156,31 @@ pair = st.one_of(
         st.sampled_from(["http.response.status_code", "rpc.grpc.status_code"]),
         st.sampled_from([0, 200, 404, 503, "OK", "14"]),
     ),
+    # What dependency_of reads: providers, models, tool names, hosts.
+    st.tuples(
+        st.sampled_from(["gen_ai.system", "gen_ai.provider.name", "llm.provider", "llm.system"]),
+        st.sampled_from(["openai", "Anthropic", "azure_openai", ""]),
+    ),
+    st.tuples(
+        st.sampled_from(
+            [
+                "gen_ai.response.model",
+                "llm.model_name",
+                "llm.request.model_name",
+                "llm.response.model_name",
+                "embedding.model_name",
+            ]
+        ),
+        st.sampled_from(["gpt-4o", "claude-3-5-haiku", ""]),
+    ),
+    st.tuples(st.just("llm.invocation_parameters"), st.just('{"model": "gpt-4o-mini"}')),
+    st.tuples(st.sampled_from(["tool.name", "traceloop.entity.name"]), tool),
+    st.tuples(
+        st.sampled_from(["url.full", "http.url", "server.address", "net.peer.name"]),
+        st.sampled_from(["https://API.example.com:8443/v1?q=1", "db.internal", "", "not a url"]),
+    ),
+    st.tuples(st.sampled_from(["http.request.method", "http.method"]), st.just("GET")),
+    st.tuples(st.sampled_from(["rpc.system", "rpc.service"]), st.just("grpc")),
 )
 
 
@@ -252,11 +278,14 @@ span_pairs = st.tuples(
 ).map(lambda t: [p for bundle in t[0] for p in bundle] + t[1])
 
 
-def _request(pairs: list[tuple[str, object]], status: int) -> ExportTraceServiceRequest:
+def _request(
+    pairs: list[tuple[str, object]], status: int, kind: int = 1
+) -> ExportTraceServiceRequest:
     span = Span(
         trace_id=bytes(range(1, 17)),
         span_id=bytes(range(1, 9)),
         name="s",
+        kind=kind,  # type: ignore[arg-type]  # the enum's int values
         attributes=[KeyValue(key=k, value=any_value(v)) for k, v in pairs],
         status=Status(code=status),  # type: ignore[arg-type]  # the enum's int values
     )
@@ -266,16 +295,17 @@ def _request(pairs: list[tuple[str, object]], status: int) -> ExportTraceService
 
 
 @settings(max_examples=800, suppress_health_check=[HealthCheck.too_slow], deadline=None)
-@given(span_pairs, st.sampled_from([0, 0, 1, 2]))
-def test_every_failing_span_is_screened(pairs: Pairs, status: int) -> None:
-    assert_screened(_request(pairs, status).SerializeToString())
+@given(span_pairs, st.sampled_from([0, 0, 1, 2]), st.sampled_from([1, 2, 3]))
+def test_early_reads_agree_with_normalization(pairs: Pairs, status: int, kind: int) -> None:
+    """Failing spans pass a screen; dependency_of names the record's dependency."""
+    assert_early_reads_agree(_request(pairs, status, kind).SerializeToString())
 
 
 def test_realistic_spans_are_screened_and_most_successes_are_not() -> None:
     payloads = make_requests(4, 500, failure_rate=0.05, seed=3)
     failing = passed = total = 0
     for payload in payloads:
-        assert_screened(payload)
+        assert_early_reads_agree(payload)
         for item in wire_spans(payload):
             total += 1
             failing += normalize_wire(item).error is not None
@@ -338,7 +368,27 @@ def test_every_tool_output_and_finish_reason_is_screened() -> None:
     for convention, pairs in TOOL_SPANS.items():
         for text in OUTPUTS:
             request = _request([*pairs, (TOOL_OUTPUT_KEYS[convention], text)], 0)
-            assert_screened(request.SerializeToString())
+            assert_early_reads_agree(request.SerializeToString())
     for key, pairs in FINISH_SPANS.items():
         for value in REASONS:
-            assert_screened(_request([*pairs, (key, value)], 0).SerializeToString())
+            assert_early_reads_agree(_request([*pairs, (key, value)], 0).SerializeToString())
+
+
+def test_dependency_of_names_what_the_record_names() -> None:
+    client = [("http.request.method", "GET"), ("url.full", "https://API.example.com/v1")]
+    cases = {
+        "http:api.example.com": (client, 3),
+        "": (client, 2),  # a server span: its own host is no dependency
+        "openai:gpt-4o": (
+            [
+                ("gen_ai.operation.name", "chat"),
+                ("gen_ai.system", "openai"),
+                ("gen_ai.request.model", "gpt-4o"),
+            ],
+            3,
+        ),
+        "tool:search": ([("openinference.span.kind", "TOOL"), ("tool.name", "search")], 1),
+    }
+    for expected, (pairs, kind) in cases.items():
+        [item] = wire_spans(_request(pairs, 0, kind).SerializeToString())
+        assert (expected, expected) == (dependency_of(item), normalize_wire(item).dependency)

@@ -632,7 +632,16 @@ def test_json_schema_describes_the_file() -> None:
 
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert schema["properties"]["version"]["const"] == 1
-    assert set(schema["properties"]) == {"version", "builtin", "observe", "rules", "policies"}
+    assert set(schema["properties"]) == {
+        "version",
+        "builtin",
+        "observe",
+        "rules",
+        "policies",
+        "breakers",
+        "retry_budget",
+        "restart_intensity",
+    }
     assert schema["$defs"]["Rule"]["properties"]["class"]["enum"] == [
         "transient",
         "model",

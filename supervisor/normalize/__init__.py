@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -56,6 +56,7 @@ from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 __all__ = [
     "UNKNOWN_SERVICE",
     "WireSpan",
+    "dependency_of",
     "failures",
     "may_fail_quietly",
     "normalize_payload",
@@ -175,14 +176,15 @@ def _normalize(
     attrs = converted.values
     draft = Draft(converted)
     keys = set(attrs)  # one pass over the keys; the conventions test against it
+    kind = span.kind
+    _identify(draft, keys, kind)
     if openinference.MARKER in keys:
         openinference.extract(draft)
     if genai.applies(keys):
         genai.extract(draft)
     if openllmetry.applies(keys):
         openllmetry.extract(draft)
-    kind = span.kind
-    http_rpc.extract(draft, kind)
+    http_rpc.extract(draft)
     role = draft.role or Role.OTHER
 
     status = span.status
@@ -223,17 +225,7 @@ def _normalize(
     name = span.name
     if len(name) > _MAX_SPAN_NAME:
         name = name[:_MAX_SPAN_NAME]
-    tool_name = draft.tool_name
-    if not tool_name and role is Role.TOOL:
-        tool_name = name[:MAX_NAME_CHARS]  # a tool span without a tool name is named after it
-    if role is Role.LLM:
-        dependency = f"{provider or 'unknown'}:{model or 'unknown'}" if provider or model else ""
-    elif role is Role.TOOL:
-        dependency = f"tool:{tool_name}" if tool_name else ""
-    elif role is Role.HTTP:
-        dependency = f"http:{draft.host}" if draft.host else ""
-    else:
-        dependency = ""
+    tool_name, dependency = _dependency(draft, role, name)
     return SpanRecord(
         span.trace_id.hex(),
         span.span_id.hex(),
@@ -258,6 +250,55 @@ def _normalize(
         attrs if isinstance(attrs, RawAttributes) else MappingProxyType(attrs),
         resource,
     )
+
+
+def _identify(draft: Draft, keys: Collection[str], span_kind: int) -> None:
+    """Every convention's idea of the span's role, provider, model, tool and host."""
+    if openinference.MARKER in keys:
+        openinference.identify(draft)
+    if genai.applies(keys):
+        genai.identify(draft)
+    if openllmetry.applies(keys):
+        openllmetry.identify(draft)
+    http_rpc.identify(draft, span_kind)
+
+
+def _dependency(draft: Draft, role: Role, name: str) -> tuple[str, str]:
+    """The tool name and the ``dependency`` key of an identified span."""
+    tool_name = draft.tool_name
+    if not tool_name and role is Role.TOOL:
+        tool_name = name[:MAX_NAME_CHARS]  # a tool span without a tool name is named after it
+    if role is Role.LLM:
+        provider = draft.provider
+        model = draft.response_model or draft.request_model
+        dependency = f"{provider or 'unknown'}:{model or 'unknown'}" if provider or model else ""
+    elif role is Role.TOOL:
+        dependency = f"tool:{tool_name}" if tool_name else ""
+    elif role is Role.HTTP:
+        dependency = f"http:{draft.host}" if draft.host else ""
+    else:
+        dependency = ""
+    return tool_name, dependency
+
+
+def dependency_of(item: WireSpan) -> str:
+    """A span's ``dependency`` without normalizing it: what breakers count successes by.
+
+    Reads only the attributes that name the dependency, through the same
+    adapter functions as :func:`normalize_wire`, so both give the same key.
+    Never raises (``""`` for a span that cannot be read).
+    """
+    span, _, _, present = item
+    try:
+        draft = Draft(LazyConverted(RawAttributes(span.attributes)))
+        _identify(draft, present, span.kind)
+        role = draft.role
+        if role is None or role is Role.AGENT or role is Role.CHAIN or role is Role.OTHER:
+            return ""
+        name = span.name
+        return _dependency(draft, role, name[:_MAX_SPAN_NAME])[1]
+    except Exception:  # boundary: an unreadable span counts for no dependency
+        return ""
 
 
 def _exception_event(events: Any) -> tuple[str, str] | None:

@@ -32,9 +32,11 @@ from supervisor.normalize.attributes import (
 from supervisor.records import Role
 
 __all__ = [
+    "MARKERS",
     "applies",
     "extract",
     "finish_reasons",
+    "identify",
     "message_output",
     "normalize_provider",
     "role_of",
@@ -43,7 +45,7 @@ __all__ = [
     "tool_names",
 ]
 
-_MARKERS = frozenset(
+MARKERS = frozenset(
     {
         "gen_ai.operation.name",
         "gen_ai.provider.name",
@@ -128,7 +130,7 @@ def normalize_provider(value: object) -> str:
 
 def applies(keys: Collection[str]) -> bool:
     """Whether a span with these attribute keys carries GenAI semconv attributes."""
-    return not _MARKERS.isdisjoint(keys)
+    return not MARKERS.isdisjoint(keys)
 
 
 def role_of(a: Mapping[str, object]) -> Role | None:
@@ -145,10 +147,9 @@ def role_of(a: Mapping[str, object]) -> Role | None:
     return role
 
 
-def extract(draft: Draft) -> None:
-    """Fill the draft from ``gen_ai.*`` attributes (fields still empty only)."""
+def identify(draft: Draft) -> None:
+    """Role, provider, models and tool name: what a span's dependency is made of."""
     a = draft.attrs.values
-    draft.conventions.append("gen_ai")
     if draft.role is None:
         draft.role = role_of(a)
     if not draft.provider:
@@ -157,6 +158,14 @@ def extract(draft: Draft) -> None:
         draft.request_model = as_str(a.get("gen_ai.request.model"))
     if not draft.response_model:
         draft.response_model = as_str(a.get("gen_ai.response.model"))
+    if not draft.tool_name and "gen_ai.tool.name" in a:
+        draft.tool_name = as_str(a.get("gen_ai.tool.name"))
+
+
+def extract(draft: Draft) -> None:
+    """Fill the draft from ``gen_ai.*`` attributes (fields still empty only)."""
+    a = draft.attrs.values
+    draft.conventions.append("gen_ai")
     if draft.input_tokens is None:
         draft.input_tokens = as_int(
             a.get("gen_ai.usage.input_tokens", a.get("gen_ai.usage.prompt_tokens"))
@@ -169,8 +178,7 @@ def extract(draft: Draft) -> None:
         draft.session_id = as_str(a.get("gen_ai.conversation.id"))
     if not draft.finish_reasons:
         draft.finish_reasons = finish_reasons(a.get("gen_ai.response.finish_reasons"))
-    if "gen_ai.tool.name" in a and not draft.tool_name:
-        draft.tool_name = as_str(a.get("gen_ai.tool.name"))
+    if "gen_ai.tool.name" in a:
         if draft.tool_args is None:
             draft.tool_args = draft.attrs.full("gen_ai.tool.call.arguments")
         if not draft.output_text:

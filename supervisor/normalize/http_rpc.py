@@ -18,7 +18,14 @@ from collections.abc import Mapping
 from supervisor.normalize.attributes import MAX_NAME_CHARS, Draft, as_int, as_str
 from supervisor.records import GRPC_CODES, AttrValue, Role
 
-__all__ = ["GRPC_CODES", "SPAN_KIND_SERVER", "extract", "grpc_code", "host_of_url"]
+__all__ = [
+    "GRPC_CODES",
+    "SPAN_KIND_SERVER",
+    "extract",
+    "grpc_code",
+    "host_of_url",
+    "identify",
+]
 
 #: OTLP SpanKind SERVER.
 SPAN_KIND_SERVER = 2
@@ -75,8 +82,22 @@ def host_of_url(url: str) -> str:
     return host[:MAX_NAME_CHARS].lower()
 
 
-def extract(draft: Draft, span_kind: int) -> None:
-    """Read HTTP/RPC status codes for every span; role and host for HTTP/RPC spans."""
+def identify(draft: Draft, span_kind: int) -> None:
+    """Role ``http`` for a span no other convention claimed, and the host it called."""
+    if draft.role is not None:
+        return
+    a = draft.attrs.values
+    is_rpc = "rpc.system" in a or "rpc.grpc.status_code" in a or "rpc.response.status_code" in a
+    has_status = "http.response.status_code" in a or "http.status_code" in a
+    if not is_rpc and not has_status and not _is_http(a):
+        return
+    draft.role = Role.HTTP
+    if span_kind != SPAN_KIND_SERVER:
+        draft.host = _host(a) or (as_str(a.get("rpc.service")) if is_rpc else "")
+
+
+def extract(draft: Draft) -> None:
+    """Read HTTP/RPC status codes for every span."""
     a = draft.attrs.values
     status = a.get("http.response.status_code")
     if status is None:
@@ -88,15 +109,8 @@ def extract(draft: Draft, span_kind: int) -> None:
     if is_rpc:
         draft.conventions.append("rpc")
         draft.grpc_code = _grpc(a)
-    if draft.role is not None:
-        return
-    if not is_rpc and status is None:
-        if not _is_http(a):
-            return
-        draft.conventions.append("http")
-    draft.role = Role.HTTP
-    if span_kind != SPAN_KIND_SERVER:
-        draft.host = _host(a) or (as_str(a.get("rpc.service")) if is_rpc else "")
+    elif status is None and draft.role is Role.HTTP:
+        draft.conventions.append("http")  # named by its method or URL only
 
 
 def _grpc(a: Mapping[str, AttrValue]) -> int | None:

@@ -31,7 +31,7 @@ from supervisor.normalize.attributes import (
 from supervisor.normalize.genai import normalize_provider, tool_name_in
 from supervisor.records import AttrValue, Role
 
-__all__ = ["MARKER", "extract", "kind_role", "offered_tools", "output_messages"]
+__all__ = ["MARKER", "extract", "identify", "kind_role", "offered_tools", "output_messages"]
 
 #: The attribute whose presence says the span follows OpenInference.
 MARKER = "openinference.span.kind"
@@ -53,24 +53,31 @@ _MAX_CONTENTS = 16
 _MAX_TOOLS = 128
 
 
+def identify(draft: Draft) -> None:
+    """Role, provider, models and tool name: what a span's dependency is made of."""
+    a = draft.attrs.values
+    role = kind_role(a.get(MARKER))
+    if draft.role is None:
+        draft.role = role
+    if role is Role.LLM:
+        _llm_identity(draft, a)
+    elif role is Role.TOOL and not draft.tool_name:
+        draft.tool_name = as_str(a.get("tool.name"))
+
+
 def extract(draft: Draft) -> None:
-    """Fill the draft from OpenInference attributes (fields still empty only)."""
+    """Fill the rest of the draft from OpenInference attributes (fields still empty only)."""
     a = draft.attrs.values
     draft.conventions.append("openinference")
     kind = a.get(MARKER)
     kind_name = kind.upper() if isinstance(kind, str) else ""
     role = kind_role(kind)
-    if draft.role is None:
-        draft.role = role
     if not draft.session_id:
         draft.session_id = as_str(a.get("session.id"))
     if role is Role.LLM:
         _llm(draft, a, kind_name)
-    elif role is Role.TOOL:
-        if not draft.tool_name:
-            draft.tool_name = as_str(a.get("tool.name"))
-        if draft.tool_args is None:
-            draft.tool_args = draft.attrs.full("input.value")
+    elif role is Role.TOOL and draft.tool_args is None:
+        draft.tool_args = draft.attrs.full("input.value")
     if not draft.output_text and role is not Role.LLM:
         draft.output_text = text_value(draft.attrs.full("output.value"))
 
@@ -80,7 +87,7 @@ def kind_role(kind: object) -> Role:
     return _KIND_ROLES.get(kind.upper(), Role.OTHER) if isinstance(kind, str) else Role.OTHER
 
 
-def _llm(draft: Draft, a: Mapping[str, AttrValue], kind_name: str) -> None:
+def _llm_identity(draft: Draft, a: Mapping[str, AttrValue]) -> None:
     if not draft.provider:
         draft.provider = normalize_provider(a.get("llm.provider") or a.get("llm.system"))
     if not draft.response_model:
@@ -97,6 +104,9 @@ def _llm(draft: Draft, a: Mapping[str, AttrValue], kind_name: str) -> None:
         parsed = parse_json(params) if isinstance(params, str) else None
         if isinstance(parsed, dict):
             draft.request_model = as_str(parsed.get("model"))
+
+
+def _llm(draft: Draft, a: Mapping[str, AttrValue], kind_name: str) -> None:
     if draft.input_tokens is None:
         draft.input_tokens = as_int(a.get("llm.token_count.prompt"))
     if draft.output_tokens is None:

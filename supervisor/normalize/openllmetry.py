@@ -29,15 +29,17 @@ from supervisor.normalize.attributes import (
 from supervisor.records import Role
 
 __all__ = [
+    "MARKERS",
     "applies",
     "completions",
     "extract",
     "has_completions",
+    "identify",
     "kind_role",
     "offered_functions",
 ]
 
-_MARKERS = frozenset(
+MARKERS = frozenset(
     {
         "traceloop.span.kind",
         "traceloop.entity.name",
@@ -70,7 +72,25 @@ _MAX_FUNCTIONS = 128
 
 def applies(keys: Collection[str]) -> bool:
     """Whether a span with these attribute keys carries OpenLLMetry / Traceloop attributes."""
-    return not _MARKERS.isdisjoint(keys)
+    return not MARKERS.isdisjoint(keys)
+
+
+def _role(a: Mapping[str, object]) -> Role | None:
+    role = kind_role(a.get("traceloop.span.kind"))
+    request_type = a.get("llm.request.type")
+    if role is None and isinstance(request_type, str) and request_type in _REQUEST_TYPES:
+        role = Role.LLM
+    return role
+
+
+def identify(draft: Draft) -> None:
+    """Role and tool name: what a span's dependency is made of."""
+    a = draft.attrs.values
+    role = _role(a)
+    if draft.role is None and role is not None:
+        draft.role = role
+    if role is Role.TOOL and not draft.tool_name:
+        draft.tool_name = as_str(a.get("traceloop.entity.name"))
 
 
 def extract(draft: Draft) -> None:
@@ -78,22 +98,15 @@ def extract(draft: Draft) -> None:
     a = draft.attrs.values
     draft.conventions.append("openllmetry")
     kind = a.get("traceloop.span.kind")
-    role = kind_role(kind)
-    request_type = a.get("llm.request.type")
-    if role is None and isinstance(request_type, str) and request_type in _REQUEST_TYPES:
-        role = Role.LLM
-    if draft.role is None and role is not None:
-        draft.role = role
+    role = _role(a)
     if not draft.session_id:
         for key in _SESSION_KEYS:
             session = as_str(a.get(key))
             if session:
                 draft.session_id = session
                 break
-    if role is Role.TOOL and not draft.tool_name:
-        draft.tool_name = as_str(a.get("traceloop.entity.name"))
-        if draft.tool_args is None:
-            draft.tool_args = draft.attrs.full("traceloop.entity.input")
+    if role is Role.TOOL and draft.tool_args is None:
+        draft.tool_args = draft.attrs.full("traceloop.entity.input")
     if kind is not None and not draft.output_text:
         draft.output_text = text_value(draft.attrs.full("traceloop.entity.output"))
     if not draft.finish_reasons:

@@ -103,9 +103,10 @@ _QUIET_KEYS = frozenset(
 )
 
 
-#: Every key the screens test for.
+#: Every key the screens test for, and the conventions' markers (for
+#: :func:`supervisor.normalize.dependency_of`).
 WATCHED_KEYS = _SIGNAL_KEYS | _QUIET_KEYS | {_OUTPUT_MESSAGES, "gen_ai.tool.definitions"}
-WATCHED_KEYS |= frozenset(_TOOL_OUTPUT_KEYS)
+WATCHED_KEYS |= frozenset(_TOOL_OUTPUT_KEYS) | genai.MARKERS | openllmetry.MARKERS
 
 
 def shows_failure_signal(item: WireSpan) -> bool:

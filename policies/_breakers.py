@@ -1,0 +1,490 @@
+"""Circuit breakers per dependency, fed by the outcomes the sidecar observes in spans.
+
+A dependency is a string such as ``openai:gpt-4o``, ``tool:search`` or
+``http:api.example.com``. The sidecar does not make the calls it judges, so the
+board never wraps one: ``record(dependency, ok)`` replays each observed outcome
+through a pybreaker ``CircuitBreaker`` (a no-op call that returns, or raises a
+private error), which keeps pybreaker's counting, listeners and optional shared
+storage (``pybreaker.CircuitRedisStorage``) in charge of closed → open and
+half-open → closed / open.
+
+Time is the board's own injectable clock, never pybreaker's: pybreaker decides
+open → half-open with ``datetime.now()`` inside ``call``, which tests cannot
+control. The board stamps ``opened_at`` from its clock when pybreaker opens a
+breaker (a pybreaker listener), moves it to half-open itself
+(``breaker.half_open()``) once ``clock() >= opened_at + reset_timeout_s``, and
+never hands pybreaker an outcome while its breaker is open, so pybreaker's
+wall-clock check is never reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import pybreaker
+
+log = logging.getLogger("spanvisor.breakers")
+
+#: Upper bounds that keep a typo in a policy from disabling a breaker for good.
+MAX_FAIL_MAX = 10_000
+MAX_SUCCESS_THRESHOLD = 10_000
+MAX_RESET_TIMEOUT_S = 86_400.0
+
+
+class BreakerState(str, Enum):
+    """Where a dependency's breaker stands."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+    #: Forced open by an operator (``isolate``) until ``close``; no timeout.
+    ISOLATED = "isolated"
+
+
+_FROM_PYBREAKER: dict[str, BreakerState] = {
+    pybreaker.STATE_CLOSED: BreakerState.CLOSED,
+    pybreaker.STATE_OPEN: BreakerState.OPEN,
+    pybreaker.STATE_HALF_OPEN: BreakerState.HALF_OPEN,
+}
+
+#: Why a breaker changed state, by (old, new), when an observed outcome changed it.
+_OUTCOME_REASONS: dict[tuple[BreakerState, BreakerState], str] = {
+    (BreakerState.CLOSED, BreakerState.OPEN): "failures",
+    (BreakerState.HALF_OPEN, BreakerState.OPEN): "trial_failed",
+    (BreakerState.HALF_OPEN, BreakerState.CLOSED): "trial_succeeded",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    """How one dependency's breaker trips and recovers.
+
+    ``fail_max`` consecutive failures open it; it stays open ``reset_timeout_s``
+    seconds, then lets trial calls through (half-open); ``success_threshold``
+    successful trials close it, one failed trial opens it again.
+    """
+
+    fail_max: int = 5
+    reset_timeout_s: float = 30.0
+    success_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        _check_int("fail_max", self.fail_max, 1, MAX_FAIL_MAX)
+        _check_seconds("reset_timeout_s", self.reset_timeout_s, MAX_RESET_TIMEOUT_S)
+        _check_int("success_threshold", self.success_threshold, 1, MAX_SUCCESS_THRESHOLD)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerChange:
+    """One state change of one breaker, as passed to ``on_change``.
+
+    ``reason`` is one of ``failures`` (closed → open), ``reset_timeout`` (open →
+    half_open), ``trial_succeeded`` (half_open → closed), ``trial_failed``
+    (half_open → open), ``isolated``, ``closed_manually``, or ``shared_storage``
+    (another process sharing the breaker's storage changed it). ``failures`` is
+    the consecutive failure count at the change (the count that tripped it, for
+    ``failures`` and ``trial_failed``).
+    """
+
+    dependency: str
+    old: BreakerState
+    new: BreakerState
+    reason: str
+    at: float
+    failures: int
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerInfo:
+    """One breaker as ``snapshot`` sees it.
+
+    ``failures`` is the consecutive failure count as pybreaker keeps it: reset by
+    a success or a close, kept while open (outcomes are not counted then).
+    ``opened_at`` is the clock value when it last opened (None once closed);
+    ``reopens_at`` is when it goes half-open, set only while it is open.
+    """
+
+    dependency: str
+    state: BreakerState
+    failures: int
+    opened_at: float | None
+    reopens_at: float | None
+
+
+class _ObservedFailure(Exception):
+    """A failure seen in a span, replayed through pybreaker so that it counts."""
+
+
+def _succeed() -> None:
+    return None
+
+
+def _fail() -> None:
+    # A new instance each time: re-raising one instance would grow its traceback.
+    raise _ObservedFailure
+
+
+class _Entry:
+    """A breaker and what the board keeps beside it (its clock, its manual state)."""
+
+    __slots__ = ("breaker", "failures", "isolated", "opened_at", "settings", "state")
+
+    def __init__(self, settings: BreakerSettings) -> None:
+        self.settings = settings
+        self.breaker: Any = None  # pybreaker.CircuitBreaker, set once its listener exists
+        #: The state last reported through on_change (a change is a difference from it).
+        self.state = BreakerState.CLOSED
+        #: The failure count last read, for eviction without a storage round trip.
+        self.failures = 0
+        self.opened_at: float | None = None
+        self.isolated = False
+
+
+class _Watch(pybreaker.CircuitBreakerListener):
+    """Stamps the entry's ``opened_at`` from the board's clock when pybreaker opens it."""
+
+    def __init__(self, entry: _Entry, now: Callable[[], float]) -> None:
+        self._entry = entry
+        self._now = now
+
+    def state_change(self, cb: Any, old_state: Any, new_state: Any) -> None:
+        # pybreaker notifies open → open too (open() on an open breaker): not a new opening.
+        if new_state.name == pybreaker.STATE_OPEN and (
+            old_state is None or old_state.name != pybreaker.STATE_OPEN
+        ):
+            self._entry.opened_at = self._now()
+
+
+class BreakerBoard:
+    """One circuit breaker per dependency, driven by observed outcomes.
+
+    Lifecycle of a breaker: created closed on the first ``record`` (or
+    ``isolate`` / ``close``) of its dependency. Closed: ``fail_max`` consecutive
+    failures open it; a success resets the count. Open: outcomes are ignored
+    (calls already in flight, or made against advice) until ``reset_timeout_s``
+    has passed on the clock; the breaker is then half-open, as ``state``,
+    ``record`` and ``snapshot`` see it. Half-open: ``success_threshold``
+    successes close it, one failure opens it again (a new ``opened_at``).
+    ``isolate`` forces it open with no timeout and outcomes ignored, until
+    ``close``, which closes it and resets its counts.
+
+    Bounded: at most ``max_breakers`` breakers. A new dependency on a full board
+    evicts the least recently used closed breaker with no failures (counted in
+    ``evictions``); when there is none it is not tracked (counted in
+    ``untracked``) and reads as closed.
+
+    A clock that goes backwards never crashes the board: an open breaker then
+    waits a full ``reset_timeout_s`` from the earlier time. A non-finite clock
+    reading is replaced by the last finite one.
+
+    Thread-safety: meant for one thread (the sidecar's event loop); every method
+    holds a re-entrant lock all the same. ``on_change`` runs on the calling
+    thread after the lock is released, in the order the changes happened; one
+    that raises is logged (the first time, with its traceback), counted in
+    ``listener_errors`` and otherwise ignored.
+
+    ``settings`` is one ``BreakerSettings`` for every dependency, or a function
+    of the dependency read once, when its breaker is created.
+    ``storage_factory(dependency)`` gives each breaker's pybreaker storage
+    (default: in memory); with a shared one, changes made by other processes are
+    reported with reason ``shared_storage`` when this board notices them (only
+    for dependencies it has a breaker for: ``state`` never creates one).
+    ``isolate`` is local to the board: the shared storage shows the breaker
+    open, and other boards half-open it after their own timeout.
+    """
+
+    def __init__(
+        self,
+        settings: BreakerSettings | Callable[[str], BreakerSettings] | None = None,
+        *,
+        on_change: Callable[[BreakerChange], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_breakers: int = 10_000,
+        storage_factory: Callable[[str], pybreaker.CircuitBreakerStorage] | None = None,
+    ) -> None:
+        _check_int("max_breakers", max_breakers, 1, None)
+        if settings is None:
+            settings = BreakerSettings()
+        if isinstance(settings, BreakerSettings):
+            fixed = settings
+            self._settings_for: Callable[[str], BreakerSettings] = lambda _dependency: fixed
+        else:
+            self._settings_for = settings
+        self._on_change = on_change
+        self._clock = clock
+        self._storage_factory = storage_factory
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._last_now = 0.0
+        self.max_breakers = max_breakers
+        #: Breakers evicted to make room (closed, no failures, least recently used first).
+        self.evictions = 0
+        #: Operations on dependencies that found the board full with nothing evictable.
+        self.untracked = 0
+        #: ``on_change`` calls that raised.
+        self.listener_errors = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, dependency: str, ok: bool) -> BreakerState:
+        """Count one observed outcome of ``dependency``; its breaker's state afterwards."""
+        changes: list[BreakerChange] = []
+        with self._lock:
+            now = self._now()
+            entry = self._get_or_create(dependency)
+            if entry is None:
+                state = BreakerState.CLOSED
+            else:
+                state = self._refresh(dependency, entry, now, changes)
+                if state is BreakerState.CLOSED or state is BreakerState.HALF_OPEN:
+                    state = self._feed(dependency, entry, ok, state, now=now, changes=changes)
+        self._emit(changes)
+        return state
+
+    def state(self, dependency: str) -> BreakerState:
+        """The state of ``dependency``'s breaker; closed when it has none (none is created)."""
+        changes: list[BreakerChange] = []
+        with self._lock:
+            entry = self._entries.get(dependency)
+            if entry is None:
+                return BreakerState.CLOSED
+            self._entries.move_to_end(dependency)
+            state = self._refresh(dependency, entry, self._now(), changes)
+        self._emit(changes)
+        return state
+
+    def info(self, dependency: str) -> BreakerInfo:
+        """``dependency``'s breaker as ``snapshot`` shows it; closed when it has none."""
+        changes: list[BreakerChange] = []
+        with self._lock:
+            entry = self._entries.get(dependency)
+            if entry is None:
+                return BreakerInfo(dependency, BreakerState.CLOSED, 0, None, None)
+            result = self._info(dependency, entry, self._now(), changes)
+        self._emit(changes)
+        return result
+
+    def snapshot(self) -> list[BreakerInfo]:
+        """Every tracked breaker, sorted by dependency (does not change recency)."""
+        changes: list[BreakerChange] = []
+        with self._lock:
+            now = self._now()
+            result = [
+                self._info(dependency, self._entries[dependency], now, changes)
+                for dependency in sorted(self._entries)
+            ]
+        self._emit(changes)
+        return result
+
+    def isolate(self, dependency: str) -> bool:
+        """Force ``dependency``'s breaker open until ``close``.
+
+        False only when the board is full with nothing evictable, so the
+        dependency could not be tracked (counted in ``untracked``).
+        """
+        changes: list[BreakerChange] = []
+        with self._lock:
+            now = self._now()
+            entry = self._get_or_create(dependency)
+            if entry is None:
+                log.warning("cannot isolate %s: %d breakers, none evictable", dependency, len(self))
+                return False
+            if self._refresh(dependency, entry, now, changes) is not BreakerState.ISOLATED:
+                entry.isolated = True
+                # Open in pybreaker too, so boards sharing its storage see it open.
+                entry.breaker.open()
+                self._change(
+                    dependency, entry, BreakerState.ISOLATED, "isolated", now=now, changes=changes
+                )
+        self._emit(changes)
+        return True
+
+    def close(self, dependency: str) -> None:
+        """Close ``dependency``'s breaker and reset its counts, whatever its state.
+
+        Creates it, closed, when the dependency has none.
+        """
+        changes: list[BreakerChange] = []
+        with self._lock:
+            now = self._now()
+            entry = self._get_or_create(dependency)
+            if entry is None:
+                return  # untracked reads as closed anyway
+            old = self._refresh(dependency, entry, now, changes)
+            entry.isolated = False
+            entry.breaker.close()  # resets pybreaker's failure and success counts
+            entry.opened_at = None
+            if old is BreakerState.CLOSED:
+                entry.failures = 0
+            else:
+                self._change(
+                    dependency,
+                    entry,
+                    BreakerState.CLOSED,
+                    "closed_manually",
+                    now=now,
+                    changes=changes,
+                )
+        self._emit(changes)
+
+    # -- internals (called with the lock held) --------------------------------------------
+
+    def _now(self) -> float:
+        now = self._clock()
+        if math.isfinite(now):
+            self._last_now = now
+        return self._last_now
+
+    def _stamp(self) -> float:
+        """The time of the operation in progress, for the listener's ``opened_at``."""
+        return self._last_now
+
+    def _get_or_create(self, dependency: str) -> _Entry | None:
+        entries = self._entries
+        entry = entries.get(dependency)
+        if entry is not None:
+            entries.move_to_end(dependency)
+            return entry
+        # Settings and storage first: if either raises, nothing has been evicted.
+        settings = self._settings_for(dependency)
+        if not isinstance(settings, BreakerSettings):
+            raise TypeError(
+                f"settings for {dependency!r} must be BreakerSettings, got {settings!r}"
+            )
+        if len(entries) >= self.max_breakers and not self._evict_one():
+            self.untracked += 1
+            return None
+        storage = self._storage_factory(dependency) if self._storage_factory else None
+        entry = _Entry(settings)
+        entry.breaker = pybreaker.CircuitBreaker(
+            fail_max=settings.fail_max,
+            reset_timeout=settings.reset_timeout_s,
+            success_threshold=settings.success_threshold,
+            listeners=[_Watch(entry, self._stamp)],
+            name=dependency,
+            state_storage=storage,
+        )
+        entries[dependency] = entry
+        return entry
+
+    def _evict_one(self) -> bool:
+        # Cached state and count: no storage round trip per breaker scanned.
+        for dependency, entry in self._entries.items():
+            if entry.state is BreakerState.CLOSED and entry.failures == 0 and not entry.isolated:
+                del self._entries[dependency]
+                self.evictions += 1
+                return True
+        return False
+
+    def _refresh(
+        self, dependency: str, entry: _Entry, now: float, changes: list[BreakerChange]
+    ) -> BreakerState:
+        """The entry's state now: catches up with the storage and the reset timeout."""
+        if entry.isolated:
+            return BreakerState.ISOLATED
+        # Reading .state re-reads the storage (and notifies listeners if it changed).
+        state = _FROM_PYBREAKER[entry.breaker.state.name]
+        if state is not entry.state:
+            self._change(dependency, entry, state, "shared_storage", now=now, changes=changes)
+        if state is BreakerState.OPEN:
+            opened_at = entry.opened_at
+            if opened_at is None or now < opened_at:
+                # Opened elsewhere (shared storage), or the clock went back: a full wait from now.
+                entry.opened_at = opened_at = now
+            if now >= opened_at + entry.settings.reset_timeout_s:
+                entry.breaker.half_open()
+                state = BreakerState.HALF_OPEN
+                self._change(dependency, entry, state, "reset_timeout", now=now, changes=changes)
+        return state
+
+    def _feed(
+        self,
+        dependency: str,
+        entry: _Entry,
+        ok: bool,
+        before: BreakerState,
+        *,
+        now: float,
+        changes: list[BreakerChange],
+    ) -> BreakerState:
+        """Replay one outcome through pybreaker (closed or half-open only)."""
+        breaker = entry.breaker
+        # pybreaker hands a counted failure back as our error, or as CircuitBreakerError when
+        # it trips; CircuitBreakerError also comes when a shared storage was opened meanwhile
+        # (the outcome is then ignored, as any outcome while open).
+        with contextlib.suppress(_ObservedFailure, pybreaker.CircuitBreakerError):
+            breaker.call(_succeed if ok else _fail)
+        after = _FROM_PYBREAKER[breaker.state.name]
+        if after is before:
+            entry.failures = breaker.fail_counter
+        else:
+            reason = _OUTCOME_REASONS.get((before, after), "shared_storage")
+            self._change(dependency, entry, after, reason, now=now, changes=changes)
+        return after
+
+    def _change(
+        self,
+        dependency: str,
+        entry: _Entry,
+        new: BreakerState,
+        reason: str,
+        *,
+        now: float,
+        changes: list[BreakerChange],
+    ) -> None:
+        old = entry.state
+        entry.state = new
+        entry.failures = failures = entry.breaker.fail_counter
+        if new is BreakerState.CLOSED:
+            entry.opened_at = None
+        changes.append(BreakerChange(dependency, old, new, reason, now, failures))
+
+    def _info(
+        self, dependency: str, entry: _Entry, now: float, changes: list[BreakerChange]
+    ) -> BreakerInfo:
+        state = self._refresh(dependency, entry, now, changes)
+        entry.failures = failures = entry.breaker.fail_counter
+        opened_at = entry.opened_at
+        reopens_at = None
+        if state is BreakerState.OPEN and opened_at is not None:
+            reopens_at = opened_at + entry.settings.reset_timeout_s
+        return BreakerInfo(dependency, state, failures, opened_at, reopens_at)
+
+    def _emit(self, changes: list[BreakerChange]) -> None:
+        on_change = self._on_change
+        if on_change is None:
+            return
+        for change in changes:
+            try:
+                on_change(change)
+            except Exception:
+                with self._lock:
+                    self.listener_errors += 1
+                    first = self.listener_errors == 1
+                if first:
+                    log.exception("breaker on_change listener raised (logged once): %r", change)
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def _check_seconds(name: str, value: object, high: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or not 0 < value <= high:
+        raise ValueError(f"{name} must be more than 0 and at most {high:g} seconds, got {value}")

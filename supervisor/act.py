@@ -1,0 +1,155 @@
+"""Acting on decisions: store each incident with its commands, then wake the deliverers.
+
+The pipeline decides; this module makes the decision durable and deliverable:
+one :class:`~supervisor.store.NewIncident` per outcome (its key is the
+triggering span and rule, so a span seen twice adds nothing), its commands
+(:func:`supervisor.commands.plan_commands`) routed to the channel configured
+for the agent's service, and for escalations an approval request. Answering
+an approval stores the ``approval_result`` command the same way.
+
+Lifecycle: built by the sidecar with the store and the delivery settings;
+:meth:`Actor.record` per batch of outcomes from the pipeline's thread (a
+short SQLite transaction); :meth:`Actor.answer` from the control API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from supervisor.commands import approval_result, incident_key, plan_commands, proposal
+from supervisor.failure_log import outcome_json
+from supervisor.pipeline import Outcome
+from supervisor.records import Action
+from supervisor.settings import AgentDelivery
+from supervisor.store import Approval, NewIncident, Store, StoredCommand
+
+log = logging.getLogger("spanvisor.act")
+
+
+class PullWaiters:
+    """Wakes long-polling agents of a service when commands for it are stored."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+
+    def event(self, service: str) -> asyncio.Event:
+        found = self._events.get(service)
+        if found is None:
+            if len(self._events) >= 10_000:  # bounded: stale services are forgotten
+                self._events.clear()
+            found = self._events[service] = asyncio.Event()
+        return found
+
+    def notify(self, service: str) -> None:
+        found = self._events.get(service)
+        if found is not None:
+            found.set()
+            del self._events[service]  # the waiters hold it; the next wait gets a fresh one
+
+
+class Actor:
+    """Turns outcomes into stored incidents, commands and approvals; see the module."""
+
+    def __init__(
+        self,
+        store: Store,
+        agents: Mapping[str, AgentDelivery],
+        *,
+        wake_push: Callable[[], None] = lambda: None,
+        waiters: PullWaiters | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.agents = dict(agents)
+        self._wake_push = wake_push
+        self.waiters = waiters or PullWaiters()
+        self._clock = clock
+        self._unrouted: set[str] = set()
+
+    def channel_for(self, service: str) -> str:
+        """The channel configured for ``service`` (``"*"`` as the default), or ``""``."""
+        delivery = self.agents.get(service) or self.agents.get("*")
+        return delivery.channel if delivery is not None else ""
+
+    def record(self, outcomes: Sequence[Outcome]) -> list[StoredCommand]:
+        """Store the outcomes' incidents and commands; return the new commands."""
+        if not outcomes:
+            return []
+        now = self._clock()
+        incidents = [self._incident(outcome, now) for outcome in outcomes]
+        created = self.store.record(incidents, now)
+        self._announce(created)
+        return created
+
+    def _incident(self, outcome: Outcome, now: float) -> NewIncident:
+        failure, decision = outcome.failure, outcome.decision
+        commands = plan_commands(failure, decision, now)
+        channel = self.channel_for(failure.service) if commands else ""
+        if commands and not channel and failure.service not in self._unrouted:
+            self._unrouted.add(failure.service)
+            log.warning(
+                "no delivery channel for this service: its commands are dead-lettered"
+                " (configure agents in the settings)",
+                extra={"service": failure.service},
+            )
+        escalated = decision.action is Action.ESCALATE and not decision.observe_only
+        return NewIncident(
+            key=incident_key(failure),
+            trace_id=failure.trace_id,
+            span_id=failure.span_id,
+            rule=failure.rule,
+            service=failure.service,
+            run_id=failure.run_id,
+            action=decision.action.value,
+            body={**outcome_json(outcome), "received_ns": failure.received_ns},
+            commands=[(c, channel) for c in commands],
+            approval=proposal(failure, decision) if escalated else None,
+        )
+
+    def _announce(self, created: Sequence[StoredCommand]) -> None:
+        push = False
+        for stored in created:
+            if stored.status != "pending":
+                continue
+            if stored.channel == "pull":
+                self.waiters.notify(stored.command.service)
+            else:
+                push = True
+        if push:
+            self._wake_push()
+
+    def answer(self, approval_id: str, *, approved: bool, by: str, note: str) -> Approval:
+        """Record a person's answer and send the agent its ``approval_result``."""
+        now = self._clock()
+        answered = self.store.answer(approval_id, approved=approved, by=by, note=note, now=now)
+        command = approval_result(
+            answered.body.get("what", {}),
+            approval_id=answered.id,
+            incident=answered.incident_key,
+            approved=approved,
+            by=by,
+            note=note,
+            proposal_body=answered.body,
+            now=now,
+        )
+        created = self.store.add_commands(
+            answered.incident_key, [(command, self.channel_for(command.service))]
+        )
+        self._announce(created)
+        log.info(
+            "approval answered",
+            extra={"approval": answered.id, "approved": approved, "by": by},
+        )
+        return answered
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "channels": {name: d.channel for name, d in sorted(self.agents.items())},
+            "duplicate_incidents": self.store.duplicates,
+            "commands": self.store.counts(),
+            "overflowed": self.store.overflowed,
+        }

@@ -1,0 +1,186 @@
+"""What the control API and the CLI can do to a running sidecar, without HTTP.
+
+:mod:`supervisor.api` maps routes onto these methods, so every operation is
+testable in process with real components (an in-memory store, a real
+governor). Answers are JSON-ready; span content in them is data.
+
+Lifecycle: built by the sidecar once its parts exist; methods run on the
+sidecar's event loop (FastAPI's sync endpoints would use a thread pool, so
+the routes are all ``async``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from policies import Policy
+from policies._governor import Governor
+from supervisor.act import Actor
+from supervisor.inline import Question, decide
+from supervisor.settings import AgentDelivery, PullChannel
+from supervisor.store import ApprovalError, Store
+
+MAX_WAIT_S = 30.0
+MAX_LIMIT = 1000
+
+
+class ControlError(ValueError):
+    """A request the sidecar cannot do: the message says why (an API 4xx)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Control:
+    """The operations of the control API; see the module."""
+
+    store: Store
+    actor: Actor
+    governor: Governor
+    policy: Callable[[], Policy]
+    failures: Callable[[int], list[dict[str, Any]]]
+    stats: Callable[[], dict[str, Any]]
+    ready: Callable[[], bool]
+    reload: Callable[[], dict[str, Any]]
+    clock: Callable[[], float] = time.time
+
+    # -- incidents and commands -------------------------------------------
+
+    def incidents(self, limit: int) -> list[dict[str, Any]]:
+        return [
+            {"key": i.key, "created_at": i.created_at, **i.body}
+            for i in self.store.incidents(_limit(limit))
+        ]
+
+    def incident(self, key: str) -> dict[str, Any]:
+        found = self.store.incident(key)
+        if found is None:
+            raise ControlError(f"no incident {key!r}", 404)
+        return {"key": found.key, "created_at": found.created_at, **found.body}
+
+    def commands(
+        self, *, status: str | None, service: str | None, limit: int
+    ) -> list[dict[str, Any]]:
+        if status is not None and status not in ("pending", "leased", "delivered", "dead"):
+            raise ControlError("status must be pending, leased, delivered or dead")
+        found = self.store.commands(status=status, service=service, limit=_limit(limit))
+        return [c.to_json() for c in found]
+
+    def dead_letters(self, limit: int) -> list[dict[str, Any]]:
+        return self.commands(status="dead", service=None, limit=limit)
+
+    def _pull_settings(self, service: str) -> PullChannel:
+        delivery: AgentDelivery | None = self.actor.agents.get(service) or self.actor.agents.get(
+            "*"
+        )
+        if delivery is None or delivery.pull is None:
+            raise ControlError(
+                f"service {service!r} does not take commands by pull: configure"
+                f" agents.{service}.pull in the settings",
+                404,
+            )
+        return delivery.pull
+
+    async def pull(self, service: str, *, wait_s: float, limit: int) -> list[dict[str, Any]]:
+        """Lease due commands of ``service``, waiting up to ``wait_s`` for one (long poll)."""
+        if not service:
+            raise ControlError("service is required")
+        settings = self._pull_settings(service)
+        if not 0 <= wait_s <= MAX_WAIT_S:
+            raise ControlError(f"wait must be between 0 and {MAX_WAIT_S:g} seconds")
+        deadline = time.monotonic() + wait_s
+        while True:
+            event = self.actor.waiters.event(service)
+            leased = self.store.lease(service, self.clock(), settings.visibility_s, _limit(limit))
+            if leased:
+                return [c.to_json() for c in leased]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            # Commands delayed (not_before) become due without a notification: poll too.
+            next_due = self.store.next_due_at(("pull",))
+            if next_due is not None:
+                left = min(left, max(0.01, next_due - self.clock()))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout=left)
+
+    def ack(self, command_id: str, service: str) -> dict[str, Any]:
+        if not service:
+            raise ControlError("service is required")
+        if not self.store.ack(command_id, service, self.clock()):
+            found = self.store.command(command_id)
+            if found is None or found.command.service != service:
+                raise ControlError(f"no command {command_id!r} for service {service!r}", 404)
+            raise ControlError(
+                f"command {command_id!r} is {found.status}, not waiting for an ack", 409
+            )
+        return {"id": command_id, "status": "delivered"}
+
+    # -- approvals ----------------------------------------------------------
+
+    def approvals(self, status: str | None, limit: int) -> list[dict[str, Any]]:
+        if status is not None and status not in ("pending", "approved", "denied"):
+            raise ControlError("status must be pending, approved or denied")
+        return [a.to_json() for a in self.store.approvals(status=status, limit=_limit(limit))]
+
+    def approval(self, approval_id: str) -> dict[str, Any]:
+        found = self.store.approval(approval_id)
+        if found is None:
+            raise ControlError(f"no approval request {approval_id!r}", 404)
+        return found.to_json()
+
+    def answer(self, approval_id: str, *, approved: bool, by: str, note: str) -> dict[str, Any]:
+        try:
+            return self.actor.answer(approval_id, approved=approved, by=by, note=note).to_json()
+        except ApprovalError as exc:
+            status = 404 if "no approval" in str(exc) else 409
+            raise ControlError(str(exc), status) from None
+
+    # -- breakers -------------------------------------------------------------
+
+    def breakers(self) -> list[dict[str, Any]]:
+        return [_breaker_json(asdict(i)) for i in self.governor.board.snapshot()]
+
+    def breaker(self, dependency: str) -> dict[str, Any]:
+        self.governor.breaker_state(dependency)  # moves an elapsed open breaker to half-open
+        return _breaker_json(asdict(self.governor.board.info(dependency)))
+
+    def isolate(self, dependency: str) -> dict[str, Any]:
+        if not dependency:
+            raise ControlError("dependency is required")
+        if not self.governor.isolate(dependency):
+            raise ControlError("too many breakers are tracked to isolate another one", 503)
+        return self.breaker(dependency)
+
+    def close_breaker(self, dependency: str) -> dict[str, Any]:
+        if not dependency:
+            raise ControlError("dependency is required")
+        self.governor.close(dependency)
+        return self.breaker(dependency)
+
+    # -- decisions --------------------------------------------------------------
+
+    def decide(self, question: Question) -> dict[str, Any]:
+        if not question.dependency:
+            raise ControlError("dependency is required, e.g. openai:gpt-4o or tool:search")
+        if not 1 <= question.attempt <= 1000:
+            raise ControlError("attempt must be between 1 and 1000")
+        return decide(self.policy(), self.governor, question)
+
+
+def _breaker_json(info: dict[str, Any]) -> dict[str, Any]:
+    state = info.get("state")
+    return {**info, "state": getattr(state, "value", state)}
+
+
+def _limit(limit: int) -> int:
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ControlError(f"limit must be between 1 and {MAX_LIMIT}")
+    return limit

@@ -1,0 +1,613 @@
+"""Durable state: incidents, commands (with dead letters) and approvals, in SQLite.
+
+Why it exists: a decision must reach its agent once, even when the sidecar is
+killed mid-way or an exporter sends the same span twice. Every incident is
+stored under its idempotency key (trace id, span id, rule), in the same
+transaction as the commands it leads to, so
+
+* a span judged twice finds its key taken and makes no second command;
+* a command is ``pending`` until an attempt succeeds; after ``kill -9`` a
+  restart finds it pending and delivers it, with the same ``Idempotency-Key``,
+  so an agent that had already received it can drop it; delivered commands are
+  never sent again.
+
+Lifecycle: :meth:`Store.open` creates or migrates the file (WAL journal,
+``synchronous=NORMAL``: a committed transaction survives the process being
+killed; only a power cut may lose the last few), then the sidecar's event loop
+is the only caller (the methods are short synchronous transactions), and
+:meth:`Store.close` once at shutdown. ``":memory:"`` gives a private
+in-memory store for tests and ``replay``.
+
+Bounded: at most ``max_pending`` commands wait; past that a new command is
+stored dead with the reason, never dropped silently. Finished rows older than
+``retention_s`` are pruned by :meth:`prune`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from supervisor.errors import ConfigError, SupervisorError
+from supervisor.records import Command, CommandType
+
+__all__ = [
+    "Approval",
+    "ApprovalError",
+    "Incident",
+    "NewIncident",
+    "Store",
+    "StoredCommand",
+]
+
+CommandStatus = Literal["pending", "leased", "delivered", "dead"]
+ApprovalStatus = Literal["pending", "approved", "denied"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS incidents (
+    key TEXT PRIMARY KEY,
+    trace_id TEXT NOT NULL,
+    span_id TEXT NOT NULL,
+    rule TEXT NOT NULL,
+    service TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    action TEXT NOT NULL,
+    body TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS incidents_created ON incidents (created_at);
+CREATE TABLE IF NOT EXISTS commands (
+    id TEXT PRIMARY KEY,
+    key TEXT NOT NULL UNIQUE,
+    incident_key TEXT NOT NULL,
+    service TEXT NOT NULL,
+    type TEXT NOT NULL,
+    channel TEXT NOT NULL,
+    status TEXT NOT NULL,
+    body TEXT NOT NULL,
+    not_before REAL NOT NULL,
+    next_attempt_at REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    lease_until REAL,
+    last_error TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    finished_at REAL
+);
+CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at);
+CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status);
+CREATE TABLE IF NOT EXISTS approvals (
+    id TEXT PRIMARY KEY,
+    incident_key TEXT NOT NULL UNIQUE,
+    service TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    body TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    answered_at REAL,
+    answered_by TEXT NOT NULL DEFAULT '',
+    note TEXT NOT NULL DEFAULT ''
+);
+"""
+
+
+class ApprovalError(SupervisorError):
+    """An approval that cannot be answered: unknown, or answered already."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewIncident:
+    """What one decision leads to, to be stored in one transaction."""
+
+    key: str
+    trace_id: str
+    span_id: str
+    rule: str
+    service: str
+    run_id: str
+    action: str
+    #: The failure and decision as JSON-ready data (the API's incident view).
+    body: Mapping[str, Any]
+    #: (command, channel) pairs; channel ``""`` means none is configured.
+    commands: Sequence[tuple[Command, str]] = ()
+    #: An approval request to open (escalations), as JSON-ready data.
+    approval: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCommand:
+    command: Command
+    channel: str
+    status: CommandStatus
+    attempts: int
+    next_attempt_at: float
+    last_error: str
+    finished_at: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.command.to_json(),
+            "channel": self.channel,
+            "status": self.status,
+            "attempts": self.attempts,
+            "last_error": self.last_error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Incident:
+    key: str
+    body: Mapping[str, Any]
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    id: str
+    incident_key: str
+    service: str
+    run_id: str
+    status: ApprovalStatus
+    body: Mapping[str, Any]
+    created_at: float
+    answered_at: float | None
+    answered_by: str
+    note: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "incident": self.incident_key,
+            "service": self.service,
+            "run_id": self.run_id,
+            "status": self.status,
+            **dict(self.body),
+            "created_at": self.created_at,
+            "answered_at": self.answered_at,
+            "answered_by": self.answered_by,
+            "note": self.note,
+        }
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def _command_from(row: sqlite3.Row) -> StoredCommand:
+    data = json.loads(row["body"])
+    trigger = data.get("trigger", {})
+    command = Command(
+        id=row["id"],
+        idempotency_key=row["key"],
+        type=CommandType(row["type"]),
+        service=row["service"],
+        run_id=data.get("run_id", ""),
+        trigger_trace_id=trigger.get("trace_id", ""),
+        trigger_span_id=trigger.get("span_id", ""),
+        failure=data.get("failure", {}),
+        params=data.get("params", {}),
+        not_before=row["not_before"],
+        created_at=row["created_at"],
+    )
+    return StoredCommand(
+        command=command,
+        channel=row["channel"],
+        status=row["status"],
+        attempts=row["attempts"],
+        next_attempt_at=row["next_attempt_at"],
+        last_error=row["last_error"],
+        finished_at=row["finished_at"],
+    )
+
+
+def _approval_from(row: sqlite3.Row) -> Approval:
+    return Approval(
+        id=row["id"],
+        incident_key=row["incident_key"],
+        service=row["service"],
+        run_id=row["run_id"],
+        status=row["status"],
+        body=json.loads(row["body"]),
+        created_at=row["created_at"],
+        answered_at=row["answered_at"],
+        answered_by=row["answered_by"],
+        note=row["note"],
+    )
+
+
+class Store:
+    """The sidecar's durable state; see the module docstring for the guarantees."""
+
+    def __init__(self, db: sqlite3.Connection, *, max_pending: int, retention_s: float) -> None:
+        self._db = db
+        self._lock = threading.Lock()  # the API's thread pool and the loop may both read
+        self.max_pending = max_pending
+        self.retention_s = retention_s
+        #: Commands stored dead because ``max_pending`` were already waiting.
+        self.overflowed = 0
+        #: Incidents already stored when recorded again (the same span judged twice).
+        self.duplicates = 0
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        max_pending: int = 100_000,
+        retention_s: float = 7 * 86_400.0,
+    ) -> Store:
+        """Open (creating if needed) the store at ``path``; ``":memory:"`` for a private one."""
+        target = str(path)
+        if target != ":memory:":
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            db = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
+            db.row_factory = sqlite3.Row
+            if target != ":memory:":
+                db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=5000")
+            db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise ConfigError(f"cannot open the store at {target}: {exc}") from exc
+        return cls(db, max_pending=max_pending, retention_s=retention_s)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # -- incidents and the commands they lead to ---------------------------
+
+    def record(self, incidents: Iterable[NewIncident], now: float) -> list[StoredCommand]:
+        """Store new incidents with their commands; return the commands that are new.
+
+        An incident whose key is already stored is a duplicate (the same span
+        judged twice): nothing of it is stored again and none of its commands
+        are returned.
+        """
+        created: list[StoredCommand] = []
+        with self._transaction() as db:
+            pending = db.execute(
+                "SELECT COUNT(*) FROM commands WHERE status IN ('pending', 'leased')"
+            ).fetchone()[0]
+            for incident in incidents:
+                inserted = db.execute(
+                    "INSERT OR IGNORE INTO incidents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        incident.key,
+                        incident.trace_id,
+                        incident.span_id,
+                        incident.rule,
+                        incident.service,
+                        incident.run_id,
+                        incident.action,
+                        _dumps(incident.body),
+                        now,
+                    ),
+                ).rowcount
+                if not inserted:
+                    self.duplicates += 1
+                    continue
+                for command, channel in incident.commands:
+                    status: CommandStatus = "pending"
+                    error = ""
+                    if not channel:
+                        status = "dead"
+                        error = f"no delivery channel is configured for service {command.service!r}"
+                    elif pending >= self.max_pending:
+                        status = "dead"
+                        error = f"{self.max_pending} commands were already waiting"
+                        self.overflowed += 1
+                    stored = self._insert_command(
+                        db,
+                        command,
+                        incident_key=incident.key,
+                        channel=channel,
+                        status=status,
+                        error=error,
+                    )
+                    if stored is not None:
+                        pending += status == "pending"
+                        created.append(stored)
+                if incident.approval is not None:
+                    self._insert_approval(db, incident, now)
+        return created
+
+    def _insert_command(
+        self,
+        db: sqlite3.Connection,
+        command: Command,
+        *,
+        incident_key: str,
+        channel: str,
+        status: CommandStatus,
+        error: str,
+    ) -> StoredCommand | None:
+        finished = command.created_at if status == "dead" else None
+        inserted = db.execute(
+            "INSERT OR IGNORE INTO commands (id, key, incident_key, service, type, channel,"
+            " status, body, not_before, next_attempt_at, attempts, last_error, created_at,"
+            " finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)",
+            (
+                command.id,
+                command.idempotency_key,
+                incident_key,
+                command.service,
+                command.type.value,
+                channel,
+                status,
+                _dumps(command.to_json()),
+                command.not_before,
+                command.not_before,
+                error,
+                command.created_at,
+                finished,
+            ),
+        ).rowcount
+        if not inserted:
+            return None
+        return StoredCommand(command, channel, status, 0, command.not_before, error, finished)
+
+    def _insert_approval(self, db: sqlite3.Connection, incident: NewIncident, now: float) -> None:
+        assert incident.approval is not None
+        db.execute(
+            "INSERT OR IGNORE INTO approvals (id, incident_key, service, run_id, status, body,"
+            " created_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)",
+            (
+                f"apr_{incident.key[:24]}",
+                incident.key,
+                incident.service,
+                incident.run_id,
+                _dumps(incident.approval),
+                now,
+            ),
+        )
+
+    def add_commands(
+        self, incident_key: str, commands: Iterable[tuple[Command, str]]
+    ) -> list[StoredCommand]:
+        """Commands that follow an incident later (an approval's result); keys dedupe them."""
+        created: list[StoredCommand] = []
+        with self._transaction() as db:
+            for command, channel in commands:
+                status: CommandStatus = "pending" if channel else "dead"
+                error = (
+                    ""
+                    if channel
+                    else (f"no delivery channel is configured for service {command.service!r}")
+                )
+                stored = self._insert_command(
+                    db,
+                    command,
+                    incident_key=incident_key,
+                    channel=channel,
+                    status=status,
+                    error=error,
+                )
+                if stored is not None:
+                    created.append(stored)
+        return created
+
+    def incidents(self, limit: int = 100) -> list[Incident]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT key, body, created_at FROM incidents ORDER BY created_at DESC, rowid DESC"
+                " LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [Incident(r["key"], json.loads(r["body"]), r["created_at"]) for r in rows]
+
+    def incident(self, key: str) -> Incident | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT key, body, created_at FROM incidents WHERE key = ?", (key,)
+            ).fetchone()
+        return (
+            None
+            if row is None
+            else Incident(row["key"], json.loads(row["body"]), row["created_at"])
+        )
+
+    # -- delivery ----------------------------------------------------------
+
+    def due(self, channels: Sequence[str], now: float, limit: int) -> list[StoredCommand]:
+        """Pending commands of ``channels`` whose time has come, oldest first."""
+        marks = ",".join("?" for _ in channels)
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT * FROM commands WHERE status = 'pending' AND channel IN ({marks})"  # noqa: S608 - placeholders only
+                " AND next_attempt_at <= ? ORDER BY next_attempt_at LIMIT ?",
+                (*channels, now, limit),
+            ).fetchall()
+        return [_command_from(r) for r in rows]
+
+    def next_due_at(self, channels: Sequence[str]) -> float | None:
+        """When the earliest pending command of ``channels`` becomes due."""
+        marks = ",".join("?" for _ in channels)
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT MIN(next_attempt_at) FROM commands WHERE status = 'pending'"  # noqa: S608 - placeholders only
+                f" AND channel IN ({marks})",
+                tuple(channels),
+            ).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
+    def delivered(self, command_id: str, now: float) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE commands SET status = 'delivered', attempts = attempts + 1,"
+                " finished_at = ?, lease_until = NULL WHERE id = ? AND status != 'delivered'",
+                (now, command_id),
+            )
+
+    def attempt_failed(self, command_id: str, error: str, next_attempt_at: float) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE commands SET attempts = attempts + 1, last_error = ?,"
+                " next_attempt_at = ? WHERE id = ? AND status = 'pending'",
+                (error, next_attempt_at, command_id),
+            )
+
+    def dead(self, command_id: str, error: str, now: float) -> None:
+        """Dead-letter a command: its last attempt failed or it cannot be delivered."""
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE commands SET status = 'dead', attempts = attempts + 1, last_error = ?,"
+                " finished_at = ?, lease_until = NULL WHERE id = ? AND status != 'delivered'",
+                (error, now, command_id),
+            )
+
+    def commands(
+        self, *, status: str | None = None, service: str | None = None, limit: int = 100
+    ) -> list[StoredCommand]:
+        sql = "SELECT * FROM commands WHERE 1 = 1"
+        args: list[Any] = []
+        if status is not None:
+            sql += " AND status = ?"
+            args.append(status)
+        if service is not None:
+            sql += " AND service = ?"
+            args.append(service)
+        sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [_command_from(r) for r in rows]
+
+    def command(self, command_id: str) -> StoredCommand | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM commands WHERE id = ?", (command_id,)).fetchone()
+        return None if row is None else _command_from(row)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT status, COUNT(*) AS n FROM commands GROUP BY status"
+            ).fetchall()
+        found = {r["status"]: r["n"] for r in rows}
+        return {s: found.get(s, 0) for s in ("pending", "leased", "delivered", "dead")}
+
+    # -- the pull channel --------------------------------------------------
+
+    def lease(
+        self, service: str, now: float, visibility_s: float, limit: int
+    ) -> list[StoredCommand]:
+        """Hand out due pull commands of ``service``; unacknowledged ones come back later."""
+        with self._transaction() as db:
+            # A lease that ran out without an ack makes the command pending again.
+            db.execute(
+                "UPDATE commands SET status = 'pending', lease_until = NULL WHERE"
+                " status = 'leased' AND channel = 'pull' AND service = ? AND lease_until <= ?",
+                (service, now),
+            )
+            rows = db.execute(
+                "SELECT * FROM commands WHERE status = 'pending' AND channel = 'pull'"
+                " AND service = ? AND next_attempt_at <= ? ORDER BY next_attempt_at LIMIT ?",
+                (service, now, limit),
+            ).fetchall()
+            ids = [r["id"] for r in rows]
+            db.executemany(
+                "UPDATE commands SET status = 'leased', lease_until = ?, attempts = attempts + 1"
+                " WHERE id = ?",
+                [(now + visibility_s, i) for i in ids],
+            )
+        return [_command_from(r) for r in rows]
+
+    def ack(self, command_id: str, service: str, now: float) -> bool:
+        """Acknowledge a leased pull command; False when it is unknown or not leased to it."""
+        with self._transaction() as db:
+            changed = db.execute(
+                "UPDATE commands SET status = 'delivered', finished_at = ?, lease_until = NULL"
+                " WHERE id = ? AND service = ? AND channel = 'pull' AND status IN ('leased',"
+                " 'pending')",
+                (now, command_id, service),
+            ).rowcount
+        return bool(changed)
+
+    def expire_pull(self, now: float, ttl_s: float) -> int:
+        """Dead-letter pull commands nobody fetched within ``ttl_s`` of becoming due."""
+        with self._transaction() as db:
+            return db.execute(
+                "UPDATE commands SET status = 'dead', finished_at = ?, lease_until = NULL,"
+                " last_error = 'not fetched before it expired' WHERE channel = 'pull'"
+                " AND status = 'pending' AND next_attempt_at <= ?",
+                (now, now - ttl_s),
+            ).rowcount
+
+    # -- approvals ---------------------------------------------------------
+
+    def approvals(self, *, status: str | None = None, limit: int = 100) -> list[Approval]:
+        sql = "SELECT * FROM approvals"
+        args: list[Any] = []
+        if status is not None:
+            sql += " WHERE status = ?"
+            args.append(status)
+        sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [_approval_from(r) for r in rows]
+
+    def approval(self, approval_id: str) -> Approval | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM approvals WHERE id = ?", (approval_id,)
+            ).fetchone()
+        return None if row is None else _approval_from(row)
+
+    def answer(
+        self, approval_id: str, *, approved: bool, by: str, note: str, now: float
+    ) -> Approval:
+        """Record the answer to a pending approval; :class:`ApprovalError` otherwise."""
+        with self._transaction() as db:
+            row = db.execute("SELECT * FROM approvals WHERE id = ?", (approval_id,)).fetchone()
+            if row is None:
+                raise ApprovalError(f"no approval request {approval_id!r}")
+            if row["status"] != "pending":
+                raise ApprovalError(
+                    f"approval request {approval_id!r} was already answered: {row['status']}"
+                )
+            db.execute(
+                "UPDATE approvals SET status = ?, answered_at = ?, answered_by = ?, note = ?"
+                " WHERE id = ?",
+                ("approved" if approved else "denied", now, by[:200], note[:2000], approval_id),
+            )
+            row = db.execute("SELECT * FROM approvals WHERE id = ?", (approval_id,)).fetchone()
+        return _approval_from(row)
+
+    # -- housekeeping ------------------------------------------------------
+
+    def prune(self, now: float) -> int:
+        """Drop finished commands, answered approvals and incidents older than the retention."""
+        horizon = now - self.retention_s
+        with self._transaction() as db:
+            removed = db.execute(
+                "DELETE FROM commands WHERE status IN ('delivered', 'dead') AND finished_at < ?",
+                (horizon,),
+            ).rowcount
+            removed += db.execute(
+                "DELETE FROM approvals WHERE status != 'pending' AND answered_at < ?", (horizon,)
+            ).rowcount
+            removed += db.execute(
+                "DELETE FROM incidents WHERE created_at < ? AND key NOT IN"
+                " (SELECT incident_key FROM commands) AND key NOT IN"
+                " (SELECT incident_key FROM approvals WHERE status = 'pending')",
+                (horizon,),
+            ).rowcount
+        return removed
