@@ -7,9 +7,14 @@ beyond reading a policy file.
     policy = load_policy("policy.yaml")         # a user policy layered on top of it
     verdict = policy.classify(record)           # Classification | None
     decision = policy.decide(failure, attempt=2)
+    governor = Governor(policy)                 # breakers, retry budget, restart intensity
+    governor.observe_calls([(end_ns, "openai:gpt-4o", ok)])
+    decision = governor.review(failure, decision)
 """
 
+from policies._breakers import BreakerState
+from policies._governor import Governor
 from policies._loader import json_schema, load_policy
 from policies._policy import Policy
 
-__all__ = ["Policy", "json_schema", "load_policy"]
+__all__ = ["BreakerState", "Governor", "Policy", "json_schema", "load_policy"]

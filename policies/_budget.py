@@ -167,8 +167,14 @@ class RetryBudget:
     def __len__(self) -> int:
         return len(self._windows)
 
-    def record_call(self, dependency: str) -> None:
-        """Count one observed call of ``dependency`` (success or failure)."""
+    def record_call(self, dependency: str, count: int = 1) -> None:
+        """Count ``count`` observed calls of ``dependency`` (successes or failures).
+
+        A batch of spans is counted per dependency in one call: the budget
+        needs how many calls, not their order.
+        """
+        if count < 1:
+            return
         with self._lock:
             now = self._now()
             window = self._windows.get(dependency)
@@ -177,8 +183,8 @@ class RetryBudget:
             else:
                 self._windows.move_to_end(dependency)
             bucket = window.current(window.advance(now))
-            bucket[1] += 1
-            window.calls += 1
+            bucket[1] += count
+            window.calls += count
 
     def try_spend(self, dependency: str) -> bool:
         """Whether one more retry of ``dependency`` fits its budget; counts it if so."""

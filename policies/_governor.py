@@ -27,6 +27,7 @@ ones at once); called from one thread (the pipeline's).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -40,6 +41,8 @@ from supervisor.records import Action, AttrValue, Decision, Failure
 
 _BLOCKED = (BreakerState.OPEN, BreakerState.ISOLATED)
 _CORRECTIVE = (Action.RETRY, Action.FALLBACK)
+#: What an open breaker turns into a fallback or fail_fast.
+_DIVERTED = (Action.RETRY, Action.FALLBACK, Action.FAIL_FAST)
 
 
 class Governor:
@@ -94,13 +97,35 @@ class Governor:
 
     def observe(self, dependency: str, ok: bool) -> None:
         """One call of ``dependency`` ended, well or not (from any run of any service)."""
+        self.observe_calls([(0, dependency, ok)])
+
+    def observe_calls(self, calls: list[tuple[int, str, bool]]) -> None:
+        """Calls that ended, as (end time, dependency, ok), in any order.
+
+        Budgets need only how many calls each dependency had; breakers count
+        failures in a row, so failures and the successes of breakers that have
+        something to reset are fed in the order the calls ended.
+        """
         limits = self.policy.limits
         if limits.retry_budget.enabled:
-            self.budget.record_call(dependency)
+            for dependency, count in Counter(map(_dependency_of, calls)).items():
+                self.budget.record_call(dependency, count)
         if not limits.breakers_enabled:
             return
-        if ok and dependency not in self._watched:
-            return  # a success on a clean breaker changes nothing
+        watched = self._watched
+        # Successes matter for breakers with failures counted: those watched
+        # already, and those that fail in this very batch.
+        relevant = watched | {call[1] for call in calls if not call[2]}
+        ordered = [call for call in calls if call[1] in relevant]
+        ordered.sort(key=_ended)  # stable: a tie keeps arrival order
+        for _, dependency, ok in ordered:
+            if ok and dependency not in watched:
+                continue  # reset by an earlier success of this batch
+            self._feed_breaker(dependency, ok)
+
+    def _feed_breaker(self, dependency: str, ok: bool) -> None:
+        # Only failures and successes of watched breakers get here: a success on a
+        # clean breaker changes nothing, and most calls are those.
         state = self.board.record(dependency, ok)
         if ok and state is BreakerState.CLOSED and self.board.info(dependency).failures == 0:
             self._watched.discard(dependency)
@@ -126,7 +151,7 @@ class Governor:
         dependency = failure.dependency
         action = decision.action
         state = self.breaker_state(dependency)
-        if state in _BLOCKED and action in (*_CORRECTIVE, Action.FAIL_FAST):
+        if state in _BLOCKED and action in _DIVERTED:
             decision = self._around_open(failure, decision, state)
         elif action is Action.FALLBACK:
             decision = self._next_open_alternative(failure, decision)
@@ -195,6 +220,14 @@ class Governor:
             if candidate != dependency and self.breaker_state(candidate) not in _BLOCKED:
                 return candidate, chain
         return None
+
+
+def _dependency_of(call: tuple[int, str, bool]) -> str:
+    return call[1]
+
+
+def _ended(call: tuple[int, str, bool]) -> int:
+    return call[0]
 
 
 def _command_for(action: Action) -> str:

@@ -16,6 +16,8 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -33,6 +35,8 @@ examples:
   spanvisor run --policy policy.yaml       run next to an agent (OTLP on 4317/4318)
   spanvisor replay traces.jsonl --output jsonl
   spanvisor validate policy.yaml
+  spanvisor approvals approve apr_1234 --note "key rotated"
+  spanvisor breakers isolate openai:gpt-4o
 settings: every `run` flag is also a SPANVISOR_* variable (SPANVISOR_API_PORT, ...);
 forwarded and own spans go to OTEL_EXPORTER_OTLP_ENDPOINT when it is set.
 """
@@ -93,15 +97,45 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--runs", type=int, default=3, help="agent runs to make (default 3)")
     demo.add_argument("--seed", type=int, default=7, help="seed of the injected faults")
 
-    incidents = verbs.add_parser("incidents", help="list recent failures of a running sidecar")
-    incidents.add_argument(
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument(
         "--api", default=None, help="control API URL (default http://127.0.0.1:4320)"
     )
-    incidents.add_argument(
+    remote.add_argument(
         "--token", default=None, help="API token (default: SPANVISOR_API_TOKEN or the token file)"
     )
+    remote.add_argument("--output", choices=["table", "jsonl"], default="table")
+
+    incidents = verbs.add_parser(
+        "incidents", parents=[remote], help="list recent failures of a running sidecar"
+    )
     incidents.add_argument("--limit", type=int, default=50)
-    incidents.add_argument("--output", choices=["table", "jsonl"], default="table")
+
+    approvals = verbs.add_parser(
+        "approvals", parents=[remote], help="list approval requests, or approve / deny one"
+    )
+    approvals.add_argument("answer", nargs="?", choices=["list", "approve", "deny"], default="list")
+    approvals.add_argument("id", nargs="?", help="the approval request's id (approve, deny)")
+    approvals.add_argument("--status", choices=["pending", "approved", "denied"])
+    approvals.add_argument("--by", default=os.environ.get("USER", "cli"), help="who answers")
+    approvals.add_argument("--note", default="", help="why, for the record")
+
+    breakers = verbs.add_parser(
+        "breakers", parents=[remote], help="list circuit breakers, or isolate / close one"
+    )
+    breakers.add_argument("act", nargs="?", choices=["list", "isolate", "close"], default="list")
+    breakers.add_argument("dependency", nargs="?", help="e.g. openai:gpt-4o (isolate, close)")
+
+    commands = verbs.add_parser(
+        "commands", parents=[remote], help="list commands sent to agents (--dead: dead letters)"
+    )
+    commands.add_argument("--dead", action="store_true", help="only dead letters")
+    commands.add_argument("--service")
+    commands.add_argument("--limit", type=int, default=50)
+
+    verbs.add_parser(
+        "reload", parents=[remote], help="make a running sidecar reload its policy file"
+    )
     return parser
 
 
@@ -148,6 +182,19 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_demo(runs=args.runs, seed=args.seed)
     if verb == "incidents":
         return _incidents(args)
+    if verb == "approvals":
+        return _approvals(args)
+    if verb == "breakers":
+        return _breakers(args)
+    if verb == "commands":
+        return _commands(args)
+    if verb == "reload":
+        answer = _api(args, "POST", "/v1/policy/reload")
+        if not answer.get("reloaded"):
+            print(f"spanvisor: policy not reloaded: {answer.get('error')}", file=sys.stderr)
+            return 1
+        print(f"policy reloaded from {answer.get('source')}")
+        return 0
     raise AssertionError(f"unhandled verb {verb}")  # argparse rejects unknown verbs
 
 
@@ -183,6 +230,7 @@ def _run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, sidecar.reload_policy)
         await sidecar.start()
         tune_gc()
         if settings.api_token is None:
@@ -259,7 +307,15 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _incidents(args: argparse.Namespace) -> int:
+def _api(
+    args: argparse.Namespace,
+    method: str,
+    path: str,
+    *,
+    params: dict[str, object] | None = None,
+    body: dict[str, object] | None = None,
+) -> dict[str, Any]:
+    """Call the running sidecar's control API; ConfigError with its message on any refusal."""
     api = args.api or f"http://127.0.0.1:{os.environ.get('SPANVISOR_API_PORT', '4320')}"
     token = args.token or os.environ.get("SPANVISOR_API_TOKEN") or _token_from_file()
     if not token:
@@ -267,17 +323,99 @@ def _incidents(args: argparse.Namespace) -> int:
             "no API token: pass --token, set SPANVISOR_API_TOKEN or run on the sidecar's host"
         )
     try:
-        response = httpx.get(
-            f"{api}/v1/failures",
-            params={"limit": args.limit},
+        response = httpx.request(
+            method,
+            f"{api.rstrip('/')}{path}",
+            params={k: v for k, v in (params or {}).items() if v is not None},  # type: ignore[misc]
+            json=body,
             headers={"Authorization": f"Bearer {token}"},
             timeout=10,
+            trust_env=False,
         )
     except httpx.HTTPError as exc:
         raise ConfigError(f"cannot reach the control API at {api}: {exc}") from exc
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = {"error": response.text[:200]}
     if response.status_code != 200:
-        raise ConfigError(f"control API answered {response.status_code}: {response.text[:200]}")
-    failures = response.json()["failures"]
+        raise ConfigError(f"control API answered {response.status_code}: {answer.get('error')}")
+    return answer  # type: ignore[no-any-return]
+
+
+def _print_jsonl(items: list[dict[str, Any]]) -> None:
+    for entry in items:
+        print(json.dumps(entry, sort_keys=True))
+
+
+def _approvals(args: argparse.Namespace) -> int:
+    if args.answer in ("approve", "deny"):
+        if not args.id:
+            raise ConfigError(f"approvals {args.answer} needs the request's id")
+        answered = _api(
+            args,
+            "POST",
+            f"/v1/approvals/{quote(args.id, safe='')}/{args.answer}",
+            body={"by": args.by, "note": args.note},
+        )
+        print(f"{answered['id']}: {answered['status']} by {answered['answered_by']}")
+        return 0
+    found = _api(args, "GET", "/v1/approvals", params={"status": args.status})["approvals"]
+    if args.output == "jsonl":
+        _print_jsonl(found)
+        return 0
+    print(f"{'ID':28}  {'STATUS':8}  {'SERVICE':16}  {'RUN':20}  WHAT / PROPOSAL")
+    for a in found:
+        what = a.get("what", {})
+        proposed = a.get("proposal", {}).get("command", "")
+        print(
+            f"{a['id']:28}  {a['status']:8}  {a['service'][:16]:16}  {a['run_id'][:20]:20}  "
+            f"{what.get('class', '')}/{what.get('kind', '')} on {what.get('dependency', '')}"
+            f" -> {proposed}"
+        )
+    return 0
+
+
+def _breakers(args: argparse.Namespace) -> int:
+    if args.act in ("isolate", "close"):
+        if not args.dependency:
+            raise ConfigError(f"breakers {args.act} needs a dependency, e.g. openai:gpt-4o")
+        path = f"/v1/breakers/{quote(args.dependency, safe=':')}/{args.act}"
+        changed = _api(args, "POST", path)
+        print(f"{changed['dependency']}: {changed['state']}")
+        return 0
+    found = _api(args, "GET", "/v1/breakers")["breakers"]
+    if args.output == "jsonl":
+        _print_jsonl(found)
+        return 0
+    print(f"{'DEPENDENCY':40}  {'STATE':9}  {'FAILURES':8}  REOPENS IN")
+    for b in found:
+        print(
+            f"{b['dependency'][:40]:40}  {b['state']:9}  {b['failures']:8}  {b['reopens_at'] or ''}"
+        )
+    return 0
+
+
+def _commands(args: argparse.Namespace) -> int:
+    if args.dead:
+        found = _api(args, "GET", "/v1/dead-letters", params={"limit": args.limit})["dead_letters"]
+    else:
+        params = {"service": args.service, "limit": args.limit}
+        found = _api(args, "GET", "/v1/commands/log", params=params)["commands"]
+    if args.output == "jsonl":
+        _print_jsonl(found)
+        return 0
+    print(f"{'ID':28}  {'TYPE':16}  {'STATUS':9}  {'SERVICE':16}  {'TRIES':5}  LAST ERROR")
+    for c in found:
+        print(
+            f"{c['id']:28}  {c['type']:16}  {c['status']:9}  {c['service'][:16]:16}  "
+            f"{c['attempts']:5}  {c['last_error'][:60]}"
+        )
+    return 0
+
+
+def _incidents(args: argparse.Namespace) -> int:
+    failures = _api(args, "GET", "/v1/failures", params={"limit": args.limit})["failures"]
     if args.output == "jsonl":
         for entry in failures:
             print(json.dumps(entry, sort_keys=True))

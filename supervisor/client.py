@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -48,7 +48,9 @@ from supervisor.signing import DEFAULT_TOLERANCE_S, SignatureError, verify
 __all__ = [
     "Advice",
     "BreakerOpen",
+    "FallbackAdvised",
     "Guard",
+    "GuardedAttempt",
     "LocalPolicy",
     "SeenCommands",
     "SignatureError",
@@ -895,6 +897,75 @@ class Guard:
                     return cast(R, await _maybe_await(self.fallback(step.to)))
                 await client.async_sleep(step.delay_s)
             attempt += 1
+
+    def attempts(self) -> Iterator[GuardedAttempt]:
+        """Attempts for a ``with`` block, as tenacity's ``for attempt in Retrying()``::
+
+            try:
+                for attempt in guard("openai:gpt-4o").attempts():
+                    with attempt:
+                        answer = ask("gpt-4o", prompt)
+            except FallbackAdvised as advised:
+                answer = ask(advised.to.split(":", 1)[1], prompt)
+
+        Before the first attempt an open or isolated breaker raises
+        :class:`BreakerOpen`. An exception in the block is passed to
+        :meth:`SupervisorClient.decide`: ``retry`` sleeps the advised delay and
+        the loop goes on (at most ``max_attempts`` attempts); ``fallback``
+        raises :class:`FallbackAdvised` naming the alternative; anything else
+        lets the exception out, with the advice as a note.
+        """
+        client = self.client
+        state = client.breaker_state(self.dependency)
+        if state in OPEN_STATES:
+            raise BreakerOpen(self.dependency, state)
+        for number in range(1, self.max_attempts + 1):
+            attempt = GuardedAttempt(self, client, number)
+            yield attempt
+            if attempt.done:
+                return
+
+
+class FallbackAdvised(SupervisorError):
+    """The sidecar advises calling ``to`` instead of ``dependency`` (see :meth:`Guard.attempts`)."""
+
+    def __init__(self, dependency: str, to: str) -> None:
+        super().__init__(f"spanvisor advises falling back from {dependency} to {to}")
+        self.dependency = dependency
+        self.to = to
+
+
+class GuardedAttempt:
+    """One attempt of :meth:`Guard.attempts`: a context manager that judges its exception."""
+
+    def __init__(self, guard: Guard, client: SupervisorClient, number: int) -> None:
+        self._guard = guard
+        self._client = client
+        self.number = number
+        #: No more attempts follow: the block succeeded or its error went out.
+        self.done = False
+
+    def __enter__(self) -> GuardedAttempt:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> bool:
+        self.done = True
+        if exc is None or not isinstance(exc, Exception):
+            return False  # success, or KeyboardInterrupt and the like: not ours to judge
+        guard = self._guard
+        advice = self._client.decide(
+            guard.dependency, exception=exc, run_id=guard.run_id, attempt=self.number
+        )
+        if not advice.observe_only and advice.action is Action.FALLBACK:
+            raise FallbackAdvised(guard.dependency, advice.fallback_to or guard.dependency) from exc
+        step = guard._step(exc, advice, self.number)
+        if step.kind == "retry":
+            self._client.sleep(step.delay_s)
+            self.done = False
+            return True  # swallowed: the loop makes the next attempt
+        return False
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -118,7 +118,9 @@ class Dispatcher:
 
     def _safe_next_due(self) -> float | None:
         try:
-            return self.store.next_due_at(PUSH_CHANNELS)
+            # Attempts in flight are still pending: without excluding them, the loop
+            # would find them due and spin until they finish.
+            return self.store.next_due_at(PUSH_CHANNELS, tuple(self._in_flight))
         except Exception:  # reported by _launch_due's next pass
             return None
 

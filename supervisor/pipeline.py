@@ -59,13 +59,13 @@ _SIGNATURE_TEXT = 120
 class Governor(Protocol):
     """State kept across failures (breakers, retry budget, restart intensity).
 
-    The pipeline tells it every call outcome it sees, in arrival order
-    (``observe``), and lets it revise each decision (``review``) right after
+    The pipeline tells it every call outcome it sees, as (end time, dependency,
+    ok) (``observe_calls``), and lets it revise each decision (``review``) after
     the failure it is about was observed, so the failure that trips a breaker
     already gets the breaker's decision. Called from the pipeline's thread only.
     """
 
-    def observe(self, dependency: str, ok: bool) -> None: ...
+    def observe_calls(self, calls: list[tuple[int, str, bool]]) -> None: ...
 
     def review(self, failure: Failure, decision: Decision) -> Decision: ...
 
@@ -304,9 +304,7 @@ class Pipeline:
     def _govern(
         governor: Governor, outcomes: list[Outcome], calls: list[tuple[int, str, bool]]
     ) -> list[Outcome]:
-        calls.sort(key=lambda call: call[0])  # stable: a tie keeps arrival order
-        for _, dependency, ok in calls:
-            governor.observe(dependency, ok)
+        governor.observe_calls(calls)
         return [replace(o, decision=governor.review(o.failure, o.decision)) for o in outcomes]
 
     def _remember_origin(self, record: SpanRecord, sig: _Signature) -> None:

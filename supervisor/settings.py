@@ -177,6 +177,16 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
+def _expand_paths(settings: Settings) -> Settings:
+    """``~`` in a path setting means the user's home, as in a shell."""
+    changes = {
+        name: Path(os.path.expanduser(str(value)))
+        for name in ("token_file", "policy", "state_path")
+        if isinstance(value := getattr(settings, name), Path) and str(value).startswith("~")
+    }
+    return settings.model_copy(update=changes) if changes else settings
+
+
 def load_settings(
     path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> Settings:
@@ -203,7 +213,7 @@ def load_settings(
     try:
         # Values are merged here rather than by pydantic-settings' own sources so
         # that the precedence above holds and errors name the file.
-        return Settings(**merged)
+        return _expand_paths(Settings(**merged))
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()

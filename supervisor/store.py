@@ -25,14 +25,16 @@ stored dead with the reason, never dropped silently. Finished rows older than
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+import orjson
 
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.records import Command, CommandType
@@ -47,6 +49,8 @@ __all__ = [
 ]
 
 CommandStatus = Literal["pending", "leased", "delivered", "dead"]
+#: How long :meth:`Store.counts` reuses its last count of the table.
+_COUNTS_TTL_S = 5.0
 ApprovalStatus = Literal["pending", "approved", "denied"]
 
 _SCHEMA = """
@@ -175,11 +179,12 @@ class Approval:
 
 
 def _dumps(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+    # orjson: a batch's incidents are serialized on the pipeline's thread.
+    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 def _command_from(row: sqlite3.Row) -> StoredCommand:
-    data = json.loads(row["body"])
+    data = orjson.loads(row["body"])
     trigger = data.get("trigger", {})
     command = Command(
         id=row["id"],
@@ -212,7 +217,7 @@ def _approval_from(row: sqlite3.Row) -> Approval:
         service=row["service"],
         run_id=row["run_id"],
         status=row["status"],
-        body=json.loads(row["body"]),
+        body=orjson.loads(row["body"]),
         created_at=row["created_at"],
         answered_at=row["answered_at"],
         answered_by=row["answered_by"],
@@ -232,6 +237,11 @@ class Store:
         self.overflowed = 0
         #: Incidents already stored when recorded again (the same span judged twice).
         self.duplicates = 0
+        self._waiting: int = db.execute(
+            "SELECT COUNT(*) FROM commands WHERE status IN ('pending', 'leased')"
+        ).fetchone()[0]
+        self._counts: dict[str, int] | None = None
+        self._counted_at = 0.0
 
     @classmethod
     def open(
@@ -283,9 +293,6 @@ class Store:
         """
         created: list[StoredCommand] = []
         with self._transaction() as db:
-            pending = db.execute(
-                "SELECT COUNT(*) FROM commands WHERE status IN ('pending', 'leased')"
-            ).fetchone()[0]
             for incident in incidents:
                 inserted = db.execute(
                     "INSERT OR IGNORE INTO incidents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -310,7 +317,7 @@ class Store:
                     if not channel:
                         status = "dead"
                         error = f"no delivery channel is configured for service {command.service!r}"
-                    elif pending >= self.max_pending:
+                    elif self._waiting >= self.max_pending:
                         status = "dead"
                         error = f"{self.max_pending} commands were already waiting"
                         self.overflowed += 1
@@ -323,7 +330,7 @@ class Store:
                         error=error,
                     )
                     if stored is not None:
-                        pending += status == "pending"
+                        self._waiting += status == "pending"
                         created.append(stored)
                 if incident.approval is not None:
                     self._insert_approval(db, incident, now)
@@ -411,7 +418,7 @@ class Store:
                 " LIMIT ?",
                 (limit,),
             ).fetchall()
-        return [Incident(r["key"], json.loads(r["body"]), r["created_at"]) for r in rows]
+        return [Incident(r["key"], orjson.loads(r["body"]), r["created_at"]) for r in rows]
 
     def incident(self, key: str) -> Incident | None:
         with self._lock:
@@ -421,7 +428,7 @@ class Store:
         return (
             None
             if row is None
-            else Incident(row["key"], json.loads(row["body"]), row["created_at"])
+            else Incident(row["key"], orjson.loads(row["body"]), row["created_at"])
         )
 
     # -- delivery ----------------------------------------------------------
@@ -437,24 +444,28 @@ class Store:
             ).fetchall()
         return [_command_from(r) for r in rows]
 
-    def next_due_at(self, channels: Sequence[str]) -> float | None:
-        """When the earliest pending command of ``channels`` becomes due."""
+    def next_due_at(
+        self, channels: Sequence[str], excluding: Sequence[str] = ()
+    ) -> float | None:
+        """When the earliest pending command of ``channels`` (not in ``excluding``) is due."""
         marks = ",".join("?" for _ in channels)
+        skip = ",".join("?" for _ in excluding)
         with self._lock:
             row = self._db.execute(
                 f"SELECT MIN(next_attempt_at) FROM commands WHERE status = 'pending'"  # noqa: S608 - placeholders only
-                f" AND channel IN ({marks})",
-                tuple(channels),
+                f" AND channel IN ({marks}) AND id NOT IN ({skip})",
+                (*channels, *excluding),
             ).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
     def delivered(self, command_id: str, now: float) -> None:
         with self._transaction() as db:
-            db.execute(
+            self._waiting -= db.execute(
                 "UPDATE commands SET status = 'delivered', attempts = attempts + 1,"
-                " finished_at = ?, lease_until = NULL WHERE id = ? AND status != 'delivered'",
+                " finished_at = ?, lease_until = NULL WHERE id = ?"
+                " AND status IN ('pending', 'leased')",
                 (now, command_id),
-            )
+            ).rowcount
 
     def attempt_failed(self, command_id: str, error: str, next_attempt_at: float) -> None:
         with self._transaction() as db:
@@ -467,11 +478,12 @@ class Store:
     def dead(self, command_id: str, error: str, now: float) -> None:
         """Dead-letter a command: its last attempt failed or it cannot be delivered."""
         with self._transaction() as db:
-            db.execute(
+            self._waiting -= db.execute(
                 "UPDATE commands SET status = 'dead', attempts = attempts + 1, last_error = ?,"
-                " finished_at = ?, lease_until = NULL WHERE id = ? AND status != 'delivered'",
+                " finished_at = ?, lease_until = NULL WHERE id = ?"
+                " AND status IN ('pending', 'leased')",
                 (error, now, command_id),
-            )
+            ).rowcount
 
     def commands(
         self, *, status: str | None = None, service: str | None = None, limit: int = 100
@@ -496,12 +508,23 @@ class Store:
         return None if row is None else _command_from(row)
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT status, COUNT(*) AS n FROM commands GROUP BY status"
-            ).fetchall()
-        found = {r["status"]: r["n"] for r in rows}
-        return {s: found.get(s, 0) for s in ("pending", "leased", "delivered", "dead")}
+        """Commands by status, counted at most every few seconds (a scan of the table)."""
+        now = time.monotonic()
+        if self._counts is None or now - self._counted_at >= _COUNTS_TTL_S:
+            with self._lock:
+                rows = self._db.execute(
+                    "SELECT status, COUNT(*) AS n FROM commands GROUP BY status"
+                ).fetchall()
+            found = {r["status"]: r["n"] for r in rows}
+            statuses = ("pending", "leased", "delivered", "dead")
+            self._counts = {s: found.get(s, 0) for s in statuses}
+            self._counted_at = now
+        return dict(self._counts)
+
+    @property
+    def waiting(self) -> int:
+        """Commands pending or leased (exact; what ``max_pending`` bounds)."""
+        return self._waiting
 
     # -- the pull channel --------------------------------------------------
 
@@ -538,17 +561,22 @@ class Store:
                 " 'pending')",
                 (now, command_id, service),
             ).rowcount
+            self._waiting -= changed
         return bool(changed)
 
     def expire_pull(self, now: float, ttl_s: float) -> int:
         """Dead-letter pull commands nobody fetched within ``ttl_s`` of becoming due."""
         with self._transaction() as db:
-            return db.execute(
+            # A lease that ran out unacknowledged counts as not fetched: its agent is gone.
+            expired: int = db.execute(
                 "UPDATE commands SET status = 'dead', finished_at = ?, lease_until = NULL,"
-                " last_error = 'not fetched before it expired' WHERE channel = 'pull'"
-                " AND status = 'pending' AND next_attempt_at <= ?",
-                (now, now - ttl_s),
+                " last_error = 'not fetched before it expired'"
+                " WHERE channel = 'pull' AND next_attempt_at <= ? AND (status = 'pending'"
+                " OR (status = 'leased' AND lease_until <= ?))",
+                (now, now - ttl_s, now),
             ).rowcount
+            self._waiting -= expired
+        return expired
 
     # -- approvals ---------------------------------------------------------
 

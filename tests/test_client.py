@@ -28,6 +28,7 @@ import pytest
 from supervisor.client import (
     Advice,
     BreakerOpen,
+    FallbackAdvised,
     LocalPolicy,
     SeenCommands,
     SignatureError,
@@ -841,3 +842,30 @@ def test_seen_commands_is_thread_safe() -> None:
         t.join()
     assert sum(firsts) == 500
     assert len(seen) == 500
+
+
+def test_guard_attempts_in_a_with_block_retry_and_fall_back(
+    sidecar: Sidecar, client: SupervisorClient, sleeps: Sleeps
+) -> None:
+    sidecar.breaker(state("closed"), state("closed"), state("open"))
+    sidecar.decide(
+        answer("retry", delay_s=2.0),
+        answer("fallback", fallback_to="openai:gpt-4o-mini"),
+    )
+    flaky = Flaky(rate_limit_error())
+
+    for attempt in guard(DEP, client=client).attempts():
+        with attempt:
+            result = flaky("hi")
+    assert (result, flaky.calls, sleeps.delays) == ("ok: hi", 2, [2.0])
+
+    with pytest.raises(FallbackAdvised) as advised:
+        for attempt in guard(DEP, client=client).attempts():
+            with attempt:
+                Flaky(rate_limit_error())("hi")
+    assert (advised.value.dependency, advised.value.to) == (DEP, "openai:gpt-4o-mini")
+
+    with pytest.raises(BreakerOpen):
+        for attempt in guard(DEP, client=client).attempts():
+            with attempt:
+                pytest.fail("no attempt while the breaker is open")

@@ -14,7 +14,74 @@ from supervisor.pipeline import Outcome
 
 
 def test_policies_exports() -> None:
-    assert sorted(policies.__all__) == ["Policy", "json_schema", "load_policy"]
+    assert sorted(policies.__all__) == [
+        "BreakerState",
+        "Governor",
+        "Policy",
+        "json_schema",
+        "load_policy",
+    ]
+
+
+def test_client_exports() -> None:
+    import supervisor.client
+
+    assert sorted(supervisor.client.__all__) == sorted(
+        [
+            "Advice",
+            "BreakerOpen",
+            "FallbackAdvised",
+            "Guard",
+            "GuardedAttempt",
+            "LocalPolicy",
+            "SeenCommands",
+            "SignatureError",
+            "SupervisorClient",
+            "SupervisorClientError",
+            "exception_type_name",
+            "guard",
+            "verify_webhook",
+        ]
+    )
+
+
+def test_command_contract() -> None:
+    assert [t.value for t in records.CommandType] == [
+        "retry_step",
+        "resume_run",
+        "rewind_run",
+        "switch_fallback",
+        "pause_run",
+        "abort_run",
+        "inject_guidance",
+        "compact_context",
+        "approval_result",
+    ]
+    command = records.Command(
+        id="cmd_1",
+        idempotency_key="k",
+        type=records.CommandType.RETRY_STEP,
+        service="s",
+        run_id="r",
+        trigger_trace_id="t",
+        trigger_span_id="p",
+        failure={},
+        params={},
+        not_before=0.0,
+        created_at=0.0,
+    )
+    assert set(command.to_json()) == {
+        "id",
+        "idempotency_key",
+        "type",
+        "service",
+        "run_id",
+        "trigger",
+        "failure",
+        "params",
+        "not_before",
+        "created_at",
+    }
 
 
 def test_testing_fakes_exports() -> None:
@@ -31,7 +98,19 @@ def test_cli_verbs() -> None:
     parser = build_parser()
     verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert sorted(verbs.choices) == sorted(
-        ["run", "validate", "replay", "explain", "schema", "demo", "incidents"]
+        [
+            "run",
+            "validate",
+            "replay",
+            "explain",
+            "schema",
+            "demo",
+            "incidents",
+            "approvals",
+            "breakers",
+            "commands",
+            "reload",
+        ]
     )
 
 

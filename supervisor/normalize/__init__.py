@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -68,6 +68,7 @@ __all__ = [
 ]
 
 UNKNOWN_SERVICE = "unknown_service"
+_T = TypeVar("_T")
 
 _STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 _SPAN_KIND_SERVER = 2
@@ -263,6 +264,28 @@ def _identify(draft: Draft, keys: Collection[str], span_kind: int) -> None:
     http_rpc.identify(draft, span_kind)
 
 
+_NO_DEPENDENCY = (Role.AGENT, Role.CHAIN, Role.OTHER)
+
+
+def _may_have_dependency(attrs: Mapping[str, AttrValue], present: Collection[str]) -> bool:
+    """False when the first convention that names the span's role names one without one.
+
+    The conventions are tried in :func:`_identify`'s order, and the first that
+    gives a role decides it; only the role is read here.
+    """
+    if openinference.MARKER in present:
+        return openinference.kind_role(attrs.get(openinference.MARKER)) not in _NO_DEPENDENCY
+    if genai.applies(present):
+        role = genai.role_of(attrs)
+        if role is not None:
+            return role not in _NO_DEPENDENCY
+    if openllmetry.applies(present):
+        role = openllmetry.role_of(attrs)
+        if role is not None:
+            return role not in _NO_DEPENDENCY
+    return True  # HTTP/RPC or nothing: identify decides
+
+
 def _dependency(draft: Draft, role: Role, name: str) -> tuple[str, str]:
     """The tool name and the ``dependency`` key of an identified span."""
     tool_name = draft.tool_name
@@ -290,15 +313,105 @@ def dependency_of(item: WireSpan) -> str:
     """
     span, _, _, present = item
     try:
-        draft = Draft(LazyConverted(RawAttributes(span.attributes)))
-        _identify(draft, present, span.kind)
-        role = draft.role
-        if role is None or role is Role.AGENT or role is Role.CHAIN or role is Role.OTHER:
-            return ""
-        name = span.name
-        return _dependency(draft, role, name[:_MAX_SPAN_NAME])[1]
+        encoded = span.attributes
+        server = span.kind == _SPAN_KIND_SERVER
+        reads = _READS.get(present)
+        if reads is not None:
+            keys, uses_name = reads
+            memo_key = (
+                present,
+                server,
+                keys,
+                tuple(map(encoded.get, keys)),
+                uses_name and span.name,
+            )
+            found = _IDENTITIES.get(memo_key)
+            if found is not None:
+                return found
+        recorder = _Recorder(RawAttributes(encoded))
+        dependency, uses_name = _identified(recorder, present, span.kind, span.name)
+        keys = tuple(dict.fromkeys(recorder.read))
+        if len(_READS) >= _MEMO_ENTRIES or len(_IDENTITIES) >= _MEMO_ENTRIES:
+            _READS.clear()  # bounded; rebuilt from the next spans
+            _IDENTITIES.clear()
+        _READS[present] = (keys, uses_name)
+        values = tuple(map(encoded.get, keys))
+        _IDENTITIES[(present, server, keys, values, uses_name and span.name)] = dependency
+        return dependency
     except Exception:  # boundary: an unreadable span counts for no dependency
         return ""
+
+
+#: dependency_of's memo. What the adapters read to name a span's dependency is
+#: a pure function of the attribute values they read (and the span's kind and,
+#: for an unnamed tool, its name), so a span that gives the same encoded values
+#: to the same keys has the same dependency. Agents make the same calls over and
+#: over; a lookup of those values costs a third of reading them.
+#: present keys -> (keys read last time, whether the span name was used)
+_READS: dict[frozenset[str], tuple[tuple[str, ...], bool]] = {}
+_IDENTITIES: dict[tuple[object, ...], str] = {}
+_MEMO_ENTRIES = 4096
+
+
+class _Recorder(Mapping[str, AttrValue]):
+    """The attributes as the adapters read them, remembering every key they look at."""
+
+    __slots__ = ("_raw", "read")
+
+    def __init__(self, raw: RawAttributes) -> None:
+        self._raw = raw
+        self.read: list[str] = []
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.append(key)
+        return self._raw.get(key, default)
+
+    def full(self, key: str) -> AttrValue:
+        self.read.append(key)
+        return self._raw.full(key)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.read.append(key)
+        return key in self._raw
+
+    def __getitem__(self, key: str) -> AttrValue:
+        self.read.append(key)
+        return self._raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        raise TypeError("identify must look attributes up by key (dependency_of memoizes them)")
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+class _RecordingSource:
+    """:class:`LazyConverted`'s interface over a :class:`_Recorder`."""
+
+    __slots__ = ("full", "values")
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.values = recorder
+        self.full = recorder.full
+
+    def read(self, key: str, parse: Callable[[AttrValue], _T]) -> _T:
+        return parse(self.full(key))
+
+
+def _identified(
+    attrs: _Recorder, present: Collection[str], span_kind: int, name: str
+) -> tuple[str, bool]:
+    """The dependency, and whether the span's name went into it."""
+    if not _may_have_dependency(attrs, present):
+        return "", False  # an agent, chain or unlabelled span: most of a trace, read cheaply
+    draft = Draft(_RecordingSource(attrs))
+    _identify(draft, present, span_kind)
+    role = draft.role
+    if role is None or role is Role.AGENT or role is Role.CHAIN or role is Role.OTHER:
+        return "", False
+    uses_name = role is Role.TOOL and not draft.tool_name
+    return _dependency(draft, role, name[:_MAX_SPAN_NAME])[1], uses_name
 
 
 def _exception_event(events: Any) -> tuple[str, str] | None:

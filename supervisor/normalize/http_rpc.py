@@ -46,6 +46,9 @@ _MARKERS = frozenset(
 )
 
 
+_MARKER_ORDER = tuple(sorted(_MARKERS))
+
+
 def grpc_code(value: object) -> int | None:
     """A gRPC status as its number, from an int, a digit string or a name.
 
@@ -124,7 +127,8 @@ def _grpc(a: Mapping[str, AttrValue]) -> int | None:
 
 
 def _is_http(a: Mapping[str, AttrValue]) -> bool:
-    return not _MARKERS.isdisjoint(a.keys())
+    # Lookups, not a pass over the keys: dependency_of memoizes by the keys read.
+    return any(marker in a for marker in _MARKER_ORDER)
 
 
 def _host(a: Mapping[str, AttrValue]) -> str:

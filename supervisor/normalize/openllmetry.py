@@ -37,6 +37,7 @@ __all__ = [
     "identify",
     "kind_role",
     "offered_functions",
+    "role_of",
 ]
 
 MARKERS = frozenset(
@@ -75,7 +76,8 @@ def applies(keys: Collection[str]) -> bool:
     return not MARKERS.isdisjoint(keys)
 
 
-def _role(a: Mapping[str, object]) -> Role | None:
+def role_of(a: Mapping[str, object]) -> Role | None:
+    """The role Traceloop attributes give a span: its kind, else an LLM request type."""
     role = kind_role(a.get("traceloop.span.kind"))
     request_type = a.get("llm.request.type")
     if role is None and isinstance(request_type, str) and request_type in _REQUEST_TYPES:
@@ -86,7 +88,7 @@ def _role(a: Mapping[str, object]) -> Role | None:
 def identify(draft: Draft) -> None:
     """Role and tool name: what a span's dependency is made of."""
     a = draft.attrs.values
-    role = _role(a)
+    role = role_of(a)
     if draft.role is None and role is not None:
         draft.role = role
     if role is Role.TOOL and not draft.tool_name:
@@ -98,7 +100,7 @@ def extract(draft: Draft) -> None:
     a = draft.attrs.values
     draft.conventions.append("openllmetry")
     kind = a.get("traceloop.span.kind")
-    role = _role(a)
+    role = role_of(a)
     if not draft.session_id:
         for key in _SESSION_KEYS:
             session = as_str(a.get(key))

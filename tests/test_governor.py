@@ -1,0 +1,170 @@
+"""The governor revises the policy's decisions with breakers, budgets and intensity."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from policies import load_policy
+from policies._governor import Governor
+from supervisor.records import (
+    Action,
+    Decision,
+    ErrorEvidence,
+    Failure,
+    FailureClass,
+    Role,
+)
+
+POLICY = """\
+version: 1
+policies:
+  - name: fb
+    match: {kind: rate_limit}
+    action: fallback
+    chain: {"openai:*": ["openai:gpt-4o", "openai:gpt-4o-mini", "anthropic:claude"]}
+  - name: rt
+    match: {kind: unavailable}
+    action: retry
+    max_attempts: 10
+    wait: {type: fixed, seconds: 1}
+breakers: {default: {fail_max: 3, reset_timeout_s: 10, success_threshold: 1}}
+retry_budget: {ratio: 0.5, min_retries: 1, window_s: 10}
+restart_intensity: {max_actions: 3, period_s: 60}
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def governor(clock: Clock) -> Governor:
+    return Governor(load_policy(text=POLICY), clock=clock)
+
+
+def failure(
+    kind: str = "unavailable", dependency: str = "openai:gpt-4o", run: str = "r1"
+) -> Failure:
+    return Failure(
+        trace_id="a" * 32,
+        span_id="b" * 16,
+        parent_span_id="",
+        service="agent",
+        span_name="chat",
+        run_id=run,
+        role=Role.LLM,
+        failure_class=FailureClass.TRANSIENT,
+        kind=kind,
+        dependency=dependency,
+        rule="r",
+        message="503",
+        evidence=ErrorEvidence(status_error=True, http_status=503),
+        received_ns=0,
+    )
+
+
+def decide(governor: Governor, f: Failure, attempt: int = 1) -> Decision:
+    return governor.review(f, governor.policy.decide(f, attempt=attempt))
+
+
+def fail(governor: Governor, dependency: str, times: int) -> None:
+    governor.observe_calls([(i, dependency, False) for i in range(times)])
+
+
+def test_an_open_breaker_turns_a_retry_into_a_fallback_along_the_chain(
+    governor: Governor,
+) -> None:
+    fail(governor, "openai:gpt-4o", 3)
+
+    decision = decide(governor, failure())
+
+    assert (decision.action, decision.params["to"]) == (Action.FALLBACK, "openai:gpt-4o-mini")
+    assert decision.params["breaker"] == "open"
+    assert "breaker of openai:gpt-4o is open" in decision.reason
+
+
+def test_open_alternatives_are_skipped_and_none_left_means_fail_fast_until_half_open(
+    governor: Governor, clock: Clock
+) -> None:
+    for dependency in ("openai:gpt-4o", "openai:gpt-4o-mini"):
+        fail(governor, dependency, 3)
+    assert decide(governor, failure()).params["to"] == "anthropic:claude"
+    fail(governor, "anthropic:claude", 3)
+    clock.now += 4
+
+    decision = decide(governor, failure())
+
+    assert decision.action is Action.FAIL_FAST
+    assert decision.params["breaker_reopens_in_s"] == 6.0  # the run pauses, then resumes
+    clock.now += 6
+    assert governor.breaker_state("openai:gpt-4o").value == "half_open"
+    assert decide(governor, failure()).action is Action.RETRY  # a trial goes through
+
+
+def test_a_fallback_to_an_open_breaker_moves_on(governor: Governor) -> None:
+    fail(governor, "openai:gpt-4o-mini", 3)
+
+    decision = decide(governor, failure(kind="rate_limit"))
+
+    assert (decision.action, decision.params["to"]) == (Action.FALLBACK, "anthropic:claude")
+
+
+def test_an_isolated_breaker_fails_fast_without_a_resume_time(governor: Governor) -> None:
+    governor.isolate("tool:search")
+
+    decision = decide(governor, failure(dependency="tool:search"))
+
+    assert decision.action is Action.FAIL_FAST
+    assert decision.params == {"breaker": "isolated", "attempt": 1, "max_attempts": 10}
+
+
+def test_successes_between_failures_keep_the_breaker_closed(governor: Governor) -> None:
+    calls = [(1, "x:y", False), (2, "x:y", False), (3, "x:y", True), (4, "x:y", False)]
+    governor.observe_calls(list(reversed(calls)))  # the order they ended counts, not arrival
+
+    assert governor.breaker_state("x:y").value == "closed"
+    governor.observe_calls([(5, "x:y", False), (6, "x:y", False)])
+    assert governor.breaker_state("x:y").value == "open"
+
+
+def test_too_many_corrective_actions_in_a_run_are_escalated(governor: Governor) -> None:
+    governor.observe_calls([(i, "openai:gpt-4o", True) for i in range(100)])  # budget to spare
+    actions = [decide(governor, failure(), attempt=n).action for n in range(1, 5)]
+
+    assert actions[:3] == [Action.RETRY] * 3
+    assert actions[3] is Action.ESCALATE
+    last = decide(governor, failure(run="other"))
+    assert last.action is Action.RETRY  # intensity is per run
+
+
+def test_retries_over_the_budget_fall_back_or_fail_fast(governor: Governor) -> None:
+    governor.observe_calls([(i, "tool:a", True) for i in range(4)])  # budget: 2 retries
+
+    actions = [decide(governor, failure(dependency="tool:a", run=f"r{n}")).action for n in range(3)]
+
+    assert actions == [Action.RETRY, Action.RETRY, Action.FAIL_FAST]
+    spent = decide(governor, failure(run="r9"))  # gpt-4o has a chain: fall back instead
+    assert spent.action is Action.RETRY  # its own budget: the floor of one
+    spent = decide(governor, failure(run="r10"))
+    assert (spent.action, spent.params["to"]) == (Action.FALLBACK, "openai:gpt-4o-mini")
+    assert "retry budget of openai:gpt-4o spent" in spent.reason
+
+
+def test_observe_only_decisions_spend_nothing(governor: Governor) -> None:
+    f = failure(dependency="tool:b")
+    for _ in range(5):
+        observed = replace(governor.policy.decide(f, attempt=1), observe_only=True)
+        assert governor.review(f, observed).action is Action.RETRY
+    assert governor.budget.snapshot("tool:b").retries == 0
+    assert governor.intensity.actions("r1") == 0
