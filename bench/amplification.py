@@ -39,6 +39,11 @@ The model, the same for both:
 * Decisions take effect the moment the call fails (as with ``POST
   /v1/decide``); the delay is the decision's ``delay_s``.
 
+That is an open loop, the load a fleet puts on a dependency when work keeps
+arriving. A strictly sequential agent (its next step waits for the retries of
+the last) is a closed loop: its own backoff pushes its schedule back, and both
+sides would amplify less.
+
 Figures, per side: calls made during the outage window (first and retried
 attempts whose time falls in it) divided by the calls scheduled in the window
 (what the fleet would make with no retries at all); the same over the whole

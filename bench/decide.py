@@ -54,7 +54,6 @@ from bench.harness import (
 )
 
 GOAL_P99_MS = 5.0
-FLOOR_REQUESTS = 200
 #: A median keep-alive round trip above this is the Nagle / delayed-ACK stall.
 STALL_S = 0.030
 
@@ -303,6 +302,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="also run the questions again from N clients at once (1: sequential only)",
     )
+    parser.add_argument(
+        "--floor", type=int, default=200, help="GET /healthz round trips, for scale (200)"
+    )
     parser.add_argument("--seed", type=int, default=7, help="shuffles the mix (7)")
     add_sidecar_arguments(parser)
     parser.add_argument(
@@ -310,8 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.sidecar_env = sidecar_env(parser, args)
-    if args.requests < 1 or args.warmup < 0 or args.concurrency < 1:
-        parser.error("--requests and --concurrency must be >= 1, --warmup >= 0")
+    if min(args.requests, args.concurrency, args.floor) < 1 or args.warmup < 0:
+        parser.error("--requests, --concurrency and --floor must be >= 1, --warmup >= 0")
     if not 0 < args.timeout <= 3600:
         parser.error("--timeout must be in (0, 3600] seconds")
     return args
@@ -320,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _warn_if_stalled(latencies: Sequence[float], requests: int) -> None:
     """Say at once why the run will be slow when every round trip waits for a delayed ACK."""
     if latencies and percentile(latencies, 0.5) > STALL_S:
-        estimate = (requests + FLOOR_REQUESTS) * percentile(latencies, 0.5)
+        estimate = requests * percentile(latencies, 0.5)
         print(
             f"warm-up round trips take {percentile(latencies, 0.5) * 1000:.0f} ms (p50): the"
             f" measured part will take about {estimate:.0f} s",
@@ -357,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 with _client(sidecar) as client:
                     warmed = Timed()
                     ask_all(client, warm, deadline, warmed)
-                    _warn_if_stalled(warmed.latencies_s, args.requests)
-                    floor = health_floor(client, FLOOR_REQUESTS, deadline)
+                    _warn_if_stalled(warmed.latencies_s, args.requests + args.floor)
+                    floor = health_floor(client, args.floor, deadline)
                 seq = sequential(sidecar, bodies, deadline)
                 conc = (
                     concurrent(sidecar, bodies, args.concurrency, deadline)

@@ -46,6 +46,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -316,7 +317,10 @@ class Senders:
             sent.at[trace_id] = first
         for attempt in range(_MAX_SENDS):
             started = time.perf_counter()
-            response = client.post(self.url, content=payload)
+            try:
+                response = client.post(self.url, content=payload)
+            except httpx.HTTPError as exc:
+                raise BenchError(f"POST /v1/traces failed: {exc!r}") from exc
             if response.status_code == 200:
                 with self._lock:
                     sent.round_trips_s.append(time.perf_counter() - started)
@@ -353,7 +357,10 @@ class Senders:
         """Wait for every export; re-raise the first error."""
         deadline = time.monotonic() + timeout_s
         for future in list(self.futures):
-            future.result(timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout as exc:
+                raise BenchError(f"exports still running after {timeout_s:g} s") from exc
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -574,7 +574,7 @@ class Agent:
         while True:
             left = until - time.monotonic()
             if left <= 0:
-                what = "resume_run or approval_result" if paused else "a command"
+                what = "resume_run or approval_result" if paused else "command"
                 why = "the run's deadline" if until >= run.deadline else f"{limit:g}s"
                 _say(
                     f"run {report.name}: no {what} from the sidecar within {why}; giving up"

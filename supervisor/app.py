@@ -23,10 +23,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import pybreaker
 import uvicorn
 from starlette.applications import Starlette
 
@@ -108,7 +109,10 @@ class Sidecar:
         self.queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
         self.breaker_changes = 0
         self.governor = Governor(
-            policy, on_breaker_change=self._breaker_changed, max_runs=settings.tracked_runs
+            policy,
+            on_breaker_change=self._breaker_changed,
+            max_runs=settings.tracked_runs,
+            breaker_storage=_shared_breakers(settings.breaker_redis_url),
         )
         self.pipeline = Pipeline(
             policy,
@@ -491,6 +495,29 @@ def _actuators(agents: dict[str, AgentDelivery]) -> dict[str, Actuator]:
             run = delivery.command
             built[service] = CommandActuator(argv=run.argv, timeout_s=run.timeout_s, env=run.env)
     return built
+
+
+def _shared_breakers(url: str | None) -> Callable[[str], pybreaker.CircuitBreakerStorage] | None:
+    """pybreaker's Redis storage per dependency, so a fleet of sidecars shares its breakers."""
+    if url is None:
+        return None
+    try:
+        import redis  # the `fleet` extra: only sidecars that share breakers need it
+    except ImportError as exc:
+        raise ConfigError(
+            "breaker_redis_url needs the redis package: pip install 'spanvisor[fleet]'"
+        ) from exc
+    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise ConfigError(f"cannot reach the breakers' Redis at {url}: {exc}") from exc
+
+    def storage(dependency: str) -> pybreaker.CircuitBreakerStorage:
+        namespace = f"spanvisor:breaker:{dependency}"
+        return pybreaker.CircuitRedisStorage(pybreaker.STATE_CLOSED, client, namespace=namespace)
+
+    return storage
 
 
 def _stamp(path: object) -> tuple[int, int] | None:

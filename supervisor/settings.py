@@ -161,6 +161,12 @@ class Settings(BaseSettings):
         default_factory=lambda: Path.home() / ".spanvisor" / "state.db",
         description="SQLite file of incidents, commands and approvals (':memory:' for none).",
     )
+    breaker_redis_url: str | None = Field(
+        default=None,
+        pattern=r"^rediss?://",
+        description="Share breaker state with every sidecar using this Redis (redis://host:6379/0);"
+        " unset: breakers are this sidecar's own.",
+    )
     max_pending_commands: int = Field(default=100_000, ge=1, le=10_000_000)
     retention_s: float = Field(default=7 * 86_400.0, ge=60, le=365 * 86_400)
     policy_poll_s: float = Field(

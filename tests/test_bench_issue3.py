@@ -91,7 +91,9 @@ def test_naive_side_uses_tenacitys_schedule() -> None:
 
 @pytest.mark.slow
 def test_decide_prints_its_percentiles() -> None:
-    done = _run("decide.py", "--requests", "40", "--warmup", "5", "--concurrency", "2")
+    done = _run(
+        "decide.py", "--requests", "40", "--warmup", "5", "--concurrency", "2", "--floor", "10"
+    )
 
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("python bench/decide.py --requests 40")

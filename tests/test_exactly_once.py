@@ -247,12 +247,18 @@ def test_an_exporter_resending_the_same_spans_gets_each_command_delivered_once(
 
 
 class KilledMidDelivery:
-    """Before the kill: the first ``ok`` commands are acknowledged, the others are
-    refused with 503 or held unanswered; after it, everything is acknowledged."""
+    """Before the kill: the first ``ok`` commands are acknowledged; of the others,
+    half are refused once (503) and then held unanswered, half are held at once.
+    So when the process is killed every unacknowledged command has an attempt in
+    flight, and none waits a backoff. After the kill everything is acknowledged.
+
+    Keep ``total - ok`` at most 8: the webhook actuator has 8 connections, and
+    attempts beyond those wait for one (see test_dispatch's pool test)."""
 
     def __init__(self, ok: int) -> None:
         self.ok = ok
         self.roles: dict[str, str] = {}
+        self.attempts: Counter[str] = Counter()
         self.killed = False
 
     def __call__(self, delivery: Delivery) -> Answer:  # called under the receiver's lock
@@ -263,23 +269,30 @@ class KilledMidDelivery:
             n = len(self.roles)
             role = "ok" if n < self.ok else ("refuse" if n % 2 else "hold")
             self.roles[delivery.key] = role
+        self.attempts[delivery.key] += 1
         if role == "ok":
             return Answer(200)
-        if role == "refuse":
+        if role == "refuse" and self.attempts[delivery.key] == 1:
             return Answer(503, body=b"warming up")
         return Answer(200, hang_s=30.0)  # answered only after the sender is gone
+
+    def all_in_flight(self, total: int) -> bool:
+        """Every command seen; every refused one sent again (and now held)."""
+        return len(self.roles) == total and all(
+            self.attempts[key] >= 2 for key, role in self.roles.items() if role == "refuse"
+        )
 
 
 def test_after_kill_9_mid_delivery_a_restart_delivers_what_was_not_acknowledged_and_only_that(
     tmp_path: Path, payloads: list[bytes]
 ) -> None:
-    script = KilledMidDelivery(ok=8)
+    script = KilledMidDelivery(ok=14)
     with WebhookReceiver(script) as receiver:
         sidecars = Sidecars(tmp_path, receiver.url)
         try:
             first = sidecars.start()
             first.send(payloads)
-            wait_until(lambda: len(set(receiver.keys())) == FAILURES, "an attempt of every command")
+            wait_until(lambda: script.all_in_flight(FAILURES), "an attempt of every command")
             # The acknowledged ones are recorded delivered before the kill: what
             # the receiver acknowledged is exactly what the store says is done.
             wait_until(

@@ -168,3 +168,30 @@ def test_observe_only_decisions_spend_nothing(governor: Governor) -> None:
         assert governor.review(f, observed).action is Action.RETRY
     assert governor.budget.snapshot("tool:b").retries == 0
     assert governor.intensity.actions("r1") == 0
+
+
+def test_two_sidecars_share_breakers_through_redis() -> None:
+    import uuid
+
+    from supervisor.app import _shared_breakers
+    from supervisor.errors import ConfigError
+
+    try:
+        storage = _shared_breakers("redis://127.0.0.1:6379/0")
+    except ConfigError as exc:
+        pytest.skip(f"no Redis: {exc}")
+    assert storage is not None
+    dependency = f"openai:test-{uuid.uuid4().hex}"  # a fresh key: tests may share the server
+    policy = load_policy(text=POLICY)
+    first, second = (
+        Governor(policy, breaker_storage=storage),
+        Governor(policy, breaker_storage=storage),
+    )
+
+    fail(first, dependency, 2)
+    fail(second, dependency, 1)  # the third failure in the fleet trips it for both
+
+    assert second.breaker_state(dependency).value == "open"
+    assert first.breaker_state(dependency).value == "open"
+    with pytest.raises(ConfigError, match="cannot reach"):
+        _shared_breakers("redis://127.0.0.1:1/0")
