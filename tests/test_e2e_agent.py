@@ -1,11 +1,12 @@
 """End to end with a real agent process: spans in, decisions, commands by webhook, the run goes on.
 
-Three real processes per scenario: a ``spanvisor run`` sidecar (one for the
-module), the example agent ``examples/webhook_agent.py`` (the ``openai`` SDK
-instrumented with ``opentelemetry-instrumentation-openai-v2``, exporting
-OTLP/HTTP to the sidecar, taking commands on a signed webhook) and, in this
-process, a fake OpenAI-compatible provider behind a :class:`FaultSchedule`
-that injects the faults by model and by what is asked.
+Real processes: a ``spanvisor run`` sidecar (one for the module), one process
+of the example agent ``examples/webhook_agent.py`` per scenario (the ``openai``
+SDK instrumented with ``opentelemetry-instrumentation-openai-v2``, exporting
+OTLP/HTTP to the sidecar, taking commands on a signed webhook) and the
+``spanvisor`` CLI that approves; in this process, a fake OpenAI-compatible
+provider behind a :class:`FaultSchedule` injects the faults by model and by
+what is asked, over real HTTP on loopback.
 
 Each scenario runs its own agent process under its own service name (each
 with its webhook in the sidecar's settings) and its own primary model, so

@@ -253,7 +253,8 @@ class KilledMidDelivery:
     flight, and none waits a backoff. After the kill everything is acknowledged.
 
     Keep ``total - ok`` at most 8: the webhook actuator has 8 connections, and
-    attempts beyond those wait for one (see test_dispatch's pool test)."""
+    attempts beyond those wait, unsent, for one (see test_dispatch's
+    ``test_every_attempt_in_flight_is_sent_not_queued_behind_eight_slow_requests``)."""
 
     def __init__(self, ok: int) -> None:
         self.ok = ok

@@ -227,6 +227,8 @@ def convert_attributes(kvs: Sequence[Any]) -> Converted:
     for kv in kvs:
         value = kv.value
         text = value.string_value
+        if long is not None:
+            long.pop(kv.key, None)  # a repeated key: the last value wins, as on the wire
         if text:
             if len(text) > MAX_VALUE_CHARS:
                 if long is None:
