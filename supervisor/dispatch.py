@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from tenacity import RetryCallState, Retrying, wait_random_exponential
 
-from supervisor.actuators import Actuator, DeliveryResult
+from supervisor.actuators import MAX_CONCURRENT_ATTEMPTS, Actuator, DeliveryResult
 from supervisor.bounded import LatencyWindow
 from supervisor.store import Store, StoredCommand
 
@@ -62,7 +62,8 @@ class Dispatcher:
         self._max_attempts = max_attempts
         self._wait = wait_random_exponential(multiplier=0.5, max=backoff_max_s)
         self._clock = clock
-        self._slots = asyncio.Semaphore(concurrency)
+        # Per actuator: a slow agent holds its own slots, not every agent's.
+        self._slots: dict[int, asyncio.Semaphore] = {}
         self._concurrency = concurrency
         self._wakeup = asyncio.Event()
         self._in_flight: dict[str, asyncio.Task[None]] = {}
@@ -140,6 +141,7 @@ class Dispatcher:
         for command_id, running in list(self._in_flight.items()):
             if running is task:
                 del self._in_flight[command_id]
+        self._wakeup.set()  # its next attempt (or a slot for another) may be due now
 
     async def _attempt(self, stored: StoredCommand) -> None:
         command = stored.command
@@ -150,7 +152,10 @@ class Dispatcher:
                 stored, f"no delivery channel is configured for service {command.service!r}", now
             )
             return
-        async with self._slots:
+        slots = self._slots.get(id(actuator))
+        if slots is None:
+            slots = self._slots[id(actuator)] = asyncio.Semaphore(MAX_CONCURRENT_ATTEMPTS)
+        async with slots:
             try:
                 result = await actuator.deliver(command)
             except Exception as exc:  # actuators must not raise; contain one that does

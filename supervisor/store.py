@@ -25,6 +25,8 @@ stored dead with the reason, never dropped silently. Finished rows older than
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sqlite3
 import threading
 import time
@@ -178,6 +180,20 @@ class Approval:
         }
 
 
+def _exclusive(target: str) -> int:
+    """Lock ``target`` for this process: two sidecars on one store would both deliver."""
+    fd = os.open(target + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"another spanvisor is using the store at {target}; give each sidecar its own"
+            " state_path"
+        ) from None
+    return fd
+
+
 def _dumps(value: object) -> str:
     # orjson: a batch's incidents are serialized on the pipeline's thread.
     return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
@@ -241,6 +257,7 @@ class Store:
             "SELECT COUNT(*) FROM commands WHERE status IN ('pending', 'leased')"
         ).fetchone()[0]
         self._counts: dict[str, int] | None = None
+        self._lock_fd: int | None = None
         self._counted_at = 0.0
 
     @classmethod
@@ -253,8 +270,10 @@ class Store:
     ) -> Store:
         """Open (creating if needed) the store at ``path``; ``":memory:"`` for a private one."""
         target = str(path)
+        lock: int | None = None
         if target != ":memory:":
             Path(target).parent.mkdir(parents=True, exist_ok=True)
+            lock = _exclusive(target)
         try:
             db = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
             db.row_factory = sqlite3.Row
@@ -264,12 +283,19 @@ class Store:
             db.execute("PRAGMA busy_timeout=5000")
             db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
+            if lock is not None:
+                os.close(lock)
             raise ConfigError(f"cannot open the store at {target}: {exc}") from exc
-        return cls(db, max_pending=max_pending, retention_s=retention_s)
+        store = cls(db, max_pending=max_pending, retention_s=retention_s)
+        store._lock_fd = lock
+        return store
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:

@@ -594,3 +594,13 @@ def test_open_creates_missing_directories_and_reports_an_unusable_path(tmp_path:
     with pytest.raises(ConfigError) as refused:
         Store.open(tmp_path)  # a directory, not a database file
     assert str(refused.value).startswith(f"cannot open the store at {tmp_path}: ")
+
+
+def test_a_second_sidecar_cannot_open_a_store_in_use(tmp_path: Path) -> None:
+    first = Store.open(tmp_path / "state.db")
+    try:
+        with pytest.raises(ConfigError, match="another spanvisor is using the store"):
+            Store.open(tmp_path / "state.db")
+    finally:
+        first.close()
+    Store.open(tmp_path / "state.db").close()  # free again once the first closed

@@ -19,6 +19,11 @@ from typing import Protocol
 
 from supervisor.records import Command
 
+#: Attempts the dispatcher makes at once through one actuator; the webhook
+#: actuator keeps as many connections, so no attempt waits for one inside its
+#: own timeout.
+MAX_CONCURRENT_ATTEMPTS = 8
+
 
 @dataclass(frozen=True, slots=True)
 class DeliveryResult:

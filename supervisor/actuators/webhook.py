@@ -29,7 +29,7 @@ from typing import Final
 import httpx
 import orjson
 
-from supervisor.actuators import DeliveryResult
+from supervisor.actuators import MAX_CONCURRENT_ATTEMPTS, DeliveryResult
 from supervisor.records import Command
 from supervisor.signing import ID_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, signature_headers
 
@@ -47,7 +47,7 @@ MAX_TIMEOUT_S: Final = 60.0
 _MAX_RESPONSE_BYTES: Final = 64 * 1024
 _SNIPPET_CHARS: Final = 200
 # Deliveries may run concurrently; a few connections are plenty for one agent.
-_MAX_CONNECTIONS: Final = 8
+_MAX_CONNECTIONS: Final = MAX_CONCURRENT_ATTEMPTS
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 # RFC 9110 token characters: anything else in a header name is refused.
 _TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
