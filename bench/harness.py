@@ -153,6 +153,8 @@ class Sidecar:
                 "SPANVISOR_API_PORT": str(self.api_port),
                 "SPANVISOR_API_TOKEN": self.token,
                 "SPANVISOR_TOKEN_FILE": str(Path(self._workdir.name) / "api-token"),
+                # A fresh store per run: incidents of earlier runs must not be measured.
+                "SPANVISOR_STATE_PATH": str(Path(self._workdir.name) / "state.db"),
                 "SPANVISOR_LOG_LEVEL": "WARNING",
             }
         )

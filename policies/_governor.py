@@ -5,8 +5,8 @@ breaker per dependency (fed by every call outcome the sidecar sees, from every
 run of every service), a retry budget per dependency, and each run's restart
 intensity. It revises a decision in this order:
 
-1. **Breaker open or isolated** for the failed dependency: a retry, fallback or
-   fail-fast becomes a fallback to the first alternative in the policy's chain
+1. **Breaker open or isolated** for the failed dependency: any decision but
+   ``none`` becomes a fallback to the first alternative in the policy's chain
    whose breaker is not open, else ``fail_fast`` with the time the breaker may
    half-open (``breaker_reopens_in_s``, so the run can be paused and resumed).
 2. A **fallback** whose target's breaker is open moves on along the chain.
@@ -41,8 +41,9 @@ from supervisor.records import Action, AttrValue, Decision, Failure
 
 _BLOCKED = (BreakerState.OPEN, BreakerState.ISOLATED)
 _CORRECTIVE = (Action.RETRY, Action.FALLBACK)
-#: What an open breaker turns into a fallback or fail_fast.
-_DIVERTED = (Action.RETRY, Action.FALLBACK, Action.FAIL_FAST)
+#: What an open breaker turns into a fallback or fail_fast: every decision about its
+#: dependency but ``none`` (an outage must not become a queue of approval requests).
+_DIVERTED = (Action.RETRY, Action.FALLBACK, Action.FAIL_FAST, Action.ESCALATE, Action.REMEDIATE)
 
 
 class Governor:

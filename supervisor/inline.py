@@ -9,6 +9,8 @@ behaves the same inline and from spans.
 
 The question does not count as an observed failure: the agent's own span
 will report the call, and counting both would trip breakers twice as fast.
+It does count as a call for the retry budget, which only loosens the budget
+a little for agents that also export spans.
 Each question gets a fresh id, so jitter spreads agents that ask at once.
 """
 
@@ -108,6 +110,9 @@ def decide(policy: Policy, governor: Governor | None, question: Question) -> dic
     )
     decision = policy.decide(failure, attempt=question.attempt)
     if governor is not None:
+        # The question is a call of the dependency for its budget (an agent that only
+        # asks, exporting no spans, would otherwise get only the budget's floor).
+        governor.budget.record_call(failure.dependency)
         decision = governor.review(failure, decision)
     params = dict(decision.params)
     delay = params.get("delay_s")

@@ -180,6 +180,37 @@ class Approval:
         }
 
 
+_INSERT_COMMAND = (
+    "INSERT OR IGNORE INTO commands (id, key, incident_key, service, type, channel, status,"
+    " body, not_before, next_attempt_at, attempts, last_error, created_at, finished_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)"
+)
+_INSERT_APPROVAL = (
+    "INSERT OR IGNORE INTO approvals (id, incident_key, service, run_id, status, body,"
+    " created_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)"
+)
+
+
+def _command_row(
+    command: Command, incident_key: str, channel: str, status: str, error: str
+) -> tuple[object, ...]:
+    return (
+        command.id,
+        command.idempotency_key,
+        incident_key,
+        command.service,
+        command.type.value,
+        channel,
+        status,
+        _dumps(command.to_json()),
+        command.not_before,
+        command.not_before,
+        error,
+        command.created_at,
+        command.created_at if status == "dead" else None,
+    )
+
+
 def _exclusive(target: str) -> int:
     """Lock ``target`` for this process: two sidecars on one store would both deliver."""
     fd = os.open(target + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -315,28 +346,39 @@ class Store:
 
         An incident whose key is already stored is a duplicate (the same span
         judged twice): nothing of it is stored again and none of its commands
-        are returned.
+        are returned. One transaction and a few statements per batch: this runs
+        on the pipeline's thread for every failure.
         """
+        batch = list(incidents)
         created: list[StoredCommand] = []
         with self._transaction() as db:
-            for incident in incidents:
-                inserted = db.execute(
-                    "INSERT OR IGNORE INTO incidents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        incident.key,
-                        incident.trace_id,
-                        incident.span_id,
-                        incident.rule,
-                        incident.service,
-                        incident.run_id,
-                        incident.action,
-                        _dumps(incident.body),
-                        now,
-                    ),
-                ).rowcount
-                if not inserted:
+            known = self._stored_keys(db, [incident.key for incident in batch])
+            fresh: list[NewIncident] = []
+            for incident in batch:
+                if incident.key in known:
                     self.duplicates += 1
                     continue
+                known.add(incident.key)
+                fresh.append(incident)
+            db.executemany(
+                "INSERT INTO incidents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        i.key,
+                        i.trace_id,
+                        i.span_id,
+                        i.rule,
+                        i.service,
+                        i.run_id,
+                        i.action,
+                        _dumps(i.body),
+                        now,
+                    )
+                    for i in fresh
+                ],
+            )
+            rows: list[tuple[object, ...]] = []
+            for incident in fresh:
                 for command, channel in incident.commands:
                     status: CommandStatus = "pending"
                     error = ""
@@ -347,20 +389,46 @@ class Store:
                         status = "dead"
                         error = f"{self.max_pending} commands were already waiting"
                         self.overflowed += 1
-                    stored = self._insert_command(
-                        db,
-                        command,
-                        incident_key=incident.key,
-                        channel=channel,
-                        status=status,
-                        error=error,
+                    rows.append(_command_row(command, incident.key, channel, status, error))
+                    finished = command.created_at if status == "dead" else None
+                    created.append(
+                        StoredCommand(
+                            command, channel, status, 0, command.not_before, error, finished
+                        )
                     )
-                    if stored is not None:
-                        self._waiting += status == "pending"
-                        created.append(stored)
-                if incident.approval is not None:
-                    self._insert_approval(db, incident, now)
+                    self._waiting += status == "pending"
+            db.executemany(_INSERT_COMMAND, rows)
+            db.executemany(
+                _INSERT_APPROVAL,
+                [
+                    (
+                        f"apr_{i.key[:24]}",
+                        i.key,
+                        i.service,
+                        i.run_id,
+                        _dumps(i.approval),
+                        now,
+                    )
+                    for i in fresh
+                    if i.approval is not None
+                ],
+            )
         return created
+
+    @staticmethod
+    def _stored_keys(db: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
+        found: set[str] = set()
+        for start in range(0, len(keys), 500):  # well under SQLite's bound on parameters
+            chunk = keys[start : start + 500]
+            marks = ",".join("?" for _ in chunk)
+            found.update(
+                row[0]
+                for row in db.execute(
+                    f"SELECT key FROM incidents WHERE key IN ({marks})",  # noqa: S608 - placeholders only
+                    chunk,
+                )
+            )
+        return found
 
     def _insert_command(
         self,
@@ -372,45 +440,11 @@ class Store:
         status: CommandStatus,
         error: str,
     ) -> StoredCommand | None:
-        finished = command.created_at if status == "dead" else None
-        inserted = db.execute(
-            "INSERT OR IGNORE INTO commands (id, key, incident_key, service, type, channel,"
-            " status, body, not_before, next_attempt_at, attempts, last_error, created_at,"
-            " finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)",
-            (
-                command.id,
-                command.idempotency_key,
-                incident_key,
-                command.service,
-                command.type.value,
-                channel,
-                status,
-                _dumps(command.to_json()),
-                command.not_before,
-                command.not_before,
-                error,
-                command.created_at,
-                finished,
-            ),
-        ).rowcount
-        if not inserted:
+        row = _command_row(command, incident_key, channel, status, error)
+        if not db.execute(_INSERT_COMMAND, row).rowcount:
             return None
+        finished = command.created_at if status == "dead" else None
         return StoredCommand(command, channel, status, 0, command.not_before, error, finished)
-
-    def _insert_approval(self, db: sqlite3.Connection, incident: NewIncident, now: float) -> None:
-        assert incident.approval is not None
-        db.execute(
-            "INSERT OR IGNORE INTO approvals (id, incident_key, service, run_id, status, body,"
-            " created_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)",
-            (
-                f"apr_{incident.key[:24]}",
-                incident.key,
-                incident.service,
-                incident.run_id,
-                _dumps(incident.approval),
-                now,
-            ),
-        )
 
     def add_commands(
         self, incident_key: str, commands: Iterable[tuple[Command, str]]
@@ -470,9 +504,7 @@ class Store:
             ).fetchall()
         return [_command_from(r) for r in rows]
 
-    def next_due_at(
-        self, channels: Sequence[str], excluding: Sequence[str] = ()
-    ) -> float | None:
+    def next_due_at(self, channels: Sequence[str], excluding: Sequence[str] = ()) -> float | None:
         """When the earliest pending command of ``channels`` (not in ``excluding``) is due."""
         marks = ",".join("?" for _ in channels)
         skip = ",".join("?" for _ in excluding)

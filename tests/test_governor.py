@@ -195,3 +195,12 @@ def test_two_sidecars_share_breakers_through_redis() -> None:
     assert first.breaker_state(dependency).value == "open"
     with pytest.raises(ConfigError, match="cannot reach"):
         _shared_breakers("redis://127.0.0.1:1/0")
+
+
+def test_an_outage_asks_no_person_escalations_become_fallbacks(governor: Governor) -> None:
+    fail(governor, "openai:gpt-4o", 3)
+    escalated = Decision(action=Action.ESCALATE, policy="p", reason="retries exhausted")
+
+    decision = governor.review(failure(), escalated)
+
+    assert (decision.action, decision.params["to"]) == (Action.FALLBACK, "openai:gpt-4o-mini")
