@@ -76,14 +76,22 @@ class Actor:
         return delivery.channel if delivery is not None else ""
 
     def record(self, outcomes: Sequence[Outcome]) -> list[StoredCommand]:
-        """Store the outcomes' incidents and commands; return the new commands."""
+        """Store the outcomes' incidents and commands, then wake the deliverers."""
+        created = self.store_outcomes(outcomes)
+        self.announce(created)
+        return created
+
+    def store_outcomes(self, outcomes: Sequence[Outcome]) -> list[StoredCommand]:
+        """Store the outcomes' incidents and commands; return the new commands.
+
+        Safe from another thread (the sidecar's store writer); :meth:`announce`
+        must then run on the event loop's.
+        """
         if not outcomes:
             return []
         now = self._clock()
         incidents = [self._incident(outcome, now) for outcome in outcomes]
-        created = self.store.record(incidents, now)
-        self._announce(created)
-        return created
+        return self.store.record(incidents, now)
 
     def _incident(self, outcome: Outcome, now: float) -> NewIncident:
         failure, decision = outcome.failure, outcome.decision
@@ -110,7 +118,8 @@ class Actor:
             approval=proposal(failure, decision) if escalated else None,
         )
 
-    def _announce(self, created: Sequence[StoredCommand]) -> None:
+    def announce(self, created: Sequence[StoredCommand]) -> None:
+        """Wake the dispatcher and long-polling agents for new commands (event loop only)."""
         push = False
         for stored in created:
             if stored.status != "pending":
@@ -139,7 +148,7 @@ class Actor:
         created = self.store.add_commands(
             answered.incident_key, [(command, self.channel_for(command.service))]
         )
-        self._announce(created)
+        self.announce(created)
         log.info(
             "approval answered",
             extra={"approval": answered.id, "approved": approved, "by": by},

@@ -52,6 +52,7 @@ from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.pipeline import Outcome, Pipeline
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
 from supervisor.store import Store
+from supervisor.store_writer import StoreWriter
 from supervisor.telemetry import DecisionTracer
 
 log = logging.getLogger("spanvisor.app")
@@ -133,7 +134,7 @@ class Sidecar:
             max_attempts=lambda service: _max_attempts(settings.agents, service),
         )
         self.actor = Actor(self.store, settings.agents, wake_push=self.dispatcher.wake)
-        self._act_errors = 0
+        self.writer = StoreWriter(self.actor)
         self._policy_stamp = _stamp(settings.policy)
         self.reloads = {"ok": 0, "rejected": 0}
         self.failures = RecentFailures(settings.recent_failures)
@@ -203,6 +204,7 @@ class Sidecar:
         for actuator in set(self.actuators.values()):
             await actuator.start()
         self.dispatcher.start()
+        self.writer.start(asyncio.get_running_loop())
         self._worker = asyncio.create_task(self._work(), name="spanvisor-pipeline")
         self._gc_task = asyncio.create_task(self._collect_periodically(), name="spanvisor-gc")
         self._housekeeping = asyncio.create_task(self._keep_house(), name="spanvisor-house")
@@ -252,6 +254,7 @@ class Sidecar:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        await asyncio.to_thread(self.writer.close, max(0.1, min(5.0, deadline - time.monotonic())))
         await self.dispatcher.shutdown(max(0.1, min(5.0, deadline - time.monotonic())))
         for actuator in set(self.actuators.values()):
             with contextlib.suppress(Exception):
@@ -371,14 +374,8 @@ class Sidecar:
             self.latency.add((time.time_ns() - batch.received_ns) / 1e6)
 
     def _act(self, outcomes: list[Outcome]) -> None:
-        """Store a batch's incidents and commands: one transaction per batch."""
-        if not outcomes:
-            return
-        try:
-            self.actor.record(outcomes)
-        except Exception:  # a store error must not stop judging; the failures stay listed
-            self._act_errors += 1
-            log.exception("could not store incidents and commands for a batch")
+        """Hand a batch's outcomes to the store writer (one transaction per batch)."""
+        self.writer.put(outcomes)
 
     def _breaker_changed(self, change: BreakerChange) -> None:
         self.breaker_changes += 1
@@ -462,7 +459,8 @@ class Sidecar:
             "delivery": {
                 **asdict(self.dispatcher.stats()),
                 **self.actor.describe(),
-                "store_errors": self._act_errors,
+                "store_errors": self.writer.errors,
+                "store_backlog": self.writer.backlog,
                 "latency_ms": _percentiles(self.dispatcher.latency),
             },
             "breakers": {

@@ -1,0 +1,88 @@
+"""Stores a batch's incidents on a thread of its own, so the pipeline goes on judging.
+
+SQLite commits take a millisecond or more per batch (the sqlite3 module
+releases the GIL while it writes), and on the pipeline's thread they delayed
+the next batch's decisions. The writer takes batches of outcomes from a
+bounded queue, stores them (:meth:`supervisor.act.Actor.store_outcomes`) and
+hands the new commands back to the event loop, which wakes the deliverers.
+
+Lifecycle: :meth:`StoreWriter.start` once with the running loop; :meth:`put`
+from the pipeline's thread (it blocks when ``capacity`` batches wait: the
+backlog then reaches ingest, which throttles, and nothing is dropped);
+:meth:`close` once: stores what is queued, bounded by a timeout, and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from supervisor.act import Actor
+from supervisor.pipeline import Outcome
+
+log = logging.getLogger("spanvisor.store")
+
+_STOP = object()
+
+
+class StoreWriter:
+    """A thread that stores outcomes in order; see the module for the lifecycle."""
+
+    def __init__(self, actor: Actor, *, capacity: int = 256) -> None:
+        self._actor = actor
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=capacity)
+        self._thread = threading.Thread(target=self._run, name="spanvisor-store", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: Batches that could not be stored (logged); their failures stay listed in memory.
+        self.errors = 0
+        self.stored = 0
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    def put(self, outcomes: Sequence[Outcome]) -> None:
+        if outcomes:
+            self._queue.put(list(outcomes))
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, timeout_s: float) -> None:
+        """Store what is queued (within ``timeout_s``) and stop the thread."""
+        if not self._thread.is_alive():
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._queue.put(_STOP, timeout=max(0.01, timeout_s))
+        except queue.Full:
+            log.error("the store writer is stuck; outcomes still queued are not stored")
+            return
+        self._thread.join(max(0.01, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            log.error("the store writer did not finish in time; outcomes may be unstored")
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            assert isinstance(item, list)
+            try:
+                created = self._actor.store_outcomes(item)
+            except Exception:  # a store error must not stop storing the next batches
+                self.errors += 1
+                log.exception("could not store incidents and commands for a batch")
+                continue
+            self.stored += len(item)
+            loop = self._loop
+            if created and loop is not None and not loop.is_closed():
+                # The loop may close meanwhile: the commands are stored; the next start delivers.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self._actor.announce, created)

@@ -1,0 +1,34 @@
+"""The store writer stores batches in order on its own thread and hands commands back."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from supervisor.act import Actor
+from supervisor.records import Action
+from supervisor.settings import AgentDelivery, PullChannel
+from supervisor.store import Store
+from supervisor.store_writer import StoreWriter
+from tests.test_api import _outcome
+
+
+def test_batches_are_stored_off_the_loop_and_announced_on_it(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    actor = Actor(store, {"agent": AgentDelivery(pull=PullChannel())})
+    writer = StoreWriter(actor, capacity=2)
+
+    async def scenario() -> bool:
+        event = actor.waiters.event("agent")
+        writer.start(asyncio.get_running_loop())
+        for n in range(5):  # more than the queue holds: put waits, nothing is dropped
+            writer.put([_outcome(Action.ESCALATE, span=f"{n:016x}")])
+        await asyncio.wait_for(event.wait(), timeout=5)  # announced on the loop
+        await asyncio.to_thread(writer.close, 5.0)
+        return event.is_set()
+
+    assert asyncio.run(scenario())
+    assert (writer.stored, writer.errors) == (5, 0)
+    assert len(store.incidents()) == 5
+    assert store.counts()["pending"] == 5
+    store.close()
