@@ -89,8 +89,9 @@ class Policy:
     def decide(self, failure: Failure, *, attempt: int) -> Decision:
         """What to do about ``failure``.
 
-        ``attempt`` is the 1-based count of failures of this dependency and kind
-        in this run so far, this one included (values below 1 count as 1).
+        ``attempt`` is the 1-based count of failures of this dependency in this
+        run since its last success there (the step's attempts), this one
+        included (values below 1 count as 1).
         """
         attempt = max(attempt, 1)
         for entry in self._entries:

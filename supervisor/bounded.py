@@ -43,6 +43,9 @@ class BoundedMap(Generic[K, V]):
             data.popitem(last=False)
             self.evictions += 1
 
+    def pop(self, key: K) -> V | None:
+        return self._data.pop(key, None)
+
     def values(self) -> list[V]:
         """A snapshot of the values, oldest first."""
         return list(self._data.values())

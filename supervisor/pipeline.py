@@ -141,8 +141,11 @@ class Pipeline:
         self._seen: BoundedMap[str, bool] = BoundedMap(seen_capacity)
         # trace + span id of a parent → the signature of the origin below it.
         self._origin_below: BoundedMap[str, _Signature] = BoundedMap(seen_capacity)
-        # (run, dependency, kind) → failures so far: the attempt number of the next.
-        self._attempts: BoundedMap[tuple[str, str, str], int] = BoundedMap(runs_capacity)
+        # (run, dependency) → failures since its last success in the run: a step's
+        # attempts (the retry of a step is another call of the same dependency).
+        self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
+        # Dependencies with attempts counted: only their successes are looked up.
+        self._attempted: set[str] = set()
         self._batches = 0
         self._spans = 0
         self._failing = 0
@@ -190,7 +193,10 @@ class Pipeline:
             elif counting:
                 dependency = dependency_of(item)  # a success, for breakers and budgets
                 if dependency:
-                    calls.append((item[0].end_time_unix_nano, dependency, True))
+                    span = item[0]
+                    calls.append((span.end_time_unix_nano, dependency, True))
+                    if dependency in self._attempted:  # a run without a session: its trace
+                        self._attempts.pop((span.trace_id.hex(), dependency))
         return self._judge_wire(first, received_ns, calls), Remainder(later, received_ns)
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:
@@ -202,10 +208,12 @@ class Pipeline:
     ) -> list[Outcome]:
         records = [normalize_wire(item) for item in spans]
         failing = [r for r in records if r.error is not None]
-        if self.governor is not None:
-            calls.extend(
-                (r.end_ns, r.dependency, True) for r in records if r.error is None and r.dependency
-            )
+        for r in records:
+            if r.error is None and r.dependency:
+                if self.governor is not None:
+                    calls.append((r.end_ns, r.dependency, True))
+                if r.dependency in self._attempted:
+                    self._attempts.pop((r.run_id, r.dependency))
         return self._judge(failing, received_ns, calls)
 
     def process_records(self, records: Iterable[SpanRecord], received_ns: int) -> list[Outcome]:
@@ -283,9 +291,11 @@ class Pipeline:
                 continue
             failure = self._failure(cand, candidates, received_ns)
             self._remember_origin(_topmost(cand, candidates).record, cand.sig)
-            attempt_key = (failure.run_id, failure.dependency, failure.kind)
+            attempt_key = (failure.run_id, failure.dependency)
             attempt = (self._attempts.get(attempt_key) or 0) + 1
             self._attempts.set(attempt_key, attempt)
+            if len(self._attempted) < 10_000:  # bounded; beyond it successes reset nothing
+                self._attempted.add(failure.dependency)
             self._failures += 1
             decision = self.policy.decide(failure, attempt=attempt)
             if failure.dependency and self.governor is not None:

@@ -144,7 +144,7 @@ def test_a_resent_batch_reports_nothing_new(pipeline: Pipeline) -> None:
     assert pipeline.stats().duplicates == 1
 
 
-def test_attempts_count_failures_of_one_dependency_and_kind_in_a_run(pipeline: Pipeline) -> None:
+def test_attempts_count_failures_of_one_dependency_in_a_run(pipeline: Pipeline) -> None:
     decisions = [
         pipeline.process_records(
             [span(Role.LLM, RATE_LIMIT, dependency="openai:gpt-4o")], received_ns=i
@@ -223,3 +223,22 @@ def test_spans_that_show_failure_are_judged_before_the_rest_of_the_batch(
     assert [(o.failure.span_id, o.failure.kind) for o in first] == [(f"{2:016x}", "connection")]
     assert [(o.failure.span_id, o.failure.kind) for o in later] == [(f"{1:016x}", "timeout")]
     assert later[0].failure.evidence.swallowed
+
+
+def test_a_success_of_the_dependency_ends_the_steps_attempts() -> None:
+    """A step's attempts: failures of a dependency in a run since its last success there."""
+    from policies._governor import Governor
+
+    policy = load_policy()
+    pipeline = Pipeline(policy, governor=Governor(policy))
+    llm = {"gen_ai.operation.name": "chat", "gen_ai.system": "openai", "gen_ai.request.model": "m"}
+    error = "Error code: 503 - {'error': {'message': 'overloaded', 'type': 'server_error'}}"
+
+    def attempt_of(*spans: Span) -> list[int]:
+        outcomes = pipeline.process_payload(_request(*spans).SerializeToString(), 0)
+        return [int(o.decision.params["attempt"]) for o in outcomes]  # type: ignore[call-overload]
+
+    assert attempt_of(_span(1, llm, error=error)) == [1]
+    assert attempt_of(_span(2, llm, error=error)) == [2]
+    assert attempt_of(_span(3, llm)) == []  # the step went through
+    assert attempt_of(_span(4, llm, error=error)) == [1]  # the next step starts afresh
