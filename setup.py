@@ -4,7 +4,7 @@
 
 compiles the modules every span goes through with mypyc (part of mypy, so the
 environment needs the test extra installed first). The same sources run
-interpreted when it is not set; compiled, they judge ~30% more spans per
+interpreted when it is not set; compiled, they judge ~25-30% more spans per
 CPU-second (bench/ingest.py, side by side). Rebuild after editing any of them:
 tests/conftest.py refuses to run against a compiled module older than its source.
 """

@@ -118,3 +118,8 @@ def test_a_port_in_use_is_a_clear_start_up_error(tmp_path: Path) -> None:
         )
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
             background.start()
+
+
+def test_a_control_api_beyond_loopback_needs_a_configured_token(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="beyond loopback, without a token"):
+        Sidecar(settings(tmp_path, api_host="0.0.0.0", api_token=None), load_policy())
