@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import gzip
 import logging
 import math
 import threading
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -49,6 +47,7 @@ from tenacity.wait import wait_base
 
 from supervisor.downstream import Downstream
 from supervisor.errors import ConfigError, DeliveryError
+from supervisor.retry_after import parse_retry_after
 
 log = logging.getLogger("spanvisor.forward")
 
@@ -537,25 +536,6 @@ def _log_partial_success(answer: bytes) -> None:
                 "detail": response.partial_success.error_message[:200],
             },
         )
-
-
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds from ``Retry-After`` (delta-seconds or an HTTP date); None if absent or bad."""
-    if value is None:
-        return None
-    value = value.strip()
-    if not value:
-        return None
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        return None
-    current = time.time() if now is None else now
-    return max(0.0, when.timestamp() - current)
 
 
 class _GrpcSender(_Sender):

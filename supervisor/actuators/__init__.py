@@ -14,6 +14,7 @@ is a :class:`DeliveryResult`.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,3 +54,22 @@ class Actuator(Protocol):
     async def deliver(self, command: Command) -> DeliveryResult: ...
 
     async def close(self) -> None: ...
+
+
+def one_line(text: str, limit: int, *, tail: bool = False) -> str:
+    """At most ``limit`` characters on one line, control characters removed.
+
+    What an agent answers or prints may be hostile and ends up in logs and on
+    terminals; ``tail`` keeps the end (where errors are) instead of the start.
+    """
+    kept = []
+    for char in text:
+        category = unicodedata.category(char)
+        if char in "\t\n\r\v\f" or category in {"Zl", "Zp"}:
+            kept.append(" ")
+        elif not category.startswith("C"):
+            kept.append(char)
+    line = " ".join("".join(kept).split())
+    if len(line) <= limit:
+        return line
+    return "…" + line[-limit + 1 :] if tail else line[: limit - 1] + "…"

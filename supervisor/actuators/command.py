@@ -24,14 +24,13 @@ import os
 import re
 import signal
 import subprocess
-import unicodedata
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
 import orjson
 
-from supervisor.actuators import DeliveryResult
+from supervisor.actuators import DeliveryResult, one_line
 from supervisor.records import Command
 
 __all__ = ["PLACEHOLDERS", "CommandActuator"]
@@ -294,18 +293,7 @@ def _tail_text(data: bytearray) -> str:
 
 
 def _clean(text: str, *, tail: bool = False) -> str:
-    """One line of at most ~200 characters without control characters (output may be hostile)."""
-    kept = []
-    for char in text:
-        category = unicodedata.category(char)
-        if char in "\t\n\r\v\f" or category in {"Zl", "Zp"}:
-            kept.append(" ")
-        elif not category.startswith("C"):
-            kept.append(char)
-    line = " ".join("".join(kept).split())
-    if len(line) <= _SNIPPET_CHARS:
-        return line
-    return "…" + line[-_SNIPPET_CHARS + 1 :] if tail else line[: _SNIPPET_CHARS - 1] + "…"
+    return one_line(text, _SNIPPET_CHARS, tail=tail)
 
 
 def _check_argv(argv: Sequence[str]) -> tuple[str, ...]:

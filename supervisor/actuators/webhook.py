@@ -15,13 +15,10 @@ snippet.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import importlib.metadata
 import logging
 import math
 import re
-import time
-import unicodedata
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final
@@ -29,8 +26,9 @@ from typing import Final
 import httpx
 import orjson
 
-from supervisor.actuators import MAX_CONCURRENT_ATTEMPTS, DeliveryResult
+from supervisor.actuators import MAX_CONCURRENT_ATTEMPTS, DeliveryResult, one_line
 from supervisor.records import Command
+from supervisor.retry_after import parse_retry_after
 from supervisor.signing import ID_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, signature_headers
 
 __all__ = ["RETRYABLE_STATUSES", "WebhookActuator", "parse_retry_after"]
@@ -221,8 +219,8 @@ def _result(answer: _Answer) -> DeliveryResult:
     parts = [f"{status} {phrase}".rstrip()]
     if 300 <= status < 400 and "location" in response.headers:
         parts.append(f"to {response.headers['location']}")
-    detail = clean(" ".join(parts), _SNIPPET_CHARS)
-    snippet = answer.problem or clean(
+    detail = one_line(" ".join(parts), _SNIPPET_CHARS)
+    snippet = answer.problem or one_line(
         b"".join(answer.chunks)[: _SNIPPET_CHARS * 4].decode("utf-8", "replace"),
         _SNIPPET_CHARS,
     )
@@ -236,39 +234,8 @@ def _result(answer: _Answer) -> DeliveryResult:
     return DeliveryResult(False, False, detail, status)
 
 
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds from a ``Retry-After`` value (delta-seconds or HTTP date), capped; None if bad."""
-    if value is None:
-        return None
-    value = value.strip()
-    if not value:
-        return None
-    if value.isascii() and value.isdigit():
-        return min(float(value), MAX_RETRY_AFTER_S)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if when.tzinfo is None:  # HTTP dates are GMT; "-0000" means the zone is unknown
-        return None
-    current = time.time() if now is None else now
-    return min(max(0.0, when.timestamp() - current), MAX_RETRY_AFTER_S)
-
-
-def clean(text: str, limit: int) -> str:
-    """One line of at most ``limit`` characters: what a receiver says may reach a terminal."""
-    kept = []
-    for char in text:
-        if char in "\t\n\r\v\f" or unicodedata.category(char) in {"Zl", "Zp"}:
-            kept.append(" ")
-        elif not unicodedata.category(char).startswith("C"):
-            kept.append(char)
-    line = " ".join("".join(kept).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
 def _error_detail(exc: BaseException, context: str = "") -> str:
-    message = clean(str(exc), _SNIPPET_CHARS)
+    message = one_line(str(exc), _SNIPPET_CHARS)
     text = ": ".join(part for part in (type(exc).__name__, context, message) if part)
     return text[: _SNIPPET_CHARS * 2]
 
