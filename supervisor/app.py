@@ -29,6 +29,7 @@ from typing import Any
 
 import pybreaker
 import uvicorn
+from opentelemetry.sdk.metrics.export import MetricReader
 from starlette.applications import Starlette
 
 from policies import Policy, load_policy
@@ -49,6 +50,7 @@ from supervisor.forward import Forwarder
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import Batch, IngestQueue
+from supervisor.metrics import SidecarMetrics
 from supervisor.pipeline import Outcome, Pipeline
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
 from supervisor.store import Store
@@ -98,6 +100,7 @@ class Sidecar:
         *,
         downstream: Downstream | None = None,
         tracer: DecisionTracer | None = None,
+        metric_reader: MetricReader | None = None,
     ) -> None:
         if not _is_loopback(settings.api_host) and not settings.api_token:
             raise ConfigError(
@@ -109,6 +112,7 @@ class Sidecar:
         self.downstream = downstream
         self.queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
         self.breaker_changes = 0
+        self.metrics = SidecarMetrics(downstream, reader=metric_reader)
         self.governor = Governor(
             policy,
             on_breaker_change=self._breaker_changed,
@@ -262,6 +266,7 @@ class Sidecar:
         if self.forwarder is not None:
             await self.forwarder.shutdown(max(0.1, deadline - time.monotonic()))
         await asyncio.to_thread(self.tracer.shutdown, max(0.1, deadline - time.monotonic()))
+        await asyncio.to_thread(self.metrics.shutdown, max(0.1, deadline - time.monotonic()))
         if self._api is not None:
             await self._stop_server(self._api)
         log.info("spanvisor stopped", extra={"stats": self.stats()})
@@ -392,6 +397,9 @@ class Sidecar:
         )
         self.tracer.emit_breaker_change(
             change.dependency, change.old.value, change.new.value, change.reason, change.failures
+        )
+        self.metrics.breaker_changed(
+            change.dependency, change.old.value, change.new.value, change.reason
         )
 
     # -- policy reload -------------------------------------------------------

@@ -92,9 +92,9 @@ def test_a_failing_span_over_http_becomes_a_failure_a_decision_and_a_decide_span
     deadline = time.monotonic() + 10
     failures: list[dict[str, object]] = []
     while not failures and time.monotonic() < deadline:
-        failures = httpx.get(
-            f"http://127.0.0.1:{ports.api}/v1/failures", headers=auth
-        ).json()["failures"]
+        failures = httpx.get(f"http://127.0.0.1:{ports.api}/v1/failures", headers=auth).json()[
+            "failures"
+        ]
         time.sleep(0.02)
     assert [(f["class"], f["kind"], f["dependency"], f["action"]) for f in failures] == [
         ("transient", "timeout", "openai:gpt-4o", "retry")
@@ -123,3 +123,48 @@ def test_a_port_in_use_is_a_clear_start_up_error(tmp_path: Path) -> None:
 def test_a_control_api_beyond_loopback_needs_a_configured_token(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="beyond loopback, without a token"):
         Sidecar(settings(tmp_path, api_host="0.0.0.0", api_token=None), load_policy())
+
+
+def test_a_breaker_change_is_a_span_a_metric_and_a_log_line(
+    tmp_path: Path, exporter: InMemorySpanExporter, caplog: pytest.LogCaptureFixture
+) -> None:
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    sidecar = Sidecar(
+        settings(tmp_path),
+        load_policy(),
+        tracer=DecisionTracer(None, exporter=exporter, schedule_delay_s=0.05),
+        metric_reader=reader,
+    )
+    try:
+        with caplog.at_level("WARNING", logger="spanvisor.app"):
+            sidecar.governor.isolate("openai:gpt-4o")
+            sidecar.governor.close("openai:gpt-4o")
+        sidecar.tracer.force_flush(5)
+
+        spans = [s for s in exporter.get_finished_spans() if s.name == "spanvisor.breaker"]
+        assert [(s.attributes or {}).get("spanvisor.breaker.to") for s in spans] == [
+            "isolated",
+            "closed",
+        ]
+        data = reader.get_metrics_data()
+        assert data is not None
+        [metric] = [
+            m
+            for rm in data.resource_metrics
+            for sm in rm.scope_metrics
+            for m in sm.metrics
+            if m.name == "spanvisor.breaker.transitions"
+        ]
+        counted = {
+            (p.attributes or {}).get("spanvisor.breaker.reason"): p.value
+            for p in metric.data.data_points  # type: ignore[union-attr]
+        }
+        assert counted == {"isolated": 1, "closed_manually": 1}
+        assert [r.getMessage() for r in caplog.records].count("circuit breaker changed state") == 2
+        assert sidecar.stats()["breakers"]["changes"] == 2
+    finally:
+        sidecar.metrics.shutdown(1)
+        sidecar.tracer.shutdown(1)
+        sidecar.store.close()
