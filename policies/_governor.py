@@ -131,7 +131,25 @@ class Governor:
         if ok and state is BreakerState.CLOSED and self.board.info(dependency).failures == 0:
             self._watched.discard(dependency)
         else:
-            self._watched.add(dependency)
+            self._watch(dependency)
+
+    def _watch(self, dependency: str) -> None:
+        """Remember a breaker that successes can change; never more than the board holds.
+
+        Dependency names come from spans, so their variety is the agents' to
+        choose: when full, breakers with nothing left to reset (evicted from
+        the board, or closed with no failures) are forgotten first.
+        """
+        watched = self._watched
+        if dependency in watched:
+            return
+        if len(watched) >= self.board.max_breakers:
+            for name in list(watched):
+                info = self.board.info(name)
+                if info.state is BreakerState.CLOSED and info.failures == 0:
+                    watched.discard(name)
+        if len(watched) < self.board.max_breakers:
+            watched.add(dependency)
 
     def breaker_state(self, dependency: str) -> BreakerState:
         if not self.policy.limits.breakers_enabled or not dependency:
@@ -139,7 +157,7 @@ class Governor:
         return self.board.state(dependency)
 
     def isolate(self, dependency: str) -> bool:
-        self._watched.add(dependency)
+        self._watch(dependency)
         return self.board.isolate(dependency)
 
     def close(self, dependency: str) -> None:

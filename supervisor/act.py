@@ -29,6 +29,9 @@ from supervisor.store import Approval, NewIncident, Store, StoredCommand
 
 log = logging.getLogger("spanvisor.act")
 
+#: Services warned about (once each) for having no delivery channel; beyond this, silence.
+_MAX_UNROUTED = 1000
+
 
 class PullWaiters:
     """Wakes long-polling agents of a service when commands for it are stored."""
@@ -97,7 +100,12 @@ class Actor:
         failure, decision = outcome.failure, outcome.decision
         commands = plan_commands(failure, decision, now)
         channel = self.channel_for(failure.service) if commands else ""
-        if commands and not channel and failure.service not in self._unrouted:
+        if (
+            commands
+            and not channel
+            and failure.service not in self._unrouted
+            and len(self._unrouted) < _MAX_UNROUTED  # service names come from spans
+        ):
             self._unrouted.add(failure.service)
             log.warning(
                 "no delivery channel for this service: its commands are dead-lettered"

@@ -204,3 +204,17 @@ def test_an_outage_asks_no_person_escalations_become_fallbacks(governor: Governo
     decision = governor.review(failure(), escalated)
 
     assert (decision.action, decision.params["to"]) == (Action.FALLBACK, "openai:gpt-4o-mini")
+
+
+def test_watched_breakers_are_bounded_by_the_board() -> None:
+    from policies._breakers import BreakerBoard
+
+    governor = Governor(load_policy(text=POLICY), max_dependencies=3)
+    assert isinstance(governor.board, BreakerBoard)
+    for n in range(10):  # dependency names are the agents' to choose
+        governor.observe_calls([(0, f"tool:t{n}", False)])
+        governor.observe_calls([(1, f"tool:t{n}", True)])  # reset: nothing left to watch
+    assert len(governor._watched) <= 3
+    for n in range(10, 20):
+        governor.observe_calls([(0, f"tool:t{n}", False)])  # failures stay counted
+    assert len(governor._watched) <= 3
