@@ -315,6 +315,8 @@ def _rfc3339(unix_s: float) -> str:
 
 def _jsonable(value: object) -> object:
     """Tuples and read-only mappings as JSON lists and objects."""
+    if isinstance(value, (str, int, float)) or value is None:  # nearly every value
+        return value
     if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):

@@ -28,6 +28,8 @@ from supervisor.pipeline import Outcome
 log = logging.getLogger("spanvisor.store")
 
 _STOP = object()
+#: Queued batches stored in one transaction at most (bounds a transaction's size).
+_MAX_BATCHES_PER_TRANSACTION = 16
 
 
 class StoreWriter:
@@ -69,20 +71,36 @@ class StoreWriter:
             log.error("the store writer did not finish in time; outcomes may be unstored")
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
+        stopping = False
+        while not stopping:
+            outcomes = self._queue.get()
+            if outcomes is _STOP:
                 return
-            assert isinstance(item, list)
-            try:
-                created = self._actor.store_outcomes(item)
-            except Exception:  # a store error must not stop storing the next batches
-                self.errors += 1
-                log.exception("could not store incidents and commands for a batch")
-                continue
-            self.stored += len(item)
-            loop = self._loop
-            if created and loop is not None and not loop.is_closed():
-                # The loop may close meanwhile: the commands are stored; the next start delivers.
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self._actor.announce, created)
+            assert isinstance(outcomes, list)
+            # Batches that queued meanwhile share one transaction: under load a
+            # commit per batch cost more than the inserts it carried.
+            for _ in range(_MAX_BATCHES_PER_TRANSACTION - 1):
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    stopping = True
+                    break
+                assert isinstance(more, list)
+                outcomes.extend(more)
+            self._store(outcomes)
+
+    def _store(self, outcomes: list[Outcome]) -> None:
+        try:
+            created = self._actor.store_outcomes(outcomes)
+        except Exception:  # a store error must not stop storing the next batches
+            self.errors += 1
+            log.exception("could not store incidents and commands for %d failures", len(outcomes))
+            return
+        self.stored += len(outcomes)
+        loop = self._loop
+        if created and loop is not None and not loop.is_closed():
+            # The loop may close meanwhile: the commands are stored; the next start delivers.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._actor.announce, created)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from supervisor.act import Actor
 from supervisor.records import Action
 from supervisor.settings import AgentDelivery, PullChannel
-from supervisor.store import Store
+from supervisor.store import NewIncident, Store, StoredCommand
 from supervisor.store_writer import StoreWriter
 from tests.test_api import _outcome
 
@@ -31,4 +33,34 @@ def test_batches_are_stored_off_the_loop_and_announced_on_it(tmp_path: Path) -> 
     assert (writer.stored, writer.errors) == (5, 0)
     assert len(store.incidents()) == 5
     assert store.counts()["pending"] == 5
+    store.close()
+
+
+def test_batches_queued_meanwhile_share_one_transaction(tmp_path: Path) -> None:
+    release = threading.Event()
+    transactions: list[list[str]] = []
+
+    class SlowStore(Store):
+        def record(self, incidents: Iterable[NewIncident], now: float) -> list[StoredCommand]:
+            batch = list(incidents)
+            transactions.append([incident.span_id for incident in batch])
+            release.wait(5)  # the first transaction holds the writer while more queue up
+            return super().record(batch, now)
+
+    store = SlowStore.open(tmp_path / "state.db")
+    writer = StoreWriter(Actor(store, {}), capacity=8)
+
+    async def scenario() -> None:
+        writer.start(asyncio.get_running_loop())
+        for n in range(5):
+            writer.put([_outcome(Action.RETRY, span=f"{n:016x}")])
+        release.set()
+        await asyncio.to_thread(writer.close, 5.0)
+
+    asyncio.run(scenario())
+    spans = [f"{n:016x}" for n in range(5)]
+    assert [span for batch in transactions for span in batch] == spans  # in order, all
+    assert len(transactions) < 5  # the four that waited were merged (one or more)
+    assert (writer.stored, writer.errors) == (5, 0)
+    assert len(store.incidents()) == 5
     store.close()
