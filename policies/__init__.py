@@ -16,5 +16,15 @@ from policies._breakers import BreakerState
 from policies._governor import Governor
 from policies._loader import json_schema, load_policy
 from policies._policy import Policy
+from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, RemediatorSpec
 
-__all__ = ["BreakerState", "Governor", "Policy", "json_schema", "load_policy"]
+__all__ = [
+    "BUILTIN_REMEDIATORS",
+    "BreakerState",
+    "Governor",
+    "Policy",
+    "RemediatorBudgetSpec",
+    "RemediatorSpec",
+    "json_schema",
+    "load_policy",
+]

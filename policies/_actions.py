@@ -19,7 +19,7 @@ from policies._schema import (
     RetrySpec,
     SimpleSpec,
 )
-from supervisor.records import Action, AttrValue, Decision, Failure
+from supervisor.records import Action, AttrValue, Decision, Failure, remediation_ids
 
 
 class CompiledAction(Protocol):
@@ -81,7 +81,13 @@ class Remediate:
         self, failure: Failure, attempt: int, policy: str, observe: bool, why: str = ""
     ) -> Decision:
         reason = _reason(failure, why, f"remediate with {self.remediator}")
-        return _decision(self.action, policy, {"remediator": self.remediator}, reason, observe)
+        workflow, trace = remediation_ids(failure.trace_id, failure.span_id, failure.rule)
+        params: dict[str, AttrValue] = {
+            "remediator": self.remediator,
+            "remediation_id": workflow,
+            "remediation_trace_id": trace,
+        }
+        return _decision(self.action, policy, params, reason, observe)
 
 
 class Fallback:

@@ -24,6 +24,7 @@ from policies._compile import CompiledEntry, CompiledRule, compile_entry, compil
 from policies._glob import GlobSet
 from policies._policy import Policy, RuntimeLimits
 from policies._schema import (
+    BUILTIN_REMEDIATORS,
     KNOWN_KEYS,
     BreakersSpec,
     PolicyFile,
@@ -218,7 +219,35 @@ def _semantic_issues(doc: YamlDoc, *, user: bool) -> list[PolicyIssue]:
             if isinstance(kind, str) and kind not in known:
                 path = where if position is None else [*where, position]
                 add(path, f"unknown kind {kind!r}: no rule produces it and it is not built in")
+    defined = set(BUILTIN_REMEDIATORS)
+    remediators = data.get("remediators")
+    if isinstance(remediators, dict):
+        defined.update(name for name in remediators if isinstance(name, str))
+    for path, name in _remediator_references(data.get("policies"), ["policies"]):
+        if isinstance(name, str) and name not in defined:
+            add(
+                path,
+                f"unknown remediator {name!r}: define it under 'remediators' or use a built-in"
+                f" ({', '.join(BUILTIN_REMEDIATORS)})",
+            )
     return issues
+
+
+def _remediator_references(
+    value: object, path: list[PathElem]
+) -> list[tuple[list[PathElem], object]]:
+    """Every ``remediator:`` named by a ``remediate`` action, nested fallbacks included."""
+    found: list[tuple[list[PathElem], object]] = []
+    if isinstance(value, dict):
+        if value.get("action") == "remediate" and "remediator" in value:
+            found.append(([*path, "remediator"], value["remediator"]))
+        for key, child in value.items():
+            if isinstance(key, str):
+                found.extend(_remediator_references(child, [*path, key]))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            found.extend(_remediator_references(child, [*path, index]))
+    return found
 
 
 def _items(value: object) -> list[tuple[int, dict[Any, Any]]]:
@@ -247,7 +276,13 @@ def _builtin_entries(observe: bool) -> tuple[CompiledEntry, ...]:
 @functools.cache
 def _builtin_policy() -> Policy:
     spec, rules = _builtin()
-    return Policy(rules, _builtin_entries(observe=False), BUILTIN_SOURCE, _limits(spec, None))
+    return Policy(
+        rules,
+        _builtin_entries(observe=False),
+        BUILTIN_SOURCE,
+        _limits(spec, None),
+        remediators=spec.remediators,
+    )
 
 
 def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
@@ -260,7 +295,14 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
         base_entries = base_entries[-1:]
     own_entries = tuple(compile_entry(e, observe=spec.observe) for e in spec.policies)
     builtin_spec, _ = _builtin()
-    return Policy(rules, own_entries + base_entries, doc.source, _limits(spec, builtin_spec))
+    remediators = {**builtin_spec.remediators, **spec.remediators}
+    return Policy(
+        rules,
+        own_entries + base_entries,
+        doc.source,
+        _limits(spec, builtin_spec),
+        remediators=remediators,
+    )
 
 
 def _limits(spec: PolicyFile, base: PolicyFile | None) -> RuntimeLimits:

@@ -9,13 +9,21 @@ every failure gets a decision.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
-from policies._actions import CompiledAction, Fallback
+from policies._actions import CompiledAction, Fallback, Remediate
 from policies._compile import CompiledEntry, CompiledRule
 from policies._glob import GlobSet
 from policies._match import Subject
-from policies._schema import BreakerSpec, RestartIntensitySpec, RetryBudgetSpec
+from policies._schema import (
+    BUILTIN_REMEDIATORS,
+    BreakerSpec,
+    RemediatorSpec,
+    RestartIntensitySpec,
+    RetryBudgetSpec,
+)
 from supervisor.records import Classification, Decision, Failure, SpanRecord
 
 
@@ -40,7 +48,16 @@ class RuntimeLimits:
 class Policy:
     """Ordered classification rules and decision entries, compiled once."""
 
-    __slots__ = ("_entries", "_rules", "limits", "policies", "rules", "source")
+    __slots__ = (
+        "_entries",
+        "_rules",
+        "limits",
+        "policies",
+        "remediators",
+        "remediators_used",
+        "rules",
+        "source",
+    )
 
     def __init__(
         self,
@@ -48,6 +65,8 @@ class Policy:
         entries: tuple[CompiledEntry, ...],
         source: str,
         limits: RuntimeLimits | None = None,
+        *,
+        remediators: Mapping[str, RemediatorSpec] | None = None,
     ) -> None:
         if not rules or rules[-1].conditions:
             raise ValueError("the last classification rule must be a catch-all")
@@ -63,6 +82,12 @@ class Policy:
         self.source = source
         #: Breakers, retry budget and restart intensity settings.
         self.limits = limits if limits is not None else RuntimeLimits()
+        #: Named remediators defined by the policy files (built-ins need no entry).
+        self.remediators: Mapping[str, RemediatorSpec] = MappingProxyType(dict(remediators or {}))
+        #: Remediator names that ``remediate`` actions name, nested ones included.
+        self.remediators_used: tuple[str, ...] = tuple(
+            dict.fromkeys(name for e in entries for name in _remediators_in(e.action))
+        )
 
     def classify(self, record: SpanRecord) -> Classification | None:
         """The first matching rule's verdict; None only when the span shows no failure."""
@@ -98,6 +123,13 @@ class Policy:
             if entry.matches(failure):
                 return entry.action.decide(failure, attempt, entry.name, entry.observe)
         raise AssertionError("unreachable: the last entry is a catch-all")  # pragma: no cover
+
+    def remediator(self, name: str) -> RemediatorSpec | None:
+        """The remediator ``name`` as the policy defines it; a built-in with its defaults."""
+        found = self.remediators.get(name)
+        if found is None and name in BUILTIN_REMEDIATORS:
+            found = RemediatorSpec(use=name)
+        return found
 
     def fallback_chain(self, dependency: str) -> tuple[str, ...] | None:
         """The first fallback chain, in entry order, that covers ``dependency``."""
@@ -136,3 +168,11 @@ def _chain_in(action: CompiledAction, dependency: str) -> tuple[str, ...] | None
         current = getattr(current, "on_exhausted", None)
         seen += 1
     return None
+
+
+def _remediators_in(action: CompiledAction) -> list[str]:
+    found = [action.remediator] if isinstance(action, Remediate) else []
+    follow = getattr(action, "on_exhausted", None)
+    if follow is not None:
+        found.extend(_remediators_in(follow))
+    return found

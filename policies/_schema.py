@@ -490,6 +490,73 @@ class RestartIntensitySpec(_Strict):
     period_s: float = Field(default=60.0, gt=0, le=86_400)
 
 
+#: Remediators that ship with spanvisor (``remediators.builtin``).
+BUILTIN_REMEDIATORS: tuple[str, ...] = (
+    "retry_step",
+    "fallback_switch",
+    "loop_breaker",
+    "escalate",
+    "restart_worker",
+    "llm",
+)
+ToolName = Literal[
+    "retry_step",
+    "resume_run",
+    "switch_fallback",
+    "pause_run",
+    "abort_run",
+    "inject_guidance",
+    "compact_context",
+    "request_approval",
+    "recent_spans",
+    "incident_history",
+    "breaker_states",
+]
+_REMEDIATOR_USE = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?")
+
+
+def _check_use(value: str) -> str:
+    if len(value) > 256 or not _REMEDIATOR_USE.fullmatch(value):
+        raise ValueError(
+            f"bad remediator {value!r}: a built-in or entry-point name, or 'package.module:Class'"
+        )
+    return value
+
+
+class RemediatorBudgetSpec(_Strict):
+    """What one remediation may spend before it stops and escalates."""
+
+    steps: int = Field(default=12, ge=1, le=1000, description="Durable steps in all.")
+    tool_calls: int = Field(default=6, ge=1, le=1000, description="Tool calls, refused ones too.")
+    deadline_s: float = Field(default=600.0, gt=0, le=7 * 86_400)
+    tokens: int = Field(default=40_000, ge=0, le=10_000_000, description="LLM remediators only.")
+
+
+class RemediatorSpec(_Strict):
+    """A named remediator: which implementation, which tools, what budget."""
+
+    use: Annotated[str, AfterValidator(_check_use)] = Field(
+        description="A built-in or entry-point name, or 'package.module:Class'."
+    )
+    tools: Annotated[list[ToolName], Field(max_length=16)] | None = Field(
+        default=None,
+        description="Allowlist; unset: the remediator's own. Never wider than its own.",
+    )
+    budget: RemediatorBudgetSpec = Field(default_factory=RemediatorBudgetSpec)
+    params: Annotated[dict[Annotated[str, AfterValidator(_check_ident)], Any], Field(
+        max_length=64
+    )] = Field(default_factory=dict)
+    verify_window_s: float = Field(
+        default=120.0,
+        ge=0,
+        le=86_400,
+        description="How long to watch the run's later spans for a recovery after acting.",
+    )
+    on_unresolved: Literal["escalate", "abort_run", "none"] = Field(
+        default="escalate", description="What follows when no recovery comes in time."
+    )
+
+
 class PolicyFile(_Strict):
     """A spanvisor policy file (``version: 1``)."""
 
@@ -507,6 +574,9 @@ class PolicyFile(_Strict):
     )
     retry_budget: RetryBudgetSpec | None = None
     restart_intensity: RestartIntensitySpec | None = None
+    remediators: Annotated[
+        dict[Annotated[str, AfterValidator(_check_ident)], RemediatorSpec], Field(max_length=256)
+    ] = Field(default_factory=dict, description="Named remediators for 'remediate' actions.")
 
 
 FallbackSpec.model_rebuild()
@@ -533,6 +603,8 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         BreakerSpec,
         RetryBudgetSpec,
         RestartIntensitySpec,
+        RemediatorSpec,
+        RemediatorBudgetSpec,
     )
     for name, field in model.model_fields.items()
 )

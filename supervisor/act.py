@@ -65,8 +65,11 @@ class Actor:
         wake_push: Callable[[], None] = lambda: None,
         waiters: PullWaiters | None = None,
         clock: Callable[[], float] = time.time,
+        on_answer: Callable[[Approval], None] | None = None,
     ) -> None:
         self.store = store
+        #: Told of every answered approval (a remediation may be waiting for it).
+        self._on_answer = on_answer
         self.agents = dict(agents)
         self._wake_push = wake_push
         self.waiters = waiters or PullWaiters()
@@ -157,6 +160,8 @@ class Actor:
             answered.incident_key, [(command, self.channel_for(command.service))]
         )
         self.announce(created)
+        if self._on_answer is not None:
+            self._on_answer(answered)
         log.info(
             "approval answered",
             extra={"approval": answered.id, "approved": approved, "by": by},

@@ -35,6 +35,7 @@ from starlette.applications import Starlette
 from policies import Policy, load_policy
 from policies._breakers import BreakerChange
 from policies._governor import Governor
+from remediators.registry import check_policy
 from supervisor.act import Actor
 from supervisor.actuators import Actuator
 from supervisor.actuators.command import CommandActuator
@@ -52,6 +53,7 @@ from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.metrics import SidecarMetrics
 from supervisor.pipeline import Outcome, Pipeline
+from supervisor.remediation import Remediations
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
 from supervisor.store import Store
 from supervisor.store_writer import StoreWriter
@@ -137,13 +139,27 @@ class Sidecar:
             actuator_table(self.actuators),
             max_attempts=lambda service: _max_attempts(settings.agents, service),
         )
-        self.actor = Actor(self.store, settings.agents, wake_push=self.dispatcher.wake)
-        self.writer = StoreWriter(self.actor)
+        self.actor = Actor(
+            self.store,
+            settings.agents,
+            wake_push=self.dispatcher.wake,
+            on_answer=lambda approval: self.remediations.answered(approval.to_json()),
+        )
         self._policy_stamp = _stamp(settings.policy)
         self.reloads = {"ok": 0, "rejected": 0}
         self.failures = RecentFailures(settings.recent_failures)
         self.latency = LatencyWindow()
         self.tracer = tracer if tracer is not None else DecisionTracer(downstream)
+        _check_remediators(policy)
+        self.remediations = Remediations(
+            settings,
+            self.actor,
+            self.governor,
+            lambda: self.policy,
+            tracer=self.tracer.tracer,
+        )
+        self.pipeline.recovery = self.remediations.watch
+        self.writer = StoreWriter(self.actor, after_store=self.remediations.dispatch)
         self.forwarder = (
             Forwarder(
                 downstream,
@@ -208,6 +224,9 @@ class Sidecar:
         for actuator in set(self.actuators.values()):
             await actuator.start()
         self.dispatcher.start()
+        if self.remediations.needed():
+            # DBOS launches on the runner's own thread; remediations left pending resume.
+            await asyncio.to_thread(self.remediations.start, asyncio.get_running_loop())
         self.writer.start(asyncio.get_running_loop())
         self._worker = asyncio.create_task(self._work(), name="spanvisor-pipeline")
         self._gc_task = asyncio.create_task(self._collect_periodically(), name="spanvisor-gc")
@@ -259,6 +278,9 @@ class Sidecar:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await asyncio.to_thread(self.writer.close, max(0.1, min(5.0, deadline - time.monotonic())))
+        await asyncio.to_thread(
+            self.remediations.close, max(0.1, min(5.0, deadline - time.monotonic()))
+        )
         await self.dispatcher.shutdown(max(0.1, min(5.0, deadline - time.monotonic())))
         for actuator in set(self.actuators.values()):
             with contextlib.suppress(Exception):
@@ -416,9 +438,20 @@ class Sidecar:
                 extra={"policy": str(path), "problems": [str(i) for i in exc.issues]},
             )
             return {"reloaded": False, "source": self.policy.source, "error": str(exc)}
+        problems = check_policy(policy)
+        if problems:
+            self.reloads["rejected"] += 1
+            log.error(
+                "policy reload rejected; keeping the current policy",
+                extra={"policy": str(path), "problems": problems},
+            )
+            return {"reloaded": False, "source": self.policy.source, "error": "; ".join(problems)}
         self.policy = policy
         self.pipeline.policy = policy
         self.governor.set_policy(policy)
+        if not self.remediations.running and self.remediations.needed():
+            loop = asyncio.get_event_loop()
+            loop.run_in_executor(None, self.remediations.start, loop)
         self.reloads["ok"] += 1
         log.info("policy reloaded", extra={"policy": policy.source, "rules": len(policy.rules)})
         return {"reloaded": True, "source": policy.source, "error": None}
@@ -471,6 +504,7 @@ class Sidecar:
                 "store_backlog": self.writer.backlog,
                 "latency_ms": _percentiles(self.dispatcher.latency),
             },
+            "remediations": self.remediations.describe(),
             "breakers": {
                 "tracked": len(self.governor.board),
                 "changes": self.breaker_changes,
@@ -616,3 +650,11 @@ class BackgroundSidecar:
         self._ready.set()
         await self._stopped.wait()
         await self.sidecar.shutdown()
+
+
+def _check_remediators(policy: Policy) -> None:
+    problems = check_policy(policy)
+    if problems:
+        raise ConfigError(
+            f"the policy {policy.source} names remediators that cannot run: " + "; ".join(problems)
+        )

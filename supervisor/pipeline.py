@@ -23,7 +23,7 @@ not to ``http:api.openai.com``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
@@ -68,6 +68,19 @@ class Governor(Protocol):
     def observe_calls(self, calls: list[tuple[int, str, bool]]) -> None: ...
 
     def review(self, failure: Failure, decision: Decision) -> Decision: ...
+
+
+class RecoveryListener(Protocol):
+    """What waits for a run's later successes (remediation verification).
+
+    ``dependencies`` is looked up on the success path, so it must be a set;
+    ``succeeded`` runs on the pipeline's thread and must not block.
+    """
+
+    @property
+    def dependencies(self) -> Collection[str]: ...
+
+    def succeeded(self, run: str, dependency: str, span_id: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +159,8 @@ class Pipeline:
         self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
         # Dependencies with attempts counted: only their successes are looked up.
         self._attempted: set[str] = set()
+        #: Told when a dependency that a remediation waits for succeeds in a run.
+        self.recovery: RecoveryListener | None = None
         self._batches = 0
         self._spans = 0
         self._failing = 0
@@ -185,6 +200,8 @@ class Pipeline:
         later: list[WireSpan] = []
         calls: list[tuple[int, str, bool]] = []
         counting = self.governor is not None
+        recovery = self.recovery
+        recovering = recovery.dependencies if recovery is not None else ()
         for item in spans:
             if shows_failure_signal(item):
                 first.append(item)
@@ -197,6 +214,8 @@ class Pipeline:
                     calls.append((span.end_time_unix_nano, dependency, True))
                     if dependency in self._attempted:  # a run without a session: its trace
                         self._attempts.pop((span.trace_id.hex(), dependency))
+                    if dependency in recovering and recovery is not None:
+                        recovery.succeeded(span.trace_id.hex(), dependency, span.span_id.hex())
         return self._judge_wire(first, received_ns, calls), Remainder(later, received_ns)
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:
@@ -214,6 +233,11 @@ class Pipeline:
                     calls.append((r.end_ns, r.dependency, True))
                 if r.dependency in self._attempted:
                     self._attempts.pop((r.run_id, r.dependency))
+                recovery = self.recovery
+                if recovery is not None and r.dependency in recovery.dependencies:
+                    recovery.succeeded(r.run_id, r.dependency, r.span_id)
+                    if r.run_id != r.trace_id:
+                        recovery.succeeded(r.trace_id, r.dependency, r.span_id)
         return self._judge(failing, received_ns, calls)
 
     def process_records(self, records: Iterable[SpanRecord], received_ns: int) -> list[Outcome]:

@@ -271,6 +271,41 @@ def command_key(trace_id: str, span_id: str, rule: str, step: str = "") -> str:
     return hashlib.sha256(text).hexdigest()[:32]
 
 
+#: What a remediator may be allowed to do to the agent (each becomes a command or,
+#: for ``request_approval``, an approval request to a person).
+REMEDIATION_AGENT_TOOLS: frozenset[str] = frozenset(
+    {
+        "retry_step",
+        "resume_run",
+        "switch_fallback",
+        "pause_run",
+        "abort_run",
+        "inject_guidance",
+        "compact_context",
+        "request_approval",
+    }
+)
+#: What a remediator may read: never the store or the receivers themselves.
+REMEDIATION_READ_TOOLS: frozenset[str] = frozenset(
+    {"recent_spans", "incident_history", "breaker_states"}
+)
+REMEDIATION_TOOLS: frozenset[str] = REMEDIATION_AGENT_TOOLS | REMEDIATION_READ_TOOLS
+#: How a remediation ends (the ``spanvisor.remediation.outcome`` attribute).
+REMEDIATION_OUTCOMES: tuple[str, ...] = ("succeeded", "failed", "escalated", "refused")
+
+
+def remediation_ids(trace_id: str, span_id: str, rule: str) -> tuple[str, str]:
+    """The remediation's workflow id and trace id (hex) for a triggering span and rule.
+
+    Both derive from the trigger, so the same span and rule never start a
+    second remediation, and the decision span can name the remediation's
+    trace before it exists (a restarted sidecar re-creates the same trace).
+    """
+    key = command_key(trace_id, span_id, rule, "remediate")
+    trace = hashlib.sha256(f"trace/{key}".encode()).hexdigest()[:32]
+    return f"rem_{key[:24]}", trace
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
     """One instruction to an agent, as delivered (webhook body, pull answer, command env).

@@ -167,6 +167,31 @@ class Settings(BaseSettings):
         description="Share breaker state with every sidecar using this Redis (redis://host:6379/0);"
         " unset: breakers are this sidecar's own.",
     )
+    remediation_database_url: str | None = Field(
+        default=None,
+        pattern=r"^(sqlite:///|postgresql(\+psycopg)?://)",
+        description="Where remediation workflows are kept (DBOS): sqlite:///path or"
+        " postgresql://...; unset: remediations.sqlite next to state_path.",
+    )
+    remediation_executor_id: str = Field(
+        default="local",
+        min_length=1,
+        max_length=128,
+        description="Unique per sidecar sharing one remediation database.",
+    )
+    max_active_remediations: int = Field(default=256, ge=1, le=100_000)
+    notify_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://",
+        description="Escalations are posted here as Slack-compatible JSON, signed.",
+    )
+    notify_secret: str | None = Field(
+        default=None, description="Signing secret for notify_url (Standard Webhooks)."
+    )
+    llm_base_url: str | None = Field(
+        default=None, description="OpenAI-compatible endpoint for the llm remediator."
+    )
+    llm_model: str | None = Field(default=None, description="Model for the llm remediator.")
     max_pending_commands: int = Field(default=100_000, ge=1, le=10_000_000)
     retention_s: float = Field(default=7 * 86_400.0, ge=60, le=365 * 86_400)
     policy_poll_s: float = Field(

@@ -643,6 +643,46 @@ class Store:
 
     # -- approvals ---------------------------------------------------------
 
+    def open_approval(
+        self,
+        approval_id: str,
+        *,
+        incident_key: str,
+        service: str,
+        run_id: str,
+        body: Mapping[str, Any],
+        now: float,
+    ) -> bool:
+        """Open an approval request (a remediation's); False when ``approval_id`` exists."""
+        with self._transaction() as db:
+            return bool(
+                db.execute(
+                    _INSERT_APPROVAL,
+                    (approval_id, incident_key, service, run_id, _dumps(body), now),
+                ).rowcount
+            )
+
+    def incidents_where(
+        self, *, action: str | None = None, run_id: str | None = None, limit: int = 100
+    ) -> list[Incident]:
+        """The newest incidents with this action and/or run (a scan: for tools, not hot paths)."""
+        sql = "SELECT key, body, created_at FROM incidents"
+        clauses: list[str] = []
+        args: list[Any] = []
+        if action is not None:
+            clauses.append("action = ?")
+            args.append(action)
+        if run_id is not None:
+            clauses.append("run_id = ?")
+            args.append(run_id)
+        if clauses:
+            sql += " WHERE " + " AND ".join(clauses)
+        sql += " ORDER BY rowid DESC LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [Incident(r["key"], orjson.loads(r["body"]), r["created_at"]) for r in rows]
+
     def approvals(self, *, status: str | None = None, limit: int = 100) -> list[Approval]:
         sql = "SELECT * FROM approvals"
         args: list[Any] = []

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from supervisor.act import Actor
 from supervisor.pipeline import Outcome
@@ -35,8 +35,16 @@ _MAX_BATCHES_PER_TRANSACTION = 16
 class StoreWriter:
     """A thread that stores outcomes in order; see the module for the lifecycle."""
 
-    def __init__(self, actor: Actor, *, capacity: int = 256) -> None:
+    def __init__(
+        self,
+        actor: Actor,
+        *,
+        capacity: int = 256,
+        after_store: Callable[[Sequence[Outcome]], None] | None = None,
+    ) -> None:
         self._actor = actor
+        #: Called with each stored batch (remediations start once their incident is stored).
+        self._after_store = after_store
         self._queue: queue.Queue[object] = queue.Queue(maxsize=capacity)
         self._thread = threading.Thread(target=self._run, name="spanvisor-store", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -99,6 +107,12 @@ class StoreWriter:
             log.exception("could not store incidents and commands for %d failures", len(outcomes))
             return
         self.stored += len(outcomes)
+        if self._after_store is not None:
+            try:
+                self._after_store(outcomes)
+            except Exception:  # the incidents are stored; a restart dispatches what is missing
+                self.errors += 1
+                log.exception("could not hand stored outcomes on")
         loop = self._loop
         if created and loop is not None and not loop.is_closed():
             # The loop may close meanwhile: the commands are stored; the next start delivers.

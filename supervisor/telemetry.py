@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from opentelemetry.util.types import AttributeValue
 
+from remediators.tracing import PresetIdGenerator
 from supervisor import __version__
 from supervisor.downstream import Downstream
 from supervisor.errors import ConfigError
@@ -74,6 +75,8 @@ class DecisionTracer:
     ) -> None:
         self._provider = TracerProvider(
             sampler=ALWAYS_ON,
+            # Remediation traces have ids fixed in advance (remediators.tracing).
+            id_generator=PresetIdGenerator(),
             resource=Resource.create({SERVICE_NAME: service_name}),
             shutdown_on_exit=False,
         )
@@ -95,6 +98,11 @@ class DecisionTracer:
         self._errors = 0
         self._error_logged = False
         self._shut = False
+
+    @property
+    def tracer(self) -> trace.Tracer:
+        """The tracer for the sidecar's other own spans (remediations), same pipeline."""
+        return self._tracer
 
     def emit(self, failure: Failure, decision: Decision) -> str:
         """Record the decision as a child of the failing span; its span id (hex), or ``""``.
@@ -217,6 +225,10 @@ def decision_attributes(failure: Failure, decision: Decision) -> dict[str, Attri
     }
     if decision.reason:
         attributes["spanvisor.reason"] = decision.reason[:MAX_TEXT]
+    remediation_trace = decision.params.get("remediation_trace_id")
+    if isinstance(remediation_trace, str):
+        # Where the fix is: the remediation's own trace, whose root links back here.
+        attributes["spanvisor.remediation.trace_id"] = remediation_trace
     attributes.update(flatten_params(decision.params))
     return attributes
 

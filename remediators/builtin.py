@@ -1,0 +1,250 @@
+"""The remediators that ship with spanvisor (all but ``llm``, in :mod:`remediators.llm`).
+
+Each acts only through its context's tools; the runner verifies what it did
+(the run's later spans) and escalates when nothing recovers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from remediators.base import Budget, RemediationContext, Remediator, Verdict
+from supervisor.actuators.command import CommandActuator
+from supervisor.records import Command, CommandType, command_key
+
+__all__ = ["Escalate", "FallbackSwitch", "LoopBreaker", "RestartWorker", "RetryStep"]
+
+_MAX_DELAY_S = 3600.0
+
+
+def _number(params: Mapping[str, Any], name: str, default: float, problems: list[str]) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        problems.append(f"{name} must be a number >= 0, not {value!r}")
+        return default
+    return float(value)
+
+
+class RetryStep(Remediator):
+    """Durable backoff, then ``retry_step``; the runner then verifies the step succeeded.
+
+    params: ``delay_s`` (default: the decision's delay, else 2), capped at an hour.
+    """
+
+    name = "retry_step"
+    tools = frozenset({"retry_step", "recent_spans"})
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, Any]) -> list[str]:
+        problems: list[str] = []
+        _number(params, "delay_s", 2.0, problems)
+        return problems
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        decided = ctx.trigger.params.get("delay_s")
+        default = float(decided) if isinstance(decided, (int, float)) else 2.0
+        delay = min(_MAX_DELAY_S, float(self.params.get("delay_s", default)))
+        await ctx.sleep(delay)
+        result = await ctx.call("retry_step", delay_s=0, reason=f"remediation after {delay:g} s")
+        return Verdict.ACTED if result.ok else Verdict.FAILED
+
+
+class FallbackSwitch(Remediator):
+    """Switch the run to the first alternative in its chain whose breaker is not open.
+
+    The chain is the policy's (passed with the trigger); with none left, a
+    person is asked.
+    """
+
+    name = "fallback_switch"
+    tools = frozenset({"switch_fallback", "breaker_states", "request_approval"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        trigger = ctx.trigger
+        chain = trigger.params.get("chain") or ()
+        states = await ctx.call("breaker_states")
+        open_now = {
+            b.get("dependency")
+            for b in (states.value or [])
+            if isinstance(b, Mapping) and b.get("state") == "open"
+        }
+        for target in _after(list(chain), trigger.dependency):
+            if target in open_now:
+                continue
+            result = await ctx.call("switch_fallback", to=target, reason=f"{trigger.kind}")
+            return Verdict.ACTED if result.ok else Verdict.FAILED
+        await ctx.call(
+            "request_approval",
+            question=f"No fallback left for {trigger.dependency} ({trigger.kind}).",
+            proposal="abort_run",
+            on_deny="the run is left paused",
+        )
+        return Verdict.ESCALATED
+
+
+def _after(chain: Sequence[Any], dependency: str) -> list[str]:
+    names = [str(d) for d in chain]
+    if dependency in names:
+        names = names[names.index(dependency) + 1 :]
+    return [n for n in names if n != dependency]
+
+
+class LoopBreaker(Remediator):
+    """For a reasoning loop: guidance naming the repeated call; if the loop goes on, abort.
+
+    params: ``watch_s`` (default 60): how long the run has to move on.
+    """
+
+    name = "loop_breaker"
+    tools = frozenset({"inject_guidance", "abort_run", "recent_spans"})
+    budget: ClassVar[Budget] = Budget(steps=6, tool_calls=4)
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, Any]) -> list[str]:
+        problems: list[str] = []
+        _number(params, "watch_s", 60.0, problems)
+        return problems
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        trigger = ctx.trigger
+        repeated = str(trigger.params.get("repeated_call") or trigger.span_name or "the same call")
+        count = trigger.params.get("repeats")
+        times = f" {count} times" if isinstance(count, int) else " repeatedly"
+        guidance = (
+            f"You have called {repeated[:200]}{times} with the same arguments and the same"
+            " result. Do not call it again with these arguments: change the arguments, use"
+            " another tool, or give your best final answer now."
+        )
+        sent = await ctx.call("inject_guidance", guidance=guidance)
+        if not sent.ok:
+            return Verdict.FAILED
+        if await ctx.wait_for_recovery(float(self.params.get("watch_s", 60.0))):
+            return Verdict.SUCCEEDED
+        ctx.log("the loop went on after guidance; aborting the run")
+        await ctx.call("abort_run", reason=f"reasoning loop on {repeated[:200]}")
+        return Verdict.FAILED
+
+
+class Escalate(Remediator):
+    """Ask a person, with the whole context; on timeout, do the configured default.
+
+    params: ``timeout_s`` (default 3600); ``on_timeout``: ``abort_run``
+    (default), ``retry_step`` or ``none``. The approval request carries what
+    failed, where, what is proposed and what approve and deny will do; the
+    sidecar also posts it to the notification webhook (Slack-compatible).
+    """
+
+    name = "escalate"
+    tools = frozenset({"pause_run", "request_approval", "abort_run", "retry_step"})
+    _DEFAULTS = ("abort_run", "retry_step", "none")
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, Any]) -> list[str]:
+        problems: list[str] = []
+        _number(params, "timeout_s", 3600.0, problems)
+        if params.get("on_timeout", "abort_run") not in cls._DEFAULTS:
+            problems.append(f"on_timeout must be one of {', '.join(cls._DEFAULTS)}")
+        return problems
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        trigger = ctx.trigger
+        on_timeout = str(self.params.get("on_timeout", "abort_run"))
+        timeout = float(self.params.get("timeout_s", 3600.0))
+        await ctx.call("pause_run", reason=f"awaiting a person's decision on {trigger.kind}")
+        asked = await ctx.call(
+            "request_approval",
+            question=(
+                f"{trigger.service} run {trigger.run_id}: {trigger.kind} ({trigger.failure_class})"
+                f" on {trigger.dependency or trigger.span_name}. Retry the step?"
+            ),
+            proposal="retry_step",
+            on_approve="the run gets approval_result(approved=true) and retries the step",
+            on_deny="the run gets approval_result(approved=false) and should abort",
+        )
+        approval_id = str((asked.value or {}).get("approval_id", "")) if asked.ok else ""
+        if not approval_id:
+            return Verdict.FAILED
+        answer = await ctx.wait_for_approval(approval_id, timeout)
+        if answer is None:
+            ctx.log(f"no answer within {timeout:g} s; default: {on_timeout}")
+            if on_timeout != "none":
+                await ctx.call(on_timeout, reason=f"approval {approval_id} timed out")
+        return Verdict.ESCALATED
+
+
+class RestartWorker(Remediator):
+    """Run the configured command (argv, no shell) to restart or resume the agent.
+
+    params: ``argv`` (required; ``{run_id}``, ``{service}``... placeholders as
+    whole arguments), ``timeout_s`` (default 60), ``env``. Within the
+    policy's restart intensity; past it, a person is asked.
+    """
+
+    name = "restart_worker"
+    tools = frozenset({"resume_run", "request_approval", "recent_spans"})
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, Any]) -> list[str]:
+        problems: list[str] = []
+        try:
+            cls._actuator(params)
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+        return problems
+
+    @staticmethod
+    def _actuator(params: Mapping[str, Any]) -> CommandActuator:
+        argv = params.get("argv")
+        if not isinstance(argv, list) or not argv:
+            raise ValueError("argv must be a non-empty list of strings")
+        env = params.get("env") or {}
+        if not isinstance(env, dict):
+            raise ValueError("env must be a mapping of strings")
+        timeout = params.get("timeout_s", 60.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ValueError("timeout_s must be a number")
+        return CommandActuator(argv=argv, timeout_s=float(timeout), env=env)
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        trigger = ctx.trigger
+        allowed, why = await ctx.restart_allowed()
+        if not allowed:
+            await ctx.call(
+                "request_approval",
+                question=f"Restart {trigger.service} run {trigger.run_id} again? ({why})",
+                proposal="resume_run",
+            )
+            return Verdict.ESCALATED
+        params = self.params
+        rid = ctx.remediation_id
+
+        async def restart() -> dict[str, Any]:
+            actuator = self._actuator(params)
+            key = command_key(trigger.trace_id, trigger.span_id, trigger.rule, f"{rid}/restart")
+            command = Command(
+                id=f"cmd_{key[:24]}",
+                idempotency_key=key,
+                type=CommandType.RESUME_RUN,
+                service=trigger.service,
+                run_id=trigger.run_id,
+                trigger_trace_id=trigger.trace_id,
+                trigger_span_id=trigger.span_id,
+                failure={"kind": trigger.kind, "dependency": trigger.dependency},
+                params={"remediation_id": rid},
+                not_before=time.time(),
+                created_at=time.time(),
+            )
+            await actuator.start()
+            try:
+                result = await actuator.deliver(command)
+            finally:
+                await actuator.close()
+            return {"ok": result.delivered, "detail": result.detail, "status": result.status}
+
+        outcome = await ctx.step("restart_worker", restart)
+        if not outcome["ok"]:
+            ctx.log(f"restart command failed: {outcome['detail']}")
+            return Verdict.FAILED
+        return Verdict.ACTED

@@ -1,0 +1,296 @@
+"""The durable runner on real DBOS (SQLite): allowlists, budgets, verification, tracing.
+
+One runner serves the module (DBOS is one per process, and its start and stop
+cost most of a second); each test dispatches remediations with ids of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from remediators.base import Budget, RemediationContext, Remediator, Trigger, Verdict
+from remediators.gateway import RecordingGateway
+from remediators.runner import DurableRunner, RunnerSettings, build_request
+from remediators.tracing import PresetIdGenerator, root_span_id
+from supervisor.records import remediation_ids
+
+_counter = itertools.count(1)
+
+
+class Overreach(Remediator):
+    """Tries a tool it was not allowed, then one it was."""
+
+    name = "overreach"
+    tools = frozenset({"abort_run", "recent_spans"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        refused = await ctx.call("abort_run", reason="planted")
+        assert refused.refused and not refused.ok
+        return Verdict.FAILED
+
+
+class Spender(Remediator):
+    """Calls a read tool until its budget is spent."""
+
+    name = "spender"
+    tools = frozenset({"recent_spans"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        while True:
+            await ctx.call("recent_spans", limit=5)
+
+
+class Asker(Remediator):
+    """Asks a person and reports what the answer was through its verdict."""
+
+    name = "asker"
+    tools = frozenset({"request_approval"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        asked = await ctx.call("request_approval", question="retry?")
+        answer = await ctx.wait_for_approval(asked.value["approval_id"], 5.0)
+        return Verdict.SUCCEEDED if answer and answer.get("approved") else Verdict.FAILED
+
+
+class Sleeper(Remediator):
+    """A long durable sleep, for cancellation."""
+
+    name = "sleeper"
+    tools = frozenset({"retry_step"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        await ctx.sleep(30)
+        await ctx.call("retry_step")
+        return Verdict.ACTED
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DurableRunner, Any]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(id_generator=PresetIdGenerator())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    gateway = RecordingGateway(chains={"openai:gpt-4o": ["openai:gpt-4o", "anthropic:claude"]})
+    db = Path(tmp_path_factory.mktemp("dbos")) / "remediations.sqlite"
+    runner = DurableRunner(
+        gateway,
+        RunnerSettings(database_url=f"sqlite:///{db}"),
+        tracer=provider.get_tracer("test"),
+    )
+    runner.start()
+    yield runner, exporter
+    runner.close()
+
+
+def _request(
+    use: str,
+    *,
+    tools: frozenset[str] | None = None,
+    budget: Budget | None = None,
+    verify_s: float = 2.0,
+    on_unresolved: str = "escalate",
+) -> dict[str, Any]:
+    n = next(_counter)
+    trace_id, span_id = f"{n:032x}", f"{n:016x}"
+    remediation, trace = remediation_ids(trace_id, span_id, "provider_rate_limit")
+    trigger = Trigger(
+        trace_id=trace_id,
+        span_id=span_id,
+        service="agent",
+        run_id=trace_id,
+        failure_class="transient",
+        kind="rate_limit",
+        dependency="openai:gpt-4o",
+        rule="provider_rate_limit",
+        message="429 Too Many Requests",
+        span_name="chat gpt-4o",
+        params={
+            "remediator": use,
+            "remediation_id": remediation,
+            "remediation_trace_id": trace,
+            "chain": ["openai:gpt-4o", "anthropic:claude"],
+        },
+    )
+    cls_tools = {
+        "fallback_switch": frozenset({"switch_fallback", "breaker_states", "request_approval"}),
+    }
+    return build_request(
+        trigger,
+        remediator=use.rsplit(":", 1)[-1],
+        use=use,
+        tools=tools if tools is not None else cls_tools.get(use, frozenset()),
+        budget=budget or Budget(),
+        params={},
+        verify_window_s=verify_s,
+        on_unresolved=on_unresolved,
+        dispatched_at=time.time(),
+    )
+
+
+def _wait(runner: DurableRunner, rid: str, timeout: float = 15.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = runner.show(rid)
+        if view is not None and view["status"] not in ("PENDING", "ENQUEUED"):
+            return view
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} did not finish: {runner.show(rid)}")
+
+
+def _spans_of(exporter: InMemorySpanExporter, trace_id: str) -> list[ReadableSpan]:
+    return [
+        s
+        for s in exporter.get_finished_spans()
+        if s.context is not None and format(s.context.trace_id, "032x") == trace_id
+    ]
+
+
+def _until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def test_fallback_switch_acts_then_verifies_and_is_traced(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    runner, exporter = rig
+    gateway: Any = runner.gateway
+    request = _request("fallback_switch")
+    rid = request["id"]
+    runner.dispatch(request)
+    _until(lambda: rid in gateway.watched)  # acted, now verifying
+    runner.notify_recovery(rid, {"span_id": "ff" * 8})
+    view = _wait(runner, rid)
+    assert view["outcome"] == "succeeded"
+    switched = [c for c in gateway.commands.values() if c["command"] == "switch_fallback"]
+    assert [c["params"]["to"] for c in switched if c["run_id"] == request["trigger"]["run_id"]] == [
+        "anthropic:claude"
+    ]
+    assert rid not in gateway.watched  # unwatched after verification
+
+    spans = _spans_of(exporter, request["trace_id"])
+    (root,) = [s for s in spans if s.parent is None]
+    assert root.name == "spanvisor.remediate fallback_switch"
+    assert format(root.context.span_id, "016x") == root_span_id(rid)
+    assert root.attributes is not None
+    assert root.attributes["spanvisor.remediation.outcome"] == "succeeded"
+    (link,) = root.links
+    assert format(link.context.trace_id, "032x") == request["trigger"]["trace_id"]
+    assert format(link.context.span_id, "016x") == request["trigger"]["span_id"]
+    assert link.attributes is not None
+    assert link.attributes["spanvisor.link.type"] == "triggered_by"
+    assert link.attributes["spanvisor.failure.kind"] == "rate_limit"
+    children = {s.name for s in spans if s.parent is not None}
+    assert {"spanvisor.tool breaker_states", "spanvisor.tool switch_fallback"} <= children
+    assert all(
+        s.parent is not None and s.parent.span_id == root.context.span_id
+        for s in spans
+        if s is not root
+    )
+
+
+def test_the_same_remediation_dispatched_twice_runs_once(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    runner, _ = rig
+    gateway: Any = runner.gateway
+    request = _request("fallback_switch", verify_s=0.2, on_unresolved="none")
+    first = runner.dispatch(request)
+    assert first is not None
+    first.result(10)
+    runner.dispatch(request)  # while it runs, or after: the workflow id dedupes
+    view = _wait(runner, request["id"])
+    time.sleep(0.2)
+    runner.dispatch(request)
+    assert view["outcome"] == "failed"  # no recovery, nothing to follow with
+    mine = [c for c in gateway.commands if c.startswith(request["id"])]
+    assert len(mine) == 1
+
+
+def test_a_tool_outside_the_allowlist_is_refused_and_recorded_as_an_error(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    runner, exporter = rig
+    gateway: Any = runner.gateway
+    request = _request(f"{__name__}:Overreach", tools=frozenset({"recent_spans"}))
+    runner.dispatch(request)
+    view = _wait(runner, request["id"])
+    assert view["outcome"] == "refused"
+    assert not [c for c in gateway.commands if c.startswith(request["id"])]
+    (tool_span,) = [
+        s for s in _spans_of(exporter, request["trace_id"]) if s.name == "spanvisor.tool abort_run"
+    ]
+    assert tool_span.status.status_code is StatusCode.ERROR
+    assert tool_span.attributes is not None
+    assert tool_span.attributes["spanvisor.tool.refused"] is True
+    assert tool_span.attributes["spanvisor.tool.allowed"] is False
+    assert "allowlist" in (tool_span.status.description or "")
+
+
+def test_a_spent_budget_stops_the_remediator_and_escalates(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    runner, _ = rig
+    gateway: Any = runner.gateway
+    request = _request(
+        f"{__name__}:Spender", tools=frozenset({"recent_spans"}), budget=Budget(tool_calls=3)
+    )
+    runner.dispatch(request)
+    view = _wait(runner, request["id"])
+    assert view["outcome"] == "escalated"
+    assert "3 tool calls" in view["reason"]
+    names = [s["name"] for s in view["steps"]]
+    assert names.count("tool:recent_spans") == 3
+    assert any(a["by"] == request["id"] for a in gateway.approvals.values())
+
+
+def test_no_recovery_in_the_window_escalates(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    runner, _ = rig
+    request = _request("fallback_switch", verify_s=0.3)
+    runner.dispatch(request)
+    view = _wait(runner, request["id"])
+    assert view["outcome"] == "escalated"
+    assert "no recovery within 0.3 s" in view["reason"]
+
+
+def test_an_approval_answer_reaches_the_waiting_remediation(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    runner, _ = rig
+    gateway: Any = runner.gateway
+    request = _request(f"{__name__}:Asker", tools=frozenset({"request_approval"}))
+    runner.dispatch(request)
+    _until(lambda: any(a["by"] == request["id"] for a in gateway.approvals.values()))
+    runner.answer_approval(request["id"], {"approved": True})
+    assert _wait(runner, request["id"])["outcome"] == "succeeded"
+
+
+def test_cancel_stops_a_waiting_remediation(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    runner, _ = rig
+    request = _request(f"{__name__}:Sleeper", tools=frozenset({"retry_step"}))
+    started = runner.dispatch(request)
+    assert started is not None
+    started.result(10)
+    assert runner.cancel(request["id"]) is True
+    view = runner.show(request["id"])
+    assert view is not None and view["status"] == "CANCELLED"
+    assert runner.cancel(request["id"]) is False  # already finished
+    assert runner.cancel("rem_unknown") is False
+    listed: list[Mapping[str, Any]] = runner.list(limit=100)
+    assert request["id"] in {w["id"] for w in listed}
