@@ -498,6 +498,7 @@ BUILTIN_REMEDIATORS: tuple[str, ...] = (
     "escalate",
     "restart_worker",
     "llm",
+    "compact_context",
 )
 ToolName = Literal[
     "retry_step",

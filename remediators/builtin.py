@@ -14,7 +14,14 @@ from remediators.base import Budget, RemediationContext, Remediator, Verdict
 from supervisor.actuators.command import CommandActuator
 from supervisor.records import Command, CommandType, command_key
 
-__all__ = ["Escalate", "FallbackSwitch", "LoopBreaker", "RestartWorker", "RetryStep"]
+__all__ = [
+    "CompactContext",
+    "Escalate",
+    "FallbackSwitch",
+    "LoopBreaker",
+    "RestartWorker",
+    "RetryStep",
+]
 
 _MAX_DELAY_S = 3600.0
 
@@ -48,6 +55,24 @@ class RetryStep(Remediator):
         delay = min(_MAX_DELAY_S, float(self.params.get("delay_s", default)))
         await ctx.sleep(delay)
         result = await ctx.call("retry_step", delay_s=0, reason=f"remediation after {delay:g} s")
+        return Verdict.ACTED if result.ok else Verdict.FAILED
+
+
+class CompactContext(Remediator):
+    """For a context overflow: ask the agent to compact its context, then verify.
+
+    params: ``target_tokens`` (optional): what the compacted context should fit.
+    """
+
+    name = "compact_context"
+    tools = frozenset({"compact_context", "recent_spans"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        arguments: dict[str, Any] = {"reason": f"{ctx.trigger.kind} on {ctx.trigger.dependency}"}
+        target = self.params.get("target_tokens")
+        if isinstance(target, int) and not isinstance(target, bool) and target > 0:
+            arguments["target_tokens"] = target
+        result = await ctx.call("compact_context", **arguments)
         return Verdict.ACTED if result.ok else Verdict.FAILED
 
 

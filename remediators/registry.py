@@ -26,6 +26,7 @@ _BUILTIN_PATHS: Final = {
     "escalate": "remediators.builtin:Escalate",
     "restart_worker": "remediators.builtin:RestartWorker",
     "llm": "remediators.llm:LlmRemediator",
+    "compact_context": "remediators.builtin:CompactContext",
 }
 assert tuple(_BUILTIN_PATHS) == BUILTIN_REMEDIATORS
 

@@ -224,9 +224,10 @@ class Sidecar:
         for actuator in set(self.actuators.values()):
             await actuator.start()
         self.dispatcher.start()
+        self.remediations.bind(asyncio.get_running_loop())
         if self.remediations.needed():
             # DBOS launches on the runner's own thread; remediations left pending resume.
-            await asyncio.to_thread(self.remediations.start, asyncio.get_running_loop())
+            await asyncio.to_thread(self.remediations.start)
         self.writer.start(asyncio.get_running_loop())
         self._worker = asyncio.create_task(self._work(), name="spanvisor-pipeline")
         self._gc_task = asyncio.create_task(self._collect_periodically(), name="spanvisor-gc")
@@ -449,9 +450,7 @@ class Sidecar:
         self.policy = policy
         self.pipeline.policy = policy
         self.governor.set_policy(policy)
-        if not self.remediations.running and self.remediations.needed():
-            loop = asyncio.get_event_loop()
-            loop.run_in_executor(None, self.remediations.start, loop)
+
         self.reloads["ok"] += 1
         log.info("policy reloaded", extra={"policy": policy.source, "rules": len(policy.rules)})
         return {"reloaded": True, "source": policy.source, "error": None}

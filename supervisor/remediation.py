@@ -341,23 +341,32 @@ class Remediations:
         #: Remediate decisions not dispatched: no database, unknown remediator.
         self.undispatched = 0
         self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failed = False
 
     @property
     def running(self) -> bool:
         return self.runner is not None
 
     def needed(self) -> bool:
-        """Whether to start: the policy remediates, or earlier remediations may be pending."""
-        if self.database_url is None:
-            return False
-        if self._policy().remediators_used:
-            return True
+        """Whether to start now: earlier remediations may be pending (a SQLite file exists,
+        or the database is Postgres). Otherwise the first remediate decision starts it,
+        so sidecars that never remediate never launch DBOS."""
         url = self.database_url
-        return url.startswith("sqlite:///") and Path(url.removeprefix("sqlite:///")).exists()
+        if url is None:
+            return False
+        if not url.startswith("sqlite:///"):
+            return True
+        return Path(url.removeprefix("sqlite:///")).exists()
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that commands are announced on (the sidecar's)."""
+        self._loop = loop
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Launch the runner (blocking: call it off the loop); raises ConfigError."""
-        if self.database_url is None or self.runner is not None:
+        loop = loop or self._loop
+        if self.database_url is None or self.runner is not None or loop is None:
             return
         if self.database_url.startswith("sqlite:///"):
             Path(self.database_url.removeprefix("sqlite:///")).parent.mkdir(
@@ -404,6 +413,12 @@ class Remediations:
     def _start(self, request: dict[str, Any] | None) -> None:
         if request is None:
             return
+        if self.runner is None and self.database_url is not None and not self._failed:
+            try:  # the first remediate decision: launch now (this is the writer's thread)
+                self.start()
+            except Exception as exc:
+                self._failed = True  # not again for every decision; a restart retries
+                log.error("cannot start remediations: %s", exc)
         runner = self.runner
         if runner is None:
             with self._lock:

@@ -168,3 +168,85 @@ def test_a_breaker_change_is_a_span_a_metric_and_a_log_line(
         sidecar.metrics.shutdown(1)
         sidecar.tracer.shutdown(1)
         sidecar.store.close()
+
+
+REMEDIATE_TIMEOUTS = """\
+version: 1
+remediators:
+  switch:
+    use: fallback_switch
+    verify_window_s: 30
+policies:
+  - name: switch_on_timeout
+    match: {kind: timeout}
+    action: remediate
+    remediator: switch
+  - name: chain
+    match: {kind: never}
+    action: fallback
+    chain: {"openai:*": ["openai:gpt-4o", "anthropic:claude-3-5-sonnet"]}
+rules:
+  - name: never
+    match: {span_name: "never-a-span-name"}
+    class: permanent
+    kind: never
+"""
+
+
+def test_a_remediate_decision_runs_a_remediation_traced_and_linked_to_its_span(
+    tmp_path: Path, exporter: InMemorySpanExporter
+) -> None:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(REMEDIATE_TIMEOUTS)
+    sidecar = Sidecar(
+        settings(tmp_path, policy=str(policy_file)),
+        load_policy(policy_file),
+        tracer=DecisionTracer(None, exporter=exporter, schedule_delay_s=0.05),
+    )
+    background = BackgroundSidecar(sidecar)
+    background.start()
+    try:
+        ports = background.ports
+        httpx.post(
+            f"http://127.0.0.1:{ports.otlp_http}/v1/traces",
+            content=failing_request().SerializeToString(),
+            headers={"Content-Type": "application/x-protobuf"},
+        ).raise_for_status()
+        remediations = sidecar.remediations
+        deadline = time.monotonic() + 15
+        while len(remediations.watch) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)  # acted (switch_fallback), now watching the run
+        assert len(remediations.watch) == 1
+        # The run's next LLM call succeeds: the remediation is verified.
+        recovered = failing_request()
+        span = recovered.resource_spans[0].scope_spans[0].spans[0]
+        span.span_id = bytes.fromhex("00000000000000aa")
+        span.status.Clear()
+        httpx.post(
+            f"http://127.0.0.1:{ports.otlp_http}/v1/traces",
+            content=recovered.SerializeToString(),
+            headers={"Content-Type": "application/x-protobuf"},
+        ).raise_for_status()
+        runner = remediations.runner
+        assert runner is not None
+        outcome = None
+        while outcome is None and time.monotonic() < deadline:
+            listed = runner.list()
+            outcome = listed[0]["outcome"] if listed else None
+            time.sleep(0.05)
+        assert outcome == "succeeded"
+        commands = sidecar.store.commands()
+        assert [c.command.type.value for c in commands] == ["switch_fallback"]
+        assert commands[0].command.params["to"] == "anthropic:claude-3-5-sonnet"
+    finally:
+        background.stop()
+    spans = exporter.get_finished_spans()
+    (decide,) = [s for s in spans if s.name == "spanvisor.decide"]
+    assert decide.attributes is not None
+    remediation_trace = decide.attributes["spanvisor.remediation.trace_id"]
+    (root,) = [s for s in spans if s.name == "spanvisor.remediate switch"]
+    assert format(root.context.trace_id, "032x") == remediation_trace
+    assert root.parent is None
+    (link,) = root.links
+    assert format(link.context.span_id, "016x") == "b7ad6b7169203331"
+    assert format(link.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
