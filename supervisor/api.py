@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from supervisor.control import Control, ControlError
+from supervisor.control import REMEDIATION_STATUSES, Control, ControlError
 from supervisor.inline import Question
 
 __all__ = ["build_control_app", "ensure_token"]
@@ -83,9 +83,9 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     app = FastAPI(
         title="spanvisor control API",
         version="1",
-        description="Incidents, commands, approvals, breakers and inline decisions of a"
-        " running spanvisor sidecar. Bearer-token authentication on every route but"
-        " /healthz and /openapi.json.",
+        description="Incidents, commands, approvals, breakers, remediations and inline"
+        " decisions of a running spanvisor sidecar. Bearer-token authentication on every"
+        " route but /healthz and /openapi.json.",
         docs_url=None,
         redoc_url=None,
     )
@@ -120,7 +120,7 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
 
     @app.get("/v1/stats", dependencies=auth, summary="Counters of every stage")
     async def stats() -> dict[str, Any]:
-        return control.stats()
+        return control.all_stats()
 
     @app.get("/v1/failures", dependencies=auth, summary="Recent failures (in memory)")
     async def failures(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> dict[str, Any]:
@@ -208,6 +208,37 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     )
     async def breaker(dependency: str) -> dict[str, Any]:
         return control.breaker(dependency)
+
+    @app.get(
+        "/v1/remediations",
+        dependencies=auth,
+        summary="Remediations, newest first",
+        description="`running` is false, and the list empty, when remediations are not"
+        " running (no `remediate` action in the policy, or no state database). `status`"
+        " is a workflow state: " + ", ".join(REMEDIATION_STATUSES) + ".",
+    )
+    async def remediations(
+        status: str | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50
+    ) -> dict[str, Any]:
+        return await control.remediation_list(status=status, limit=limit)
+
+    @app.get(
+        "/v1/remediations/{remediation_id}",
+        dependencies=auth,
+        summary="One remediation: its request and its recorded steps",
+    )
+    async def remediation(remediation_id: str) -> dict[str, Any]:
+        return await control.remediation(remediation_id)
+
+    @app.post(
+        "/v1/remediations/{remediation_id}/cancel",
+        dependencies=auth,
+        summary="Cancel a running remediation",
+        description="404 when unknown, 409 when it is already finished or remediations"
+        " are not running.",
+    )
+    async def cancel_remediation(remediation_id: str) -> dict[str, Any]:
+        return await control.cancel_remediation(remediation_id)
 
     @app.post("/v1/policy/reload", dependencies=auth, summary="Reload the policy file")
     async def reload() -> dict[str, Any]:

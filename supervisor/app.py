@@ -241,6 +241,7 @@ class Sidecar:
             stats=self.stats,
             ready=lambda: self._ready,
             reload=self.reload_policy,
+            remediations=self.remediations,
         )
         control = build_control_app(token=self.token, control=self.control)
         self._api, api_port = await self._serve(

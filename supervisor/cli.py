@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,33 @@ examples:
   spanvisor validate policy.yaml
   spanvisor approvals approve apr_1234 --note "key rotated"
   spanvisor breakers isolate openai:gpt-4o
+  spanvisor remediations show rem_3f2a9c0d1e4b5a6978877665
 settings: every `run` flag is also a SPANVISOR_* variable (SPANVISOR_API_PORT, ...);
 forwarded and own spans go to OTEL_EXPORTER_OTLP_ENDPOINT when it is set.
+"""
+
+
+#: Workflow states, as :data:`supervisor.control.REMEDIATION_STATUSES` (not imported: heavy).
+REMEDIATION_STATUSES = (
+    "PENDING",
+    "ENQUEUED",
+    "DELAYED",
+    "SUCCESS",
+    "ERROR",
+    "CANCELLED",
+    "MAX_RECOVERY_ATTEMPTS_EXCEEDED",
+)
+
+REMEDIATIONS_EPILOG = """\
+examples:
+  spanvisor remediations                        the latest 50, newest first
+  spanvisor remediations --status PENDING       only those still running
+  spanvisor remediations show rem_3f2a9c0d1e4b  its request, steps and trace id
+  spanvisor remediations cancel rem_3f2a9c0d1e4b
+  spanvisor remediations --json                 the API's answer, for scripts
+status is the workflow's state (PENDING while it runs); outcome is what the remediation
+concluded: succeeded, failed, escalated or refused. Remediations run only when the policy
+has a `remediate` action and the sidecar keeps state in a file (not ':memory:').
 """
 
 
@@ -126,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     breakers.add_argument("act", nargs="?", choices=["list", "isolate", "close"], default="list")
     breakers.add_argument("dependency", nargs="?", help="e.g. openai:gpt-4o (isolate, close)")
 
+    _add_remediations(verbs, remote)
+
     commands = verbs.add_parser(
         "commands", parents=[remote], help="list commands sent to agents (--dead: dead letters)"
     )
@@ -137,6 +165,45 @@ def build_parser() -> argparse.ArgumentParser:
         "reload", parents=[remote], help="make a running sidecar reload its policy file"
     )
     return parser
+
+
+def _add_remediations(
+    verbs: argparse._SubParsersAction[argparse.ArgumentParser], remote: argparse.ArgumentParser
+) -> None:
+    """The ``remediations`` verb: list, show ID, cancel ID."""
+    remediations = verbs.add_parser(
+        "remediations",
+        parents=[remote],
+        help="list remediations, or show / cancel one",
+        description="Remediations the sidecar runs for `remediate` decisions: list them\n"
+        "(newest first), show one (its request, each recorded step and its trace), or\n"
+        "cancel one still running.",
+        epilog=REMEDIATIONS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    remediations.add_argument(
+        "act",
+        nargs="?",
+        choices=["list", "show", "cancel"],
+        default="list",
+        help="list (the default), show ID or cancel ID",
+    )
+    remediations.add_argument(
+        "id", nargs="?", help="the remediation's id, e.g. rem_3f2a9c0d1e4b (show, cancel)"
+    )
+    remediations.add_argument(
+        "--status",
+        type=str.upper,
+        choices=REMEDIATION_STATUSES,
+        metavar="STATUS",
+        help="list only remediations in this workflow state: " + ", ".join(REMEDIATION_STATUSES),
+    )
+    remediations.add_argument(
+        "--limit", type=int, default=50, help="list at most this many (default 50)"
+    )
+    remediations.add_argument(
+        "--json", action="store_true", help="print the control API's JSON answer as is"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,6 +234,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run(args)
     if verb == "validate":
         policy = load_policy(args.path)
+        from remediators.registry import check_policy  # imports the remediators named
+
+        problems = check_policy(policy)
+        if problems:
+            print(f"spanvisor: the policy has {len(problems)} error(s):", file=sys.stderr)
+            for problem in problems:
+                print(f"  {args.path}: {problem}", file=sys.stderr)
+            return 1
         print(f"{args.path}: ok ({len(policy.rules)} classification rules in effect)")
         return 0
     if verb == "replay":
@@ -186,6 +261,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _approvals(args)
     if verb == "breakers":
         return _breakers(args)
+    if verb == "remediations":
+        return _remediations(args)
     if verb == "commands":
         return _commands(args)
     if verb == "reload":
@@ -394,6 +471,167 @@ def _breakers(args: argparse.Namespace) -> int:
             f"{b['dependency'][:40]:40}  {b['state']:9}  {b['failures']:8}  {b['reopens_at'] or ''}"
         )
     return 0
+
+
+def _remediations(args: argparse.Namespace) -> int:
+    if args.act in ("show", "cancel"):
+        if not args.id:
+            raise ConfigError(
+                f"remediations {args.act} needs the remediation's id (see `spanvisor remediations`)"
+            )
+        path = f"/v1/remediations/{quote(args.id, safe='')}"
+        if args.act == "cancel":
+            answer = _api(args, "POST", f"{path}/cancel")
+            if args.json:
+                print(json.dumps(answer, indent=2, sort_keys=True))
+            else:
+                state = "cancelled" if answer.get("cancelled") else "not cancelled"
+                print(f"{answer.get('id', args.id)}: {state}")
+            return 0
+        shown = _api(args, "GET", path)
+        if args.json:
+            print(json.dumps(shown, indent=2, sort_keys=True))
+        else:
+            _print_remediation(shown)
+        return 0
+    if args.id:
+        raise ConfigError("remediations list takes no id: use `remediations show ID`")
+    answer = _api(
+        args, "GET", "/v1/remediations", params={"status": args.status, "limit": args.limit}
+    )
+    if args.json:
+        print(json.dumps(answer, indent=2, sort_keys=True))
+        return 0
+    found: list[dict[str, Any]] = answer.get("remediations", [])
+    if args.output == "jsonl":
+        _print_jsonl(found)
+        return 0
+    if not answer.get("running", True):
+        print(
+            "remediations are not running on this sidecar: the policy has no `remediate`"
+            " action, or there is no state database (state_path is ':memory:')"
+        )
+        return 0
+    if not found:
+        print("no remediations" + (f" in state {args.status}" if args.status else ""))
+        return 0
+    # The list answer names no remediator today; show the column once it does.
+    named = [r.get("remediator") or (r.get("request") or {}).get("remediator") for r in found]
+    header = ["ID", "STATUS", "OUTCOME", *(["REMEDIATOR"] if any(named) else []), "AGE", "TRACE"]
+    rows = [
+        [
+            r.get("id"),
+            r.get("status"),
+            r.get("outcome") or "-",
+            *([name or "-"] if any(named) else []),
+            _age(r.get("created_at")),
+            r.get("trace_id") or "-",
+        ]
+        for r, name in zip(found, named, strict=True)
+    ]
+    _print_table(header, rows)
+    return 0
+
+
+def _print_table(header: list[str], rows: list[list[Any]]) -> None:
+    cells = [[_one_line(c, 64) for c in row] for row in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(header)]
+    for row in [header, *cells]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _print_remediation(r: dict[str, Any]) -> None:
+    """One remediation for a person: what started it, what it did, where its trace is."""
+    request: dict[str, Any] = r.get("request") or {}
+    trigger: dict[str, Any] = request.get("trigger") or {}
+    outcome = f"  outcome {_one_line(r['outcome'])}" if r.get("outcome") else ""
+    print(f"remediation {_one_line(r.get('id'))}  {_one_line(r.get('status'))}{outcome}")
+    if r.get("reason"):
+        print(f"  reason       {_one_line(r['reason'], 200)}")
+    if r.get("error"):
+        print(f"  error        {_one_line(r['error'], 200)}")
+    if request:
+        tools = ", ".join(_one_line(t) for t in request.get("tools") or []) or "none"
+        print(
+            f"  remediator   {_one_line(request.get('remediator'))}"
+            f" (uses {_one_line(request.get('use'))}; tools: {tools})"
+        )
+        budget = request.get("budget") or {}
+        if budget:
+            print("  budget       " + "  ".join(f"{k}={_one_line(v)}" for k, v in budget.items()))
+        if request.get("on_unresolved"):
+            print(
+                f"  unresolved   {_one_line(request['on_unresolved'])} after"
+                f" {_one_line(request.get('verify_window_s'))}s without recovery"
+            )
+    if trigger:
+        print(
+            f"  trigger      {_one_line(trigger.get('class'))}/{_one_line(trigger.get('kind'))}"
+            f" on {_one_line(trigger.get('dependency')) or '-'}"
+            f" by rule {_one_line(trigger.get('rule'))}"
+        )
+        print(
+            f"               service {_one_line(trigger.get('service'))}"
+            f"  run {_one_line(trigger.get('run_id'))}"
+        )
+        print(
+            f"               span {_one_line(trigger.get('span_id'))}"
+            f" ({_one_line(trigger.get('span_name'))})"
+            f" in trace {_one_line(trigger.get('trace_id'))}"
+        )
+        if trigger.get("message"):
+            print(f'               message "{_one_line(trigger["message"], 160)}"')
+    created, updated = r.get("created_at"), r.get("updated_at")
+    attempts = r.get("recovery_attempts") or 0  # DBOS counts the first start as one
+    print(
+        f"  started      {_age(created)} ago, last change {_age(updated)} ago"
+        + (f", started {attempts} times (resumed after restarts)" if attempts > 1 else "")
+    )
+    steps: list[dict[str, Any]] = r.get("steps") or []
+    print(f"steps ({len(steps)}):" if steps else "steps: none recorded yet")
+    for step in steps:
+        print(
+            f"  {step.get('n', '?')!s:>3}  {_one_line(step.get('name'), 40):40}"
+            f"  {_step_result(step)}"
+        )
+    trace_id = r.get("trace_id") or request.get("trace_id")
+    if trace_id:
+        print(f"trace {_one_line(trace_id)}")
+        print(
+            f"open trace {_one_line(trace_id)} in Jaeger: the root span links to the"
+            " triggering span"
+        )
+
+
+def _step_result(step: dict[str, Any]) -> str:
+    """A step's output, short: a tool call's value (or why it failed), else its JSON."""
+    if step.get("error"):
+        return "error: " + _one_line(step["error"], 100)
+    output = step.get("output")
+    if isinstance(output, dict) and {"ok", "value"} <= output.keys():  # a tool call's result
+        if output.get("refused"):
+            return "refused: " + _one_line(output.get("error"), 100)
+        if not output.get("ok"):
+            return "failed: " + _one_line(output.get("error"), 100)
+        output = output["value"]
+    return _one_line(json.dumps(output, sort_keys=True, default=str), 100)
+
+
+def _one_line(value: object, width: int = 80) -> str:
+    """Span content for a terminal: control characters shown escaped, one line, clipped."""
+    text = "" if value is None else str(value)
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _age(at: object) -> str:
+    if not isinstance(at, (int, float)) or at <= 0:
+        return "-"
+    seconds = max(0.0, time.time() - at)
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
 
 
 def _commands(args: argparse.Namespace) -> int:

@@ -6,27 +6,77 @@ governor). Answers are JSON-ready; span content in them is data.
 
 Lifecycle: built by the sidecar once its parts exist; methods run on the
 sidecar's event loop (FastAPI's sync endpoints would use a thread pool, so
-the routes are all ``async``).
+the routes are all ``async``). The remediation runner's methods block, so
+the remediation operations await them on a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
+import concurrent.futures
 import contextlib
+import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 from policies import Policy
 from policies._governor import Governor
 from supervisor.act import Actor
+from supervisor.errors import ConfigError
 from supervisor.inline import Question, decide
 from supervisor.settings import AgentDelivery, PullChannel
 from supervisor.store import ApprovalError, Store
 
 MAX_WAIT_S = 30.0
 MAX_LIMIT = 1000
+
+#: A remediation's id, as :func:`supervisor.records.remediation_ids` makes it.
+REMEDIATION_ID = re.compile(r"^rem_[0-9a-f]{1,64}$")
+#: The workflow states (DBOS's) a remediation can be listed by.
+REMEDIATION_STATUSES = (
+    "PENDING",
+    "ENQUEUED",
+    "DELAYED",
+    "SUCCESS",
+    "ERROR",
+    "CANCELLED",
+    "MAX_RECOVERY_ATTEMPTS_EXCEEDED",
+)
+#: States in which a remediation is over: nothing left to cancel.
+FINISHED = frozenset({"SUCCESS", "ERROR", "CANCELLED"})
+NOT_RUNNING = (
+    "remediations are not running on this sidecar: the policy has no `remediate` action,"
+    " or there is no state database (state_path is ':memory:')"
+)
+
+T = TypeVar("T")
+
+
+class RemediationRunner(Protocol):
+    """What the control API asks :class:`remediators.runner.DurableRunner`.
+
+    Every method blocks (up to 10 s, waiting for the runner's thread) and
+    raises ConfigError once the runner has stopped: call them off the loop.
+    """
+
+    def show(self, remediation_id: str) -> dict[str, Any] | None: ...
+
+    def cancel(self, remediation_id: str) -> bool: ...
+
+    def list(self, limit: int = 50, status: str | None = None) -> builtins.list[dict[str, Any]]: ...
+
+
+class RemediationsView(Protocol):
+    """What the control API reads of :class:`supervisor.remediation.Remediations`."""
+
+    @property
+    def runner(self) -> RemediationRunner | None: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
 
 class ControlError(ValueError):
@@ -50,6 +100,11 @@ class Control:
     ready: Callable[[], bool]
     reload: Callable[[], dict[str, Any]]
     clock: Callable[[], float] = time.time
+    #: The sidecar's remediations (None: a control API without them, as in some tests).
+    remediations: RemediationsView | None = None
+
+    def all_stats(self) -> dict[str, Any]:
+        return self.stats()
 
     # -- incidents and commands -------------------------------------------
 
@@ -165,6 +220,69 @@ class Control:
         self.governor.close(dependency)
         return self.breaker(dependency)
 
+    # -- remediations ----------------------------------------------------------
+
+    def _remediations(self) -> RemediationsView | None:
+        return self.remediations
+
+    def _runner(self) -> RemediationRunner:
+        remediations = self._remediations()
+        runner = remediations.runner if remediations is not None else None
+        if runner is None:
+            raise ControlError(NOT_RUNNING, 409)
+        return runner
+
+    async def _ask(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread: the runner's methods block."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except ConfigError as exc:
+            raise ControlError(f"remediations are unavailable: {exc}", 503) from None
+        except (TimeoutError, concurrent.futures.TimeoutError):  # one class from 3.11 on
+            raise ControlError(
+                "the remediation runner did not answer in time; try again", 503
+            ) from None
+
+    async def remediation_list(self, *, status: str | None, limit: int) -> dict[str, Any]:
+        """Newest first; ``running`` false (and none listed) when remediations are off."""
+        if status is not None:
+            status = status.upper()
+            if status not in REMEDIATION_STATUSES:
+                raise ControlError("status must be one of " + ", ".join(REMEDIATION_STATUSES))
+        limit = _limit(limit)
+        remediations = self._remediations()
+        runner = remediations.runner if remediations is not None else None
+        if runner is None:
+            return {"remediations": [], "running": False}
+        found = await self._ask(runner.list, limit, status)
+        return {"remediations": _jsonable(found), "running": True}
+
+    async def remediation(self, remediation_id: str) -> dict[str, Any]:
+        """One remediation with its request (the workflow input) and its recorded steps."""
+        _check_remediation_id(remediation_id)
+        runner = self._runner()
+        found = await self._ask(runner.show, remediation_id)
+        if found is None:
+            raise ControlError(f"no remediation {remediation_id!r}", 404)
+        return cast(dict[str, Any], _jsonable(found))
+
+    async def cancel_remediation(self, remediation_id: str) -> dict[str, Any]:
+        """Cancel a remediation still running: 404 when unknown, 409 when it is over."""
+        _check_remediation_id(remediation_id)
+        runner = self._runner()
+        found = await self._ask(runner.show, remediation_id)
+        if found is None:
+            raise ControlError(f"no remediation {remediation_id!r}", 404)
+        if found.get("status") in FINISHED:
+            raise ControlError(_finished(remediation_id, found), 409)
+        if not await self._ask(runner.cancel, remediation_id):
+            # It finished (or vanished) between the look and the cancel.
+            again = await self._ask(runner.show, remediation_id)
+            if again is None:
+                raise ControlError(f"no remediation {remediation_id!r}", 404)
+            raise ControlError(_finished(remediation_id, again), 409)
+        return {"cancelled": True, "id": remediation_id}
+
     # -- decisions --------------------------------------------------------------
 
     def decide(self, question: Question) -> dict[str, Any]:
@@ -178,6 +296,24 @@ class Control:
 def _breaker_json(info: dict[str, Any]) -> dict[str, Any]:
     state = info.get("state")
     return {**info, "state": getattr(state, "value", state)}
+
+
+def _check_remediation_id(remediation_id: str) -> None:
+    if not REMEDIATION_ID.fullmatch(remediation_id):  # match() takes "rem_1\n"
+        raise ControlError(
+            "a remediation id is rem_ and 1 to 64 lowercase hex digits, e.g. rem_3f2a9c"
+        )
+
+
+def _finished(remediation_id: str, found: dict[str, Any]) -> str:
+    outcome = found.get("outcome")
+    how = f"{found.get('status')}" + (f", outcome {outcome}" if outcome else "")
+    return f"remediation {remediation_id!r} is already finished ({how}); nothing to cancel"
+
+
+def _jsonable(value: Any) -> Any:
+    """Workflow inputs and step outputs as plain JSON (anything else as its text)."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def _limit(limit: int) -> int:

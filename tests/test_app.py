@@ -235,6 +235,8 @@ def test_a_remediate_decision_runs_a_remediation_traced_and_linked_to_its_span(
             outcome = listed[0]["outcome"] if listed else None
             time.sleep(0.05)
         assert outcome == "succeeded"
+        reported = sidecar.stats()["remediations"]
+        assert (reported["running"], reported["dispatched"], reported["succeeded"]) == (True, 1, 1)
         commands = sidecar.store.commands()
         assert [c.command.type.value for c in commands] == ["switch_fallback"]
         assert commands[0].command.params["to"] == "anthropic:claude-3-5-sonnet"

@@ -8,7 +8,15 @@ import textwrap
 import pytest
 
 from policies import Policy, load_policy
-from supervisor.records import Action, Decision, ErrorEvidence, Failure, FailureClass, Role
+from supervisor.records import (
+    Action,
+    Decision,
+    ErrorEvidence,
+    Failure,
+    FailureClass,
+    Role,
+    remediation_ids,
+)
 
 T, M, P, S = (
     FailureClass.TRANSIENT,
@@ -167,6 +175,10 @@ def test_builtin_rate_limit_honours_the_servers_retry_after() -> None:
 
 # --- exhaustion ---------------------------------------------------------------------------
 
+_REMEDIATION = remediation_ids(
+    "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", "builtin.openai.rate_limit"
+)
+
 
 @pytest.mark.parametrize(
     ("on_exhausted", "expected_action", "expected_params"),
@@ -174,9 +186,14 @@ def test_builtin_rate_limit_honours_the_servers_retry_after() -> None:
         ("escalate", Action.ESCALATE, {}),
         ("fail_fast", Action.FAIL_FAST, {}),
         (
-            "{action: remediate, remediator: switch_model}",
+            "{action: remediate, remediator: fallback_switch}",
             Action.REMEDIATE,
-            {"remediator": "switch_model"},
+            {
+                "remediator": "fallback_switch",
+                # derived from the failing span and rule: a second dispatch is the same one
+                "remediation_id": _REMEDIATION[0],
+                "remediation_trace_id": _REMEDIATION[1],
+            },
         ),
         (
             '{action: fallback, chain: {"openai:*": ["anthropic:claude-3-5-haiku"]}}',
@@ -356,7 +373,11 @@ def test_builtin_decisions(
 def test_context_overflow_names_its_remediator() -> None:
     decision = BUILTIN.decide(failure(M, "context_overflow"), attempt=1)
 
-    assert dict(decision.params) == {"remediator": "compact_context"}
+    assert decision.params["remediator"] == "compact_context"
+    # The decision names the remediation (workflow id and trace) before it starts.
+    f = failure(M, "context_overflow")
+    ids = remediation_ids(f.trace_id, f.span_id, f.rule)
+    assert (decision.params["remediation_id"], decision.params["remediation_trace_id"]) == ids
 
 
 # --- determinism and observe mode ----------------------------------------------------------------

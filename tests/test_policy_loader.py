@@ -641,6 +641,7 @@ def test_json_schema_describes_the_file() -> None:
         "breakers",
         "retry_budget",
         "restart_intensity",
+        "remediators",
     }
     assert schema["$defs"]["Rule"]["properties"]["class"]["enum"] == [
         "transient",
@@ -665,3 +666,57 @@ def test_policies_imports_nothing_of_ours_but_the_records_and_errors() -> None:
     )
 
     assert out.stdout.split() == ["supervisor", "supervisor.errors", "supervisor.records"]
+
+
+def test_remediators_are_checked_at_load() -> None:
+    with pytest.raises(PolicyError) as caught:
+        load_policy(
+            text="""\
+version: 1
+remediators:
+  fixer:
+    use: llm
+    tools: [switch_fallback, shell]
+    budget: {steps: -1, deadline_s: 0}
+policies:
+  - name: nobody
+    match: {kind: auth}
+    action: remediate
+    remediator: nobody
+  - name: nested
+    match: {kind: rate_limit}
+    action: retry
+    on_exhausted: {action: remediate, remediator: ghost}
+"""
+        )
+    text = str(caught.value)
+    assert "remediators.fixer.tools[1]: unknown value 'shell'" in text
+    assert "remediators.fixer.budget.steps" in text
+    assert "remediators.fixer.budget.deadline_s" in text
+    assert "policies[0].remediator: unknown remediator 'nobody'" in text
+    assert "policies[1].on_exhausted.remediator: unknown remediator 'ghost'" in text
+
+
+def test_a_defined_remediator_is_compiled_with_its_settings() -> None:
+    policy = load_policy(
+        text="""\
+version: 1
+remediators:
+  switch:
+    use: fallback_switch
+    budget: {tool_calls: 2}
+    verify_window_s: 5
+policies:
+  - name: s
+    match: {kind: rate_limit}
+    action: remediate
+    remediator: switch
+"""
+    )
+    spec = policy.remediator("switch")
+    assert spec is not None
+    assert (spec.use, spec.budget.tool_calls, spec.verify_window_s) == ("fallback_switch", 2, 5)
+    assert "switch" in policy.remediators_used
+    builtin = policy.remediator("retry_step")
+    assert builtin is not None and builtin.use == "retry_step"  # built-ins need no entry
+    assert policy.remediator("undefined") is None

@@ -15,9 +15,12 @@ from supervisor.pipeline import Outcome
 
 def test_policies_exports() -> None:
     assert sorted(policies.__all__) == [
+        "BUILTIN_REMEDIATORS",
         "BreakerState",
         "Governor",
         "Policy",
+        "RemediatorBudgetSpec",
+        "RemediatorSpec",
         "json_schema",
         "load_policy",
     ]
@@ -110,6 +113,7 @@ def test_cli_verbs() -> None:
             "breakers",
             "commands",
             "reload",
+            "remediations",
         ]
     )
 

@@ -1,0 +1,133 @@
+"""The built-in remediators, each against a context with the runner's rules."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from remediators.base import Remediator, Trigger, Verdict
+from remediators.builtin import (
+    CompactContext,
+    Escalate,
+    FallbackSwitch,
+    LoopBreaker,
+    RestartWorker,
+    RetryStep,
+)
+from remediators.gateway import RecordingGateway
+from remediators.testing import FakeContext
+
+DEP = "openai:gpt-4o"
+
+
+def trigger(**params: Any) -> Trigger:
+    return Trigger(
+        trace_id="a" * 32,
+        span_id="b" * 16,
+        service="agent",
+        run_id="run-7",
+        failure_class="transient",
+        kind="rate_limit",
+        dependency=DEP,
+        rule="r",
+        message="429",
+        span_name="chat gpt-4o",
+        params=params,
+    )
+
+
+def run(remediator: Remediator, ctx: FakeContext) -> Verdict:
+    return asyncio.run(remediator.run(ctx))
+
+
+def context(remediator: type[Remediator], gateway: RecordingGateway, **params: Any) -> FakeContext:
+    return FakeContext(trigger(**params), gateway, remediator.tools)
+
+
+def sent(gateway: RecordingGateway) -> list[tuple[str, dict[str, Any]]]:
+    return [(c["command"], c["params"]) for c in gateway.commands.values()]
+
+
+def test_retry_step_backs_off_durably_then_asks_for_the_retry() -> None:
+    gateway = RecordingGateway()
+    ctx = context(RetryStep, gateway, delay_s=7.5)
+    assert run(RetryStep({}), ctx) is Verdict.ACTED
+    assert ctx.waited == [("sleep", 7.5)]  # the decision's backoff, kept by the runner
+    assert [name for name, _ in sent(gateway)] == ["retry_step"]
+    assert run(RetryStep({"delay_s": 99999}), context(RetryStep, gateway)) is Verdict.ACTED
+    assert RetryStep.check_params({"delay_s": -1}) == ["delay_s must be a number >= 0, not -1"]
+
+
+def test_fallback_switch_skips_open_breakers_and_asks_when_none_is_left() -> None:
+    chain = [DEP, "anthropic:claude", "mistral:large"]
+    gateway = RecordingGateway(
+        chains={DEP: chain}, breakers=[{"dependency": "anthropic:claude", "state": "open"}]
+    )
+    assert run(FallbackSwitch({}), context(FallbackSwitch, gateway, chain=chain)) is Verdict.ACTED
+    assert sent(gateway)[0][1]["to"] == "mistral:large"
+
+    spent = RecordingGateway(chains={DEP: [DEP]})
+    ctx = context(FallbackSwitch, spent, chain=[DEP])
+    assert run(FallbackSwitch({}), ctx) is Verdict.ESCALATED
+    assert not spent.commands and len(spent.approvals) == 1
+
+
+def test_loop_breaker_guides_then_aborts_when_the_loop_goes_on() -> None:
+    gateway = RecordingGateway()
+    ctx = context(LoopBreaker, gateway, repeated_call="search_web", repeats=5)
+    assert run(LoopBreaker({"watch_s": 30}), ctx) is Verdict.FAILED
+    (guide, guidance), (abort, _) = sent(gateway)
+    assert (guide, abort) == ("inject_guidance", "abort_run")
+    assert "search_web 5 times" in guidance["guidance"]
+    assert ("recovery", 30.0) in ctx.waited
+
+    calmed = RecordingGateway()
+    ctx = context(LoopBreaker, calmed, repeated_call="search_web")
+    ctx.recovers = True
+    assert run(LoopBreaker({}), ctx) is Verdict.SUCCEEDED
+    assert [name for name, _ in sent(calmed)] == ["inject_guidance"]
+
+
+def test_escalate_pauses_asks_with_context_and_applies_the_default_on_timeout() -> None:
+    gateway = RecordingGateway()
+    ctx = context(Escalate, gateway)
+    assert run(Escalate({"timeout_s": 5, "on_timeout": "abort_run"}), ctx) is Verdict.ESCALATED
+    assert [name for name, _ in sent(gateway)] == ["pause_run", "abort_run"]
+    (approval,) = gateway.approvals.values()
+    body = approval["body"]
+    assert "run-7" in body["question"] and "rate_limit" in body["question"]
+    assert body["on_approve"] and body["on_deny"]
+
+    answered = RecordingGateway()
+    ctx = context(Escalate, answered)
+    ctx.answer = {"approved": True}
+    assert run(Escalate({}), ctx) is Verdict.ESCALATED
+    assert [name for name, _ in sent(answered)] == ["pause_run"]  # the answer goes to the agent
+    assert Escalate.check_params({"on_timeout": "explode"})
+
+
+def test_restart_worker_runs_its_argv_without_a_shell_within_intensity(tmp_path: Path) -> None:
+    out = tmp_path / "restarted"
+    argv = [sys.executable, "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])"]
+    params = {"argv": [*argv, str(out), "{run_id}"]}
+    gateway = RecordingGateway(restarts_left=1)
+    assert run(RestartWorker(params), context(RestartWorker, gateway)) is Verdict.ACTED
+    assert out.read_text() == "run-7"  # the placeholder is a whole argument, never shell text
+    # The intensity is spent: a person is asked instead of restarting again.
+    out.unlink()
+    assert run(RestartWorker(params), context(RestartWorker, gateway)) is Verdict.ESCALATED
+    assert not out.exists() and len(gateway.approvals) == 1
+    failing = {"argv": [sys.executable, "-c", "raise SystemExit(3)"]}
+    assert run(RestartWorker(failing), context(RestartWorker, RecordingGateway())) is Verdict.FAILED
+    assert RestartWorker.check_params({"argv": "restart.sh"})
+
+
+def test_compact_context_asks_the_agent_to_compact() -> None:
+    gateway = RecordingGateway()
+    assert run(CompactContext({"target_tokens": 8000}), context(CompactContext, gateway)) is (
+        Verdict.ACTED
+    )
+    ((name, params),) = sent(gateway)
+    assert (name, params["target_tokens"]) == ("compact_context", 8000)
