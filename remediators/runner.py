@@ -352,7 +352,7 @@ class DurableRunner:
             _Active.runner = None
             raise ConfigError(
                 f"cannot start remediations on {_redact(self.settings.database_url)}:"
-                f" {type(self._error).__name__}: {self._error}"
+                f" {type(self._error).__name__}: {_first_line(self._error)}"
             ) from self._error
 
     def _main(self) -> None:
@@ -728,6 +728,12 @@ def _summary(status: Any) -> dict[str, Any]:
         "recovery_attempts": status.recovery_attempts,
         "error": None if status.error is None else str(status.error)[:_MAX_TEXT],
     }
+
+
+def _first_line(error: BaseException) -> str:
+    """SQLAlchemy's messages go on with the SQL and a link; the first line says what failed."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _clip(text: str) -> str:

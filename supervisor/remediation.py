@@ -23,7 +23,6 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -213,26 +212,32 @@ class SidecarGateway:
         return {"approval_id": approval_id, "status": "pending"}
 
     def _post_notice(self, approval_id: str, request: Mapping[str, Any]) -> None:
+        """Post the escalation to ``notify_url``: signed, retried on 5xx/429/network errors."""
         if not self._notify_url:
             return
         body = orjson.dumps(slack_message(approval_id, request))
         headers = {"Content-Type": "application/json"}
         if self._notify_secret:
-            headers.update(
-                signature_headers(self._notify_secret, f"ntf_{uuid.uuid4().hex}", body=body)
-            )
+            # One message id for every attempt: the receiver can drop repeats.
+            headers.update(signature_headers(self._notify_secret, f"ntf_{approval_id}", body))
         try:
             for attempt in tenacity.Retrying(
                 stop=tenacity.stop_after_attempt(3),
                 wait=tenacity.wait_random_exponential(multiplier=0.2, max=2),
+                retry=tenacity.retry_if_exception(_worth_retrying),
                 reraise=True,
             ):
                 with attempt:
-                    httpx.post(self._notify_url, content=body, headers=headers, timeout=5.0)
-                    # a 4xx/5xx is the receiver's problem to report; retrying 4xx won't help
+                    httpx.post(
+                        self._notify_url, content=body, headers=headers, timeout=5.0
+                    ).raise_for_status()
         except httpx.HTTPError as exc:
             self.notify_errors += 1
-            log.warning("could not post an escalation notice: %s", exc)
+            log.warning(
+                "could not post an escalation notice (the approval is stored): %s",
+                exc,
+                extra={"approval": approval_id},
+            )
 
     def recent_spans(self, trigger: Trigger, limit: int) -> list[dict[str, Any]]:
         found = self._actor.store.incidents_where(run_id=trigger.run_id, limit=limit)
@@ -261,6 +266,12 @@ class SidecarGateway:
 
     def unwatch(self, remediation_id: str) -> None:
         self._watch.unwatch(remediation_id)
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500 or exc.response.status_code == 429
+    return isinstance(exc, httpx.TransportError)
 
 
 def slack_message(approval_id: str, request: Mapping[str, Any]) -> dict[str, Any]:
