@@ -396,6 +396,12 @@ class DurableRunner:
 
             async def stop() -> None:
                 DBOS.destroy(workflow_completion_timeout_sec=0)
+                # Remediations still waiting end here, after DBOS stopped writing: their
+                # status stays PENDING, and the next start resumes them.
+                waiting = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in waiting:
+                    task.cancel()
+                await asyncio.gather(*waiting, return_exceptions=True)
 
             fut = asyncio.run_coroutine_threadsafe(stop(), loop)
             try:
@@ -425,12 +431,22 @@ class DurableRunner:
                 )
                 return None
             self._active.add(rid)
-        self.counts["dispatched"] += 1
         return self._submit(self._start(dict(request)))
 
     async def _start(self, request: dict[str, Any]) -> str:
+        rid = str(request["id"])
         try:
-            with SetWorkflowID(str(request["id"])):
+            found = await DBOS.get_workflow_status_async(rid)
+            if found is not None:
+                # Started before (a re-sent span, or a restart): nothing new starts. A
+                # finished one is no longer active; a pending one is being resumed.
+                if found.status not in ("PENDING", "ENQUEUED"):
+                    with self._lock:
+                        self._active.discard(rid)
+                self.counts["duplicates"] += 1
+                return rid
+            self.counts["dispatched"] += 1
+            with SetWorkflowID(rid):
                 handle = await DBOS.start_workflow_async(_remediation_workflow, request)
         except Exception:
             self.counts["errors"] += 1

@@ -374,7 +374,9 @@ class Remediations:
         """The event loop that commands are announced on (the sidecar's)."""
         self._loop = loop
 
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def start(
+        self, loop: asyncio.AbstractEventLoop | None = None, *, redispatch: bool = True
+    ) -> None:
         """Launch the runner (blocking: call it off the loop); raises ConfigError."""
         loop = loop or self._loop
         if self.database_url is None or self.runner is not None or loop is None:
@@ -404,7 +406,8 @@ class Remediations:
         runner.start()
         self.runner = runner
         log.info("remediations ready", extra={"database": _redacted(self.database_url)})
-        self._redispatch()
+        if redispatch:
+            self._redispatch()
 
     def close(self, timeout_s: float = 10.0) -> None:
         runner, self.runner = self.runner, None
@@ -426,7 +429,9 @@ class Remediations:
             return
         if self.runner is None and self.database_url is not None and not self._failed:
             try:  # the first remediate decision: launch now (this is the writer's thread)
-                self.start()
+                # No database before this: nothing can be pending (start re-dispatches
+                # only when a sidecar starts on an existing one).
+                self.start(redispatch=False)
             except Exception as exc:
                 self._failed = True  # not again for every decision; a restart retries
                 log.error("cannot start remediations: %s", exc)
