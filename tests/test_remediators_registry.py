@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from policies import load_policy
@@ -109,3 +111,24 @@ def test_function_definitions_offer_only_the_allowlist() -> None:
     schema = offered[1]["function"]["parameters"]
     assert schema["required"] == ["to"] and schema["additionalProperties"] is False
     assert set(TOOL_SPECS) >= {"request_approval", "breaker_states"}
+
+
+def test_an_entry_point_names_a_third_party_remediator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    point = metadata.EntryPoint(
+        name="custom_fixer", value=f"{__name__}:Custom", group="spanvisor.remediators"
+    )
+    real = metadata.entry_points
+
+    def entry_points(**kwargs: Any) -> Any:
+        if kwargs.get("group") == "spanvisor.remediators":
+            return metadata.EntryPoints([point])
+        return real(**kwargs)
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+    resolve.cache_clear()
+    try:
+        assert resolve("custom_fixer") is Custom
+    finally:
+        resolve.cache_clear()
