@@ -161,6 +161,10 @@ class _Context:
         return self._trigger
 
     @property
+    def root(self) -> trace.Span:
+        return self._root
+
+    @property
     def remediation_id(self) -> str:
         return str(self._request["id"])
 
@@ -611,28 +615,40 @@ class DurableRunner:
             "on_deny": "the run gets approval_result(approved=false) and should abort",
         }
         gateway, rid = self.gateway, ctx.remediation_id
-
-        async def open_approval() -> dict[str, Any]:
-            return await asyncio.to_thread(
-                gateway.open_approval, trigger, body, key=f"{rid}/escalate", remediation_id=rid
-            )
-
-        await DBOS.run_step_async({"name": "escalate"}, open_approval)
+        await self._runner_step(
+            ctx,
+            "escalate",
+            lambda: gateway.open_approval(trigger, body, key=f"{rid}/escalate", remediation_id=rid),
+        )
         return Verdict.ESCALATED
 
     async def _runner_command(self, ctx: _Context, command: str, params: dict[str, Any]) -> None:
         gateway, trigger, rid = self.gateway, ctx.trigger, ctx.remediation_id
+        sent = {**params, "remediation_id": rid}
+        await self._runner_step(
+            ctx,
+            command,
+            lambda: gateway.send_command(trigger, command, sent, key=f"{rid}/{command}"),
+        )
 
-        async def send() -> dict[str, Any]:
-            return await asyncio.to_thread(
-                gateway.send_command,
-                trigger,
-                command,
-                {**params, "remediation_id": rid},
-                key=f"{rid}/{command}",
-            )
+    async def _runner_step(
+        self, ctx: _Context, name: str, act: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """A step of the runner's own (escalation, abort): durable and traced, never budgeted."""
+        root = ctx.root
 
-        await DBOS.run_step_async({"name": command}, send)
+        async def run() -> dict[str, Any]:
+            started = time.time_ns()
+            error: BaseException | None = None
+            try:
+                return await asyncio.to_thread(act)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                self.trace_step(root, f"spanvisor.step {name}", 0, started, error)
+
+        return await DBOS.run_step_async({"name": name}, run)
 
     # -- tracing ------------------------------------------------------------------
 

@@ -242,7 +242,7 @@ def test_a_tool_outside_the_allowlist_is_refused_and_recorded_as_an_error(
 def test_a_spent_budget_stops_the_remediator_and_escalates(
     rig: tuple[DurableRunner, InMemorySpanExporter],
 ) -> None:
-    runner, _ = rig
+    runner, exporter = rig
     gateway: Any = runner.gateway
     request = _request(
         f"{__name__}:Spender", tools=frozenset({"recent_spans"}), budget=Budget(tool_calls=3)
@@ -254,6 +254,8 @@ def test_a_spent_budget_stops_the_remediator_and_escalates(
     names = [s["name"] for s in view["steps"]]
     assert names.count("tool:recent_spans") == 3
     assert any(a["by"] == request["id"] for a in gateway.approvals.values())
+    spans = _spans_of(exporter, request["trace_id"])
+    assert "spanvisor.step escalate" in {s.name for s in spans if s.parent is not None}
 
 
 def test_no_recovery_in_the_window_escalates(
