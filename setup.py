@@ -27,6 +27,7 @@ COMPILED = [
     "supervisor/normalize/screen.py",
     "supervisor/normalize/wire.py",
     "supervisor/pipeline.py",
+    "supervisor/runs.py",
     "supervisor/records.py",
     "supervisor/bounded.py",
     "supervisor/failure_log.py",

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from policies._compile import CompiledEntry, CompiledRule, compile_entry, compile_rule
+from policies._detectors import compile_detectors
 from policies._glob import GlobSet
 from policies._policy import Policy, RuntimeLimits
 from policies._schema import (
@@ -282,6 +283,7 @@ def _builtin_policy() -> Policy:
         BUILTIN_SOURCE,
         _limits(spec, None),
         remediators=spec.remediators,
+        detectors=compile_detectors(spec.detectors, None),
     )
 
 
@@ -302,6 +304,7 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
         doc.source,
         _limits(spec, builtin_spec),
         remediators=remediators,
+        detectors=compile_detectors(spec.detectors, builtin_spec.detectors),
     )
 
 

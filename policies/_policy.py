@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 from policies._actions import CompiledAction, Fallback, Remediate
 from policies._compile import CompiledEntry, CompiledRule
+from policies._detectors import CompiledDetectors, compile_detectors
 from policies._glob import GlobSet
 from policies._match import Subject
 from policies._schema import (
@@ -51,6 +52,7 @@ class Policy:
     __slots__ = (
         "_entries",
         "_rules",
+        "detectors",
         "limits",
         "policies",
         "remediators",
@@ -67,6 +69,7 @@ class Policy:
         limits: RuntimeLimits | None = None,
         *,
         remediators: Mapping[str, RemediatorSpec] | None = None,
+        detectors: CompiledDetectors | None = None,
     ) -> None:
         if not rules or rules[-1].conditions:
             raise ValueError("the last classification rule must be a catch-all")
@@ -84,6 +87,8 @@ class Policy:
         self.limits = limits if limits is not None else RuntimeLimits()
         #: Named remediators defined by the policy files (built-ins need no entry).
         self.remediators: Mapping[str, RemediatorSpec] = MappingProxyType(dict(remediators or {}))
+        #: Loop and stall detection settings, per service.
+        self.detectors = detectors if detectors is not None else compile_detectors(None, None)
         #: Remediator names that ``remediate`` actions name, nested ones included.
         self.remediators_used: tuple[str, ...] = tuple(
             dict.fromkeys(name for e in entries for name in _remediators_in(e.action))

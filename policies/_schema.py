@@ -499,6 +499,7 @@ BUILTIN_REMEDIATORS: tuple[str, ...] = (
     "restart_worker",
     "llm",
     "compact_context",
+    "resume_run",
 )
 ToolName = Literal[
     "retry_step",
@@ -544,9 +545,9 @@ class RemediatorSpec(_Strict):
         description="Allowlist; unset: the remediator's own. Never wider than its own.",
     )
     budget: RemediatorBudgetSpec = Field(default_factory=RemediatorBudgetSpec)
-    params: Annotated[dict[Annotated[str, AfterValidator(_check_ident)], Any], Field(
-        max_length=64
-    )] = Field(default_factory=dict)
+    params: Annotated[
+        dict[Annotated[str, AfterValidator(_check_ident)], Any], Field(max_length=64)
+    ] = Field(default_factory=dict)
     verify_window_s: float = Field(
         default=120.0,
         ge=0,
@@ -556,6 +557,32 @@ class RemediatorSpec(_Strict):
     on_unresolved: Literal["escalate", "abort_run", "none"] = Field(
         default="escalate", description="What follows when no recovery comes in time."
     )
+
+
+class LoopsSpec(_Strict):
+    """The same tool call (or LLM output) ``repeats`` times within the last ``window``."""
+
+    enabled: bool = True
+    repeats: int = Field(default=3, ge=2, le=1000)
+    window: int = Field(default=20, ge=2, le=1000, description="The run's last N calls.")
+
+
+class StallsSpec(_Strict):
+    """An open run with no new span for ``idle_seconds``."""
+
+    enabled: bool = True
+    idle_seconds: float = Field(default=600.0, gt=0, le=7 * 86_400)
+
+
+class ServiceDetectorsSpec(_Strict):
+    loops: LoopsSpec | None = None
+    stalls: StallsSpec | None = None
+
+
+class DetectorsSpec(ServiceDetectorsSpec):
+    """Run detectors for every service; ``services`` overrides by service glob."""
+
+    services: dict[Glob, ServiceDetectorsSpec] = Field(default_factory=dict, max_length=256)
 
 
 class PolicyFile(_Strict):
@@ -578,6 +605,9 @@ class PolicyFile(_Strict):
     remediators: Annotated[
         dict[Annotated[str, AfterValidator(_check_ident)], RemediatorSpec], Field(max_length=256)
     ] = Field(default_factory=dict, description="Named remediators for 'remediate' actions.")
+    detectors: DetectorsSpec | None = Field(
+        default=None, description="Run detectors (loops, stalls); unset: the built-in policy's."
+    )
 
 
 FallbackSpec.model_rebuild()
@@ -606,6 +636,10 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         RestartIntensitySpec,
         RemediatorSpec,
         RemediatorBudgetSpec,
+        DetectorsSpec,
+        LoopsSpec,
+        StallsSpec,
+        ServiceDetectorsSpec,
     )
     for name, field in model.model_fields.items()
 )

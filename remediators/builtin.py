@@ -20,6 +20,7 @@ __all__ = [
     "FallbackSwitch",
     "LoopBreaker",
     "RestartWorker",
+    "ResumeRun",
     "RetryStep",
 ]
 
@@ -55,6 +56,29 @@ class RetryStep(Remediator):
         delay = min(_MAX_DELAY_S, float(self.params.get("delay_s", default)))
         await ctx.sleep(delay)
         result = await ctx.call("retry_step", delay_s=0, reason=f"remediation after {delay:g} s")
+        return Verdict.ACTED if result.ok else Verdict.FAILED
+
+
+class ResumeRun(Remediator):
+    """For a stalled run: ask the agent to resume from its checkpoint, naming unverified work.
+
+    The trigger carries ``unverified``: tool calls the last LLM response asked
+    for that no tool span answered. The agent checks their effects before
+    acting again (a payment sent twice is worse than a stall).
+    """
+
+    name = "resume_run"
+    tools = frozenset({"resume_run", "recent_spans"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        found = ctx.trigger.params.get("unverified") or ()
+        calls = found if isinstance(found, (list, tuple)) else ()
+        unverified = [str(call)[:500] for call in calls][:64]
+        result = await ctx.call(
+            "resume_run",
+            unverified=unverified,
+            reason=f"the run stalled at {ctx.trigger.span_name or 'its last step'}",
+        )
         return Verdict.ACTED if result.ok else Verdict.FAILED
 
 

@@ -27,6 +27,7 @@ _BUILTIN_PATHS: Final = {
     "restart_worker": "remediators.builtin:RestartWorker",
     "llm": "remediators.llm:LlmRemediator",
     "compact_context": "remediators.builtin:CompactContext",
+    "resume_run": "remediators.builtin:ResumeRun",
 }
 assert tuple(_BUILTIN_PATHS) == BUILTIN_REMEDIATORS
 

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from supervisor.control import REMEDIATION_STATUSES, Control, ControlError
+from supervisor.control import REMEDIATION_STATUSES, RUN_STATUSES, Control, ControlError
 from supervisor.inline import Question
 
 __all__ = ["build_control_app", "ensure_token"]
@@ -83,7 +83,7 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     app = FastAPI(
         title="spanvisor control API",
         version="1",
-        description="Incidents, commands, approvals, breakers, remediations and inline"
+        description="Incidents, commands, approvals, breakers, remediations, runs and inline"
         " decisions of a running spanvisor sidecar. Bearer-token authentication on every"
         " route but /healthz and /openapi.json.",
         docs_url=None,
@@ -239,6 +239,24 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     )
     async def cancel_remediation(remediation_id: str) -> dict[str, Any]:
         return await control.cancel_remediation(remediation_id)
+
+    @app.get(
+        "/v1/runs",
+        dependencies=auth,
+        summary="Runs' progress, most recently active first",
+        description="Each run (a trace, or the session it names): its status ("
+        + ", ".join(RUN_STATUSES)
+        + "), spans, LLM and tool calls, errors, tokens, current step, rate and idle"
+        " time. `status` and `service` filter the 1000 most recently active runs."
+        " `tracking` is false, and the list empty, when the sidecar tracks no runs.",
+    )
+    async def runs(
+        status: Annotated[str | None, Query(max_length=16)] = None,
+        service: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> dict[str, Any]:
+        # On the loop, no worker thread: the run tracker is the loop's (and bounded).
+        return control.run_list(status=status, service=service, limit=limit)
 
     @app.post("/v1/policy/reload", dependencies=auth, summary="Reload the policy file")
     async def reload() -> dict[str, Any]:

@@ -52,8 +52,9 @@ from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.metrics import SidecarMetrics
-from supervisor.pipeline import Outcome, Pipeline
+from supervisor.pipeline import Outcome, Pipeline, stall_failure
 from supervisor.remediation import Remediations
+from supervisor.runs import RunTracker
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
 from supervisor.store import Store
 from supervisor.store_writer import StoreWriter
@@ -128,6 +129,13 @@ class Sidecar:
             observe_only=settings.observe_only,
             governor=self.governor,
         )
+        self.runs = RunTracker(
+            # Through self.policy at each call: a reloaded policy's detectors apply.
+            settings=lambda service: self.policy.detectors.for_service(service),  # noqa: PLW0108
+            max_runs=settings.tracked_runs,
+        )
+        if settings.track_runs:
+            self.pipeline.runs = self.runs
         self.store = Store.open(
             settings.state_path,
             max_pending=settings.max_pending_commands,
@@ -185,6 +193,7 @@ class Sidecar:
         self._worker: asyncio.Task[None] | None = None
         self._gc_task: asyncio.Task[None] | None = None
         self._housekeeping: asyncio.Task[None] | None = None
+        self._run_watch: asyncio.Task[None] | None = None
         self._decisions = 0
         self._errors = 0
         self._ready = False
@@ -202,7 +211,7 @@ class Sidecar:
             for server in (self._http, self._api):
                 if server is not None:
                     await self._stop_server(server)
-            for task in (self._worker, self._gc_task, self._housekeeping):
+            for task in (self._worker, self._gc_task, self._housekeeping, self._run_watch):
                 if task is not None:
                     task.cancel()
             with contextlib.suppress(Exception):
@@ -232,6 +241,7 @@ class Sidecar:
         self._worker = asyncio.create_task(self._work(), name="spanvisor-pipeline")
         self._gc_task = asyncio.create_task(self._collect_periodically(), name="spanvisor-gc")
         self._housekeeping = asyncio.create_task(self._keep_house(), name="spanvisor-house")
+        self._run_watch = asyncio.create_task(self._watch_runs(), name="spanvisor-runs")
         self.control = Control(
             store=self.store,
             actor=self.actor,
@@ -242,6 +252,7 @@ class Sidecar:
             ready=lambda: self._ready,
             reload=self.reload_policy,
             remediations=self.remediations,
+            runs=self.runs,
         )
         control = build_control_app(token=self.token, control=self.control)
         self._api, api_port = await self._serve(
@@ -274,7 +285,7 @@ class Sidecar:
                 "drain timed out; spans still queued were not judged",
                 extra={"queued_batches": self.queue.qsize, "queued_spans": self.queue.queued_spans},
             )
-        for task in (self._worker, self._gc_task, self._housekeeping):
+        for task in (self._worker, self._gc_task, self._housekeeping, self._run_watch):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -451,10 +462,34 @@ class Sidecar:
         self.policy = policy
         self.pipeline.policy = policy
         self.governor.set_policy(policy)
+        self.runs.reset_settings()
 
         self.reloads["ok"] += 1
         log.info("policy reloaded", extra={"policy": policy.source, "rules": len(policy.rules)})
         return {"reloaded": True, "source": policy.source, "error": None}
+
+    async def _watch_runs(self) -> None:
+        """Every second: runs silent past their idle time are stalls, judged like failures."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.check_stalls()
+            except Exception:  # the watch must never end
+                log.exception("stall check failed; trying again")
+
+    def check_stalls(self, now: float | None = None) -> list[Outcome]:
+        """Judge the runs stalled at ``now`` (default: the clock); report and store them."""
+        found = self.runs.stalled(now)
+        if not found:
+            return []
+        now_ns = time.time_ns()
+        outcomes = self.pipeline.judge_detected([stall_failure(s, now_ns) for s in found])
+        for outcome in outcomes:
+            self.failures.add(outcome)
+            self.tracer.emit(outcome.failure, outcome.decision)
+            self._decisions += 1
+        self._act(outcomes)
+        return outcomes
 
     async def _keep_house(self) -> None:
         """Every so often: reload a changed policy file, expire and prune stored rows."""
@@ -505,6 +540,7 @@ class Sidecar:
                 "latency_ms": _percentiles(self.dispatcher.latency),
             },
             "remediations": self.remediations.describe(),
+            "runs": self.runs.stats(),
             "breakers": {
                 "tracked": len(self.governor.board),
                 "changes": self.breaker_changes,

@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -39,6 +41,7 @@ examples:
   spanvisor approvals approve apr_1234 --note "key rotated"
   spanvisor breakers isolate openai:gpt-4o
   spanvisor remediations show rem_3f2a9c0d1e4b5a6978877665
+  spanvisor runs --watch                   a live table of the agents' runs
 settings: every `run` flag is also a SPANVISOR_* variable (SPANVISOR_API_PORT, ...);
 forwarded and own spans go to OTEL_EXPORTER_OTLP_ENDPOINT when it is set.
 """
@@ -66,6 +69,31 @@ status is the workflow's state (PENDING while it runs); outcome is what the reme
 concluded: succeeded, failed, escalated or refused. Remediations run only when the policy
 has a `remediate` action and the sidecar keeps state in a file (not ':memory:').
 """
+
+
+#: A run's statuses, as :data:`supervisor.control.RUN_STATUSES` (not imported: heavy).
+RUN_STATUSES = ("running", "failing", "stalled", "ended")
+
+RUNS_EPILOG = """\
+examples:
+  spanvisor runs                                the 100 most recently active runs
+  spanvisor runs --watch                        redraw every 2 seconds until Ctrl-C
+  spanvisor runs --watch 10 --status stalled    stalled runs, every 10 seconds
+  spanvisor runs --service checkout-agent --limit 20
+  spanvisor runs --json                         the API's answer, for scripts
+columns: AGE is the time since the run's first span, IDLE since its last; TOKENS
+counts input and output tokens; RATE is spans per minute while it was active; STEP
+is the last LLM or tool call's span name. A status is one of:
+  running  spans are arriving
+  failing  the sidecar has reported failures in it
+  stalled  no span for the service's idle_seconds while its root span is open
+  ended    its root span ended
+--status and --service filter the 1000 most recently active runs. Run ids longer than
+12 characters are shortened: --json and --output jsonl show them whole.
+"""
+
+#: Clears a terminal and puts the cursor home: ``--watch`` redraws over its last table.
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     breakers.add_argument("dependency", nargs="?", help="e.g. openai:gpt-4o (isolate, close)")
 
     _add_remediations(verbs, remote)
+    _add_runs(verbs, remote)
 
     commands = verbs.add_parser(
         "commands", parents=[remote], help="list commands sent to agents (--dead: dead letters)"
@@ -204,6 +233,66 @@ def _add_remediations(
     remediations.add_argument(
         "--json", action="store_true", help="print the control API's JSON answer as is"
     )
+
+
+def _add_runs(
+    verbs: argparse._SubParsersAction[argparse.ArgumentParser], remote: argparse.ArgumentParser
+) -> None:
+    """The ``runs`` verb: a table of the runs' progress, once or ``--watch``."""
+    runs = verbs.add_parser(
+        "runs",
+        parents=[remote],
+        help="a live table of the agents' runs: progress, rate, idle time and status",
+        description="The agents' runs a running sidecar tracks (a trace, or the session it\n"
+        "names), most recently active first: what each has done, how fast, how long it\n"
+        "has been quiet and whether it is running, failing, stalled or ended.",
+        epilog=RUNS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    runs.add_argument(
+        "--status",
+        type=str.lower,
+        choices=RUN_STATUSES,
+        metavar="STATUS",
+        help="only runs in this status: " + ", ".join(RUN_STATUSES),
+    )
+    runs.add_argument("--service", help="only the runs of this service (its exact name)")
+    runs.add_argument(
+        "--limit", type=int, default=100, help="show at most this many, 1 to 1000 (default 100)"
+    )
+    runs.add_argument(
+        "--json", action="store_true", help="print the control API's JSON answer as is"
+    )
+    runs.add_argument(
+        "--watch",
+        nargs="?",
+        type=_seconds,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2) until Ctrl-C",
+    )
+    runs.add_argument("--iterations", type=_count, default=None, help=argparse.SUPPRESS)
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.1 <= seconds <= 86_400:  # also refuses nan
+        raise argparse.ArgumentTypeError("the interval must be between 0.1 and 86400 seconds")
+    return seconds
+
+
+def _count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return count
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -263,6 +352,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _breakers(args)
     if verb == "remediations":
         return _remediations(args)
+    if verb == "runs":
+        return _runs(args)
     if verb == "commands":
         return _commands(args)
     if verb == "reload":
@@ -632,6 +723,179 @@ def _age(at: object) -> str:
         if seconds >= size:
             return f"{int(seconds // size)}{unit}"
     return f"{int(seconds)}s"
+
+
+def _runs(args: argparse.Namespace) -> int:
+    """``spanvisor runs``: one table, or ``--watch``: one every N seconds until Ctrl-C."""
+    params: dict[str, object] = {
+        "status": args.status,
+        "service": args.service,
+        "limit": args.limit,
+    }
+    if args.watch is None:
+        _print_runs(args, _api(args, "GET", "/v1/runs", params=params), fit_screen=False)
+        return 0
+    # Redraw in place on a terminal; anywhere else (a file, a pipe), append each
+    # table after a blank line. JSON is a stream of answers, one a line, never cleared.
+    redraw = sys.stdout.isatty() and not args.json and args.output == "table"
+    shown = 0
+    try:
+        while True:
+            try:
+                answer: dict[str, Any] | None = _api(args, "GET", "/v1/runs", params=params)
+                problem = ""
+            except ConfigError as exc:
+                if not shown:
+                    raise  # a wrong token or address: say so and stop
+                answer, problem = None, str(exc)  # the sidecar restarting: keep trying
+            if redraw:
+                sys.stdout.write(CLEAR_SCREEN)
+            elif shown and not args.json and args.output == "table":
+                print()
+            if args.json or args.output == "jsonl":
+                if answer is not None:
+                    _print_runs(args, answer, fit_screen=False)
+                else:
+                    print(f"spanvisor: {problem}", file=sys.stderr)
+            else:
+                every = f"{args.watch:g}s"
+                print(f"runs at {time.strftime('%H:%M:%S')}, every {every} (Ctrl-C to stop)")
+                if answer is not None:
+                    _print_runs(args, answer, fit_screen=redraw)
+                else:
+                    print(f"spanvisor: {problem}; trying again every {every}")
+            sys.stdout.flush()
+            shown += 1
+            if args.iterations is not None and shown >= args.iterations:
+                return 0
+            _pause(args.watch)
+    except KeyboardInterrupt:  # how a watch ends
+        if redraw:
+            print()
+        return 0
+
+
+def _pause(seconds: float) -> None:
+    """Between two ``--watch`` tables (a seam for the tests)."""
+    time.sleep(seconds)
+
+
+def _print_runs(args: argparse.Namespace, answer: dict[str, Any], *, fit_screen: bool) -> None:
+    """The answer of ``GET /v1/runs``: as JSON, JSON lines or a table for a person.
+
+    ``fit_screen`` (a terminal being redrawn): the table is cut to the screen's height.
+    """
+    if args.json:
+        if args.watch is not None:
+            print(json.dumps(answer, sort_keys=True))
+        else:
+            print(json.dumps(answer, indent=2, sort_keys=True))
+        return
+    found: list[dict[str, Any]] = answer.get("runs", [])
+    if args.output == "jsonl":
+        _print_jsonl(found)
+        return
+    if not answer.get("tracking", True):
+        print("this sidecar does not track runs")
+        return
+    stats: dict[str, Any] = answer.get("stats") or {}
+    if not found:
+        wanted = [f"status {args.status}"] if args.status else []
+        wanted += [f"service {_one_line(args.service)}"] if args.service else []
+        print("no runs" + (" with " + " and ".join(wanted) if wanted else ""))
+    else:
+        header = ["RUN", "SERVICE", "STATUS", "AGE", "IDLE", "SPANS", "LLM", "TOOLS", "ERR"]
+        header += ["TOKENS", "RATE", "STEP"]
+        rows = [_run_row(run) for run in found]
+        more = 0
+        if fit_screen:
+            room = max(1, shutil.get_terminal_size().lines - 4)  # title, header, footer, prompt
+            if len(rows) > room:
+                rows, more = rows[: room - 1], len(rows) - (room - 1)
+        for line in _aligned(header, rows, right=range(3, 11)):
+            print(line)
+        if more:
+            print(f"… and {more} more: narrow with --status, --service or --limit")
+    if isinstance(stats.get("tracked"), int):
+        print(_runs_footer(len(found), stats))
+
+
+def _run_row(run: dict[str, Any]) -> list[str]:
+    """One run's cells; span-derived text (id, service, step) with control characters escaped."""
+    run_id = _one_line(run.get("run_id"), 10_000)
+    started, last_seen = run.get("started_at"), run.get("last_seen_at")
+    idle = run.get("idle_s")
+    # The age from the sidecar's own times, not this host's clock (which may differ).
+    age: object = None
+    if isinstance(started, (int, float)) and isinstance(last_seen, (int, float)):
+        age = last_seen - started + (idle if isinstance(idle, (int, float)) else 0.0)
+    tokens = [run.get("input_tokens"), run.get("output_tokens")]
+    rate = run.get("spans_per_minute")
+    return [
+        run_id if len(run_id) <= 12 else run_id[:12] + "…",
+        _one_line(run.get("service"), 24) or "-",
+        _one_line(run.get("status"), 12),
+        _duration(age),
+        _duration(idle),
+        _one_line(run.get("spans"), 12),
+        _one_line(run.get("llm_calls"), 12),
+        _one_line(run.get("tool_calls"), 12),
+        _one_line(run.get("errors"), 12),
+        _quantity(sum(t for t in tokens if isinstance(t, int))),
+        _rate(rate),
+        _one_line(run.get("step"), 30) or "-",
+    ]
+
+
+def _aligned(header: list[str], rows: list[list[str]], *, right: range) -> list[str]:
+    """The table's lines: columns two spaces apart, those in ``right`` right-aligned."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    return [
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def _runs_footer(listed: int, stats: dict[str, Any]) -> str:
+    """``12 runs of 340 tracked; 5 evicted, 80 expired``: how much the table covers."""
+    gone = [f"{stats[k]} {k}" for k in ("evicted", "expired") if stats.get(k)]
+    runs = "run" if listed == 1 else "runs"
+    return f"{listed} {runs} of {stats['tracked']} tracked" + (
+        f"; {', '.join(gone)}" if gone else ""
+    )
+
+
+def _duration(seconds: object) -> str:
+    """Seconds for a person: 3s, 4m12s, 2h05m, 3d04h (``-`` when unknown)."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or math.isnan(seconds):
+        return "-"
+    whole = int(max(0.0, min(float(seconds), 1e12)))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3_600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86_400:
+        return f"{whole // 3_600}h{whole % 3_600 // 60:02d}m"
+    return f"{whole // 86_400}d{whole % 86_400 // 3_600:02d}h"
+
+
+def _quantity(n: int) -> str:
+    """A count for a person: 950, 12.3k, 4.1M, 2.0G."""
+    if n < 1_000:
+        return str(n)
+    for size, unit in ((1_000, "k"), (1_000_000, "M")):
+        if round(n / size, 1) < 1_000:
+            return f"{n / size:.1f}{unit}"
+    return f"{n / 1_000_000_000:.1f}G"
+
+
+def _rate(per_minute: object) -> str:
+    if not isinstance(per_minute, (int, float)) or isinstance(per_minute, bool):
+        return "-"
+    return f"{per_minute:.1f}" if per_minute < 100 else f"{per_minute:.0f}"
 
 
 def _commands(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar, cast
 
@@ -53,6 +53,9 @@ NOT_RUNNING = (
     " or there is no state database (state_path is ':memory:')"
 )
 
+#: The statuses a run can be listed by (:class:`supervisor.runs.RunView`'s ``status``).
+RUN_STATUSES = ("running", "failing", "stalled", "ended")
+
 T = TypeVar("T")
 
 
@@ -79,6 +82,30 @@ class RemediationsView(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
+class RunEntry(Protocol):
+    """One run as the control API reads it (:class:`supervisor.runs.RunView`)."""
+
+    @property
+    def service(self) -> str: ...
+
+    @property
+    def status(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+class RunsView(Protocol):
+    """What the control API reads of :class:`supervisor.runs.RunTracker`.
+
+    The tracker belongs to the event loop's thread (the pipeline updates it
+    there) and is not thread-safe: call these on the loop, never on a worker.
+    """
+
+    def snapshot(self, limit: int = 100, now: float | None = None) -> Sequence[RunEntry]: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+
 class ControlError(ValueError):
     """A request the sidecar cannot do: the message says why (an API 4xx)."""
 
@@ -102,6 +129,8 @@ class Control:
     clock: Callable[[], float] = time.time
     #: The sidecar's remediations (None: a control API without them, as in some tests).
     remediations: RemediationsView | None = None
+    #: The sidecar's run tracker (None: runs are not tracked, as in some tests).
+    runs: RunsView | None = None
 
     def all_stats(self) -> dict[str, Any]:
         return self.stats()
@@ -282,6 +311,35 @@ class Control:
                 raise ControlError(f"no remediation {remediation_id!r}", 404)
             raise ControlError(_finished(remediation_id, again), 409)
         return {"cancelled": True, "id": remediation_id}
+
+    # -- runs -------------------------------------------------------------------
+
+    def run_list(self, *, status: str | None, service: str | None, limit: int) -> dict[str, Any]:
+        """The most recently active runs first; ``tracking`` false (none listed) without a tracker.
+
+        Synchronous on purpose: the tracker is the event loop's (see :class:`RunsView`).
+        """
+        if status is not None:
+            status = status.lower()
+            if status not in RUN_STATUSES:
+                raise ControlError("status must be one of " + ", ".join(RUN_STATUSES))
+        limit = _limit(limit)
+        runs = self.runs
+        if runs is None:
+            return {"runs": [], "tracking": False}
+        # The tracker has no filtered view: filtering happens after the snapshot.
+        # With a filter, take the MAX_LIMIT most recently active runs (the bound on
+        # the time spent on the loop), keep those that match, then cut to ``limit``:
+        # a filter sees only those MAX_LIMIT runs. Without one, ``limit`` is enough.
+        filtered = status is not None or service is not None
+        views = runs.snapshot(limit=max(limit, MAX_LIMIT) if filtered else limit)
+        found = [
+            view.to_json()
+            for view in views
+            if (status is None or view.status == status)
+            and (service is None or view.service == service)
+        ][:limit]
+        return {"runs": found, "tracking": True, "stats": dict(runs.stats())}
 
     # -- decisions --------------------------------------------------------------
 

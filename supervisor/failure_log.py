@@ -32,6 +32,7 @@ def outcome_json(outcome: Outcome) -> dict[str, Any]:
         "reason": d.reason,
         "message": f.message,
         "attributed": list(f.attributed),
+        **({"details": dict(f.details)} if f.details else {}),
     }
 
 

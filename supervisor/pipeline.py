@@ -42,14 +42,19 @@ from supervisor.normalize import (
 from supervisor.records import (
     Classification,
     Decision,
+    ErrorEvidence,
     Failure,
     FailureClass,
     Role,
     SpanRecord,
 )
+from supervisor.runs import LoopDetection, RunTracker, StallDetection
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
 OWN_SERVICE = "spanvisor"
+#: The rules that run detectors report under (policies match on them like any other).
+LOOP_RULE = "builtin.detect.reasoning_loop"
+STALL_RULE = "builtin.detect.stall"
 _MESSAGE_LIMIT = 300
 _SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
 #: Characters of an origin's message kept to recognise it in a parent's.
@@ -161,6 +166,8 @@ class Pipeline:
         self._attempted: set[str] = set()
         #: Told when a dependency that a remediation waits for succeeds in a run.
         self.recovery: RecoveryListener | None = None
+        #: Every span's run: progress, loops, stalls (None: not tracked).
+        self.runs: RunTracker | None = None
         self._batches = 0
         self._spans = 0
         self._failing = 0
@@ -202,21 +209,52 @@ class Pipeline:
         counting = self.governor is not None
         recovery = self.recovery
         recovering = recovery.dependencies if recovery is not None else ()
+        runs = self.runs
+        now_s = received_ns / 1e9
+        loops: list[LoopDetection] = []
         for item in spans:
             if shows_failure_signal(item):
                 first.append(item)
             elif may_fail_quietly(item):
                 later.append(item)
-            elif counting:
-                dependency = dependency_of(item)  # a success, for breakers and budgets
+            elif counting or runs is not None:
+                dependency = dependency_of(item)  # a success, for breakers, budgets and runs
+                if runs is not None:
+                    found = runs.observe(item, dependency, now_s)
+                    if found is not None:
+                        loops.append(found)
                 if dependency:
                     span = item[0]
-                    calls.append((span.end_time_unix_nano, dependency, True))
+                    if counting:
+                        calls.append((span.end_time_unix_nano, dependency, True))
                     if dependency in self._attempted:  # a run without a session: its trace
                         self._attempts.pop((span.trace_id.hex(), dependency))
                     if dependency in recovering and recovery is not None:
                         recovery.succeeded(span.trace_id.hex(), dependency, span.span_id.hex())
-        return self._judge_wire(first, received_ns, calls), Remainder(later, received_ns)
+        if runs is not None:  # the spans judged below count in their runs too
+            for item in first + later:
+                found = runs.observe(item, dependency_of(item), now_s, repeats=False)
+                if found is not None:
+                    loops.append(found)
+        outcomes = self._judge_wire(first, received_ns, calls)
+        if loops:
+            outcomes += self.judge_detected([_loop_failure(d, received_ns) for d in loops])
+        return outcomes, Remainder(later, received_ns)
+
+    def judge_detected(self, failures: list[Failure]) -> list[Outcome]:
+        """Decide on failures a run detector found (loops, stalls); each once."""
+        outcomes: list[Outcome] = []
+        for failure in failures:
+            key = failure.trace_id + failure.span_id + failure.rule
+            if key in self._seen:
+                self._duplicates += 1
+                continue
+            self._seen.set(key, True)
+            self._failures += 1
+            if self.runs is not None:
+                self.runs.failed(failure.run_id)
+            outcomes.append(Outcome(failure, self.policy.decide(failure, attempt=1)))
+        return self._finish(outcomes, [])
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:
         """Judge the spans a :meth:`first_pass` left."""
@@ -325,6 +363,12 @@ class Pipeline:
             if failure.dependency and self.governor is not None:
                 calls.append((cand.record.end_ns, failure.dependency, False))
             outcomes.append(Outcome(failure, decision))
+            if self.runs is not None:
+                self.runs.failed(failure.run_id)
+        return self._finish(outcomes, calls)
+
+    def _finish(self, outcomes: list[Outcome], calls: list[tuple[int, str, bool]]) -> list[Outcome]:
+        """The governor's review and observe mode, on a batch's decisions."""
         if self.governor is not None:
             outcomes = self._govern(self.governor, outcomes, calls)
         if self.observe_only:
@@ -458,3 +502,45 @@ def _summary(record: SpanRecord) -> str:
     line = ": ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
     line = " ".join(line.split())  # one line, whatever the message held
     return line if len(line) <= _MESSAGE_LIMIT else line[: _MESSAGE_LIMIT - 1] + "…"
+
+
+def _loop_failure(found: LoopDetection, received_ns: int) -> Failure:
+    return Failure(
+        trace_id=found.trace_id,
+        span_id=found.span_id,
+        parent_span_id="",
+        service=found.service,
+        span_name=found.span_name,
+        run_id=found.run_id,
+        role=Role.TOOL if found.dependency.startswith("tool:") else Role.LLM,
+        failure_class=FailureClass.MODEL,
+        kind="reasoning_loop",
+        dependency=found.dependency,
+        rule=LOOP_RULE,
+        message=f"{found.what} {found.repeats} times: {found.span_name}"[:512],
+        evidence=ErrorEvidence(),
+        received_ns=received_ns,
+        details={"repeats": found.repeats, "repeated_call": found.span_name},
+    )
+
+
+def stall_failure(found: StallDetection, now_ns: int) -> Failure:
+    """A stalled run as a failure at its last span; ``unverified`` names unanswered calls."""
+    unverified = ", ".join(found.unverified) or "none seen"
+    return Failure(
+        trace_id=found.trace_id,
+        span_id=found.span_id,
+        parent_span_id="",
+        service=found.service,
+        span_name=found.span_name,
+        run_id=found.run_id,
+        role=Role.AGENT,
+        failure_class=FailureClass.TRANSIENT,
+        kind="stall",
+        dependency=found.dependency,
+        rule=STALL_RULE,
+        message=f"no span for {found.idle_s:.0f} s; unverified work: {unverified}"[:512],
+        evidence=ErrorEvidence(),
+        received_ns=now_ns,
+        details={"idle_s": round(found.idle_s, 3), "unverified": found.unverified},
+    )

@@ -226,6 +226,8 @@ class Failure:
     received_ns: int
     #: Span ids of ancestors that only propagated this failure.
     attributed: tuple[str, ...] = ()
+    #: What a run detector found (repeats, idle seconds, unverified work); empty otherwise.
+    details: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
 
 
 @dataclass(frozen=True, slots=True)

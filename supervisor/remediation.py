@@ -448,7 +448,11 @@ class Remediations:
 
     def _request(self, failure: Mapping[str, Any], dispatched_at: float) -> dict[str, Any] | None:
         """The workflow input for a remediate decision, from its failure in ``replay`` form."""
-        decision_params: dict[str, Any] = dict(failure.get("params") or {})
+        # What a detector found (repeats, unverified work) and the decision's parameters.
+        decision_params: dict[str, Any] = {
+            **dict(failure.get("details") or {}),
+            **dict(failure.get("params") or {}),
+        }
         name = str(decision_params.get("remediator", ""))
         policy = self._policy()
         spec = policy.remediator(name)

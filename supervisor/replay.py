@@ -25,7 +25,8 @@ from policies import Policy
 from supervisor.errors import IngestError
 from supervisor.failure_log import outcome_json
 from supervisor.ingest.codec import decode_request, validate_spans
-from supervisor.pipeline import Outcome, Pipeline
+from supervisor.pipeline import Outcome, Pipeline, stall_failure
+from supervisor.runs import RunTracker
 
 #: Far above any real request; a corrupt length prefix fails clearly instead.
 MAX_RECORD_BYTES = 256 * 1024 * 1024
@@ -110,13 +111,41 @@ def _validated(
 
 
 def replay(path: Path, policy: Policy) -> Iterator[Outcome | BadRecord]:
-    """Judge every request of the file in order, as the running sidecar would."""
+    """Judge every request of the file in order, as the running sidecar would.
+
+    The run detectors see the recording's own clock: a request counts as
+    received when its last span ended, and a run is stalled when the
+    recording shows no span of it for its ``idle_seconds`` (checked after
+    each request, and at the end of the file). Same file, same output.
+    """
     pipeline = Pipeline(policy)
+    runs = pipeline.runs = RunTracker(settings=policy.detectors.for_service)
+    clock_ns = 0
     for item in read_requests(path):
         if isinstance(item, BadRecord):
             yield item
             continue
-        yield from pipeline.process(item, received_ns=0)
+        clock_ns = max(clock_ns, _last_end_ns(item))
+        yield from pipeline.process(item, received_ns=clock_ns)
+        yield from _stalls(pipeline, runs, clock_ns)
+    yield from _stalls(pipeline, runs, clock_ns)
+
+
+def _last_end_ns(request: ExportTraceServiceRequest) -> int:
+    return max(
+        (
+            span.end_time_unix_nano
+            for resource_spans in request.resource_spans
+            for scope_spans in resource_spans.scope_spans
+            for span in scope_spans.spans
+        ),
+        default=0,
+    )
+
+
+def _stalls(pipeline: Pipeline, runs: RunTracker, clock_ns: int) -> list[Outcome]:
+    found = runs.stalled(now=clock_ns / 1e9)
+    return pipeline.judge_detected([stall_failure(s, clock_ns) for s in found]) if found else []
 
 
 # -- output ---------------------------------------------------------------------

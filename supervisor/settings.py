@@ -145,6 +145,11 @@ class Settings(BaseSettings):
 
     recent_failures: int = Field(default=1000, ge=1, le=1_000_000)
     tracked_runs: int = Field(default=10_000, ge=1, le=10_000_000)
+    track_runs: bool = Field(
+        default=True,
+        description="Track every run's progress and detect loops and stalls (see 'detectors'"
+        " in the policy); false: neither, for the lowest cost per span.",
+    )
     seen_failure_spans: int = Field(default=20_000, ge=1, le=10_000_000)
 
     forward_queue_batches: int = Field(default=1024, ge=1, le=1_000_000)

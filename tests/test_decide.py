@@ -358,7 +358,9 @@ def test_builtin_quota_exhaustion_has_no_chain_so_escalates() -> None:
         (P, "parse_error", 1, (Action.FAIL_FAST, "builtin.permanent")),
         (T, "my_flaky_thing", 1, (Action.RETRY, "builtin.transient")),
         (M, "my_model_thing", 2, (Action.ESCALATE, "builtin.model")),
-        (S, "reasoning_loop", 1, (Action.ESCALATE, "builtin.semantic")),
+        (M, "reasoning_loop", 1, (Action.REMEDIATE, "builtin.reasoning_loop")),
+        (T, "stall", 1, (Action.REMEDIATE, "builtin.stall")),
+        (S, "verification_failed", 1, (Action.ESCALATE, "builtin.semantic")),
         (S, "budget_exceeded", 1, (Action.ESCALATE, "builtin.semantic")),
     ],
 )

@@ -97,6 +97,9 @@ breakers:
     "openai:gpt-4o": {{fail_max: 3, reset_timeout_s: {RESET_TIMEOUT_S}, success_threshold: 2}}
 retry_budget: {{ratio: 0.5, min_retries: 20, window_s: 10}}
 restart_intensity: {{max_actions: 10, period_s: 60}}
+# The fake provider gives every step the same answer, which is what a reasoning
+# loop looks like to the run detectors; these scenarios are about other failures.
+detectors: {{loops: {{enabled: false}}}}
 """
 
 T = TypeVar("T")

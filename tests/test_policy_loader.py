@@ -642,6 +642,7 @@ def test_json_schema_describes_the_file() -> None:
         "retry_budget",
         "restart_intensity",
         "remediators",
+        "detectors",
     }
     assert schema["$defs"]["Rule"]["properties"]["class"]["enum"] == [
         "transient",

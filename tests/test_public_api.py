@@ -114,6 +114,7 @@ def test_cli_verbs() -> None:
             "commands",
             "reload",
             "remediations",
+            "runs",
         ]
     )
 

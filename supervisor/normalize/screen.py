@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from supervisor.normalize import genai, openinference, openllmetry
 from supervisor.normalize.attributes import text_value
@@ -103,10 +103,42 @@ _QUIET_KEYS = frozenset(
 )
 
 
-#: Every key the screens test for, and the conventions' markers (for
-#: :func:`supervisor.normalize.dependency_of`).
+#: What the run tracker (:mod:`supervisor.runs`) reads from every span.
+SESSION_KEYS: Final = (
+    "gen_ai.conversation.id",
+    "session.id",
+    "traceloop.association.properties.session_id",
+    "traceloop.association.properties.conversation_id",
+)
+INPUT_TOKEN_KEYS: Final = (
+    "gen_ai.usage.input_tokens",
+    "gen_ai.usage.prompt_tokens",
+    "llm.token_count.prompt",
+)
+OUTPUT_TOKEN_KEYS: Final = (
+    "gen_ai.usage.output_tokens",
+    "gen_ai.usage.completion_tokens",
+    "llm.token_count.completion",
+)
+TOOL_ARGUMENT_KEYS: Final = ("gen_ai.tool.call.arguments", "input.value", "traceloop.entity.input")
+#: The answer's text where a convention keeps it apart (cheaper to compare than the
+#: whole response JSON), else the new GenAI convention's message list.
+LLM_OUTPUT_KEYS: Final = (
+    "llm.output_messages.0.message.content",
+    "gen_ai.completion.0.content",
+    "gen_ai.output.messages",
+)
+#: An LLM span whose response may ask for tool calls (kept for stall reports).
+REQUEST_MARKERS: Final = frozenset({_OUTPUT_MESSAGES, "gen_ai.output.messages"})
+#: Every key the run tracker (supervisor.runs) looks for in a span's present keys.
+RUN_KEYS: Final = frozenset(
+    SESSION_KEYS + INPUT_TOKEN_KEYS + OUTPUT_TOKEN_KEYS + TOOL_ARGUMENT_KEYS + LLM_OUTPUT_KEYS
+) | REQUEST_MARKERS
+
+#: Every key the screens test for, the conventions' markers (for
+#: :func:`supervisor.normalize.dependency_of`) and what the run tracker reads.
 WATCHED_KEYS = _SIGNAL_KEYS | _QUIET_KEYS | {_OUTPUT_MESSAGES, "gen_ai.tool.definitions"}
-WATCHED_KEYS |= frozenset(_TOOL_OUTPUT_KEYS) | genai.MARKERS | openllmetry.MARKERS
+WATCHED_KEYS |= frozenset(_TOOL_OUTPUT_KEYS) | genai.MARKERS | openllmetry.MARKERS | RUN_KEYS
 
 
 def shows_failure_signal(item: WireSpan) -> bool:

@@ -211,6 +211,27 @@ _SHORT_BYTES = 64
 _SHORT_ENTRIES = 4096
 
 
+def value_of(encoded: bytes) -> Any:
+    """One encoded ``AnyValue`` decoded (strings bounded), as :meth:`RawAttributes.get` reads.
+
+    Short encodings are memoized; a value that does not parse reads as None.
+    """
+    value = _SHORT_VALUES.get(encoded, _MISSING)
+    if value is not _MISSING:
+        return value
+    try:
+        value = _decode(encoded)
+    except Exception:  # a value that does not parse reads as absent
+        return None
+    if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
+        return value[:MAX_VALUE_CHARS]
+    if len(encoded) <= _SHORT_BYTES:
+        if len(_SHORT_VALUES) >= _SHORT_ENTRIES:
+            _SHORT_VALUES.clear()  # bounded; rebuilt from the next spans
+        _SHORT_VALUES[encoded] = value
+    return value
+
+
 #: Parsed values by (parser, encoding), for :meth:`RawAttributes.read`: an
 #: agent offers the same tool definitions on every call, and parsing their
 #: JSON dominated reading LLM spans. Bounded like the short values.
@@ -264,20 +285,7 @@ class RawAttributes(Mapping[str, AttrValue]):
         encoded = self._map.get(key)
         if encoded is None:
             return default
-        value = _SHORT_VALUES.get(encoded, _MISSING)
-        if value is not _MISSING:
-            return value
-        try:
-            value = _decode(encoded)
-        except Exception:  # a value that does not parse reads as absent
-            return None
-        if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
-            return value[:MAX_VALUE_CHARS]
-        if len(encoded) <= _SHORT_BYTES:
-            if len(_SHORT_VALUES) >= _SHORT_ENTRIES:
-                _SHORT_VALUES.clear()  # bounded; rebuilt from the next spans
-            _SHORT_VALUES[encoded] = value
-        return value
+        return value_of(encoded)
 
     def __getitem__(self, key: str) -> AttrValue:
         if key not in self._map:

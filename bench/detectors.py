@@ -1,0 +1,136 @@
+"""Run detectors' cost: spans per CPU-second with the run tracker off and on, side by side.
+
+    python bench/detectors.py [--repeat 7] [--spans 50000] [--transport http]
+
+Two sidecars run at once on the same machine, one with ``track_runs`` off
+and one with it on (run progress, loops and stalls; the built-in policy's
+detectors). Each repetition sends the same kind of load to one, then the
+other, alternating which goes first, so a drifting machine affects both
+alike. The figure is the ratio of the medians (goal: the tracker costs at
+most 10%, i.e. on/off >= 0.90), and the median of the per-repetition ratios.
+
+What is measured is detection, not what the policy then does: the bench's
+spans do contain loops (a generated run may call ``web_search`` three times
+with the same query), and the built-in policy would send each one a
+remediation (a DBOS workflow, ~10 ms of CPU). Both sidecars get a policy
+whose decision for ``reasoning_loop`` and ``stall`` is ``none``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+from pathlib import Path
+from statistics import median
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tempfile
+
+from bench.harness import BenchError, command_line, running_sidecar, table
+from bench.ingest import Measurement, _Ids, measure
+from bench.spans import make_requests
+
+GOAL_RATIO = 0.90
+#: Detections are decided but not acted on (see the module docstring).
+POLICY = """\
+version: 1
+policies:
+  - name: bench.detections
+    match: {kind: [reasoning_loop, stall]}
+    action: none
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spans", type=int, default=50_000, help="per sidecar per repetition")
+    parser.add_argument("--spans-per-request", type=int, default=500)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--transport", choices=("http", "grpc"), default="http")
+    parser.add_argument("--pool", type=int, default=16)
+    parser.add_argument("--failure-rate", type=float, default=0.05)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(command_line(), flush=True)
+    n_requests = math.ceil(args.spans / args.spans_per_request)
+    spans = n_requests * args.spans_per_request
+    pool = make_requests(
+        min(args.pool, n_requests), args.spans_per_request, args.failure_rate, seed=11
+    )
+    ids = _Ids()
+    off: list[Measurement] = []
+    on: list[Measurement] = []
+    try:
+        with contextlib.ExitStack() as stack:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            policy = folder / "policy.yaml"
+            policy.write_text(POLICY)
+            env = {"SPANVISOR_POLICY": str(policy)}
+            sidecar_off = stack.enter_context(
+                running_sidecar({**env, "SPANVISOR_TRACK_RUNS": "false"})
+            )
+            sidecar_on = stack.enter_context(
+                running_sidecar({**env, "SPANVISOR_TRACK_RUNS": "true"})
+            )
+            for sidecar in (sidecar_off, sidecar_on):  # warm-up
+                warm = ids.fresh(pool, min(20, n_requests))
+                measure(sidecar, args.transport, warm, 20 * args.spans_per_request, args)
+            for rep in range(args.repeat):
+                order = [(sidecar_off, off), (sidecar_on, on)]
+                if rep % 2:
+                    order.reverse()
+                for sidecar, results in order:
+                    payloads = ids.fresh(pool, n_requests)
+                    results.append(measure(sidecar, args.transport, payloads, spans, args))
+                print(
+                    f"  rep {rep + 1}/{args.repeat}: off {off[-1].per_cpu_s:,.0f},"
+                    f" on {on[-1].per_cpu_s:,.0f} spans/CPU-s"
+                    f" (on/off {on[-1].per_cpu_s / off[-1].per_cpu_s:.3f})",
+                    flush=True,
+                )
+            on_stats = sidecar_on.stats()
+            tracked = on_stats.get("runs", {})
+    except BenchError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    rate_off = median(m.per_cpu_s for m in off)
+    rate_on = median(m.per_cpu_s for m in on)
+    pairs = median(b.per_cpu_s / a.per_cpu_s for a, b in zip(off, on, strict=True))
+    print()
+    print(
+        f"{args.repeat} repetitions of {spans:,} spans over {args.transport}, alternating;"
+        f" {args.failure_rate:.0%} failing spans"
+    )
+    print(
+        table(
+            ["run tracker", "spans/CPU-s (median)", "min-max"],
+            [
+                ["off", f"{rate_off:,.0f}", _range(off)],
+                ["on", f"{rate_on:,.0f}", _range(on)],
+            ],
+        )
+    )
+    ratio = rate_on / rate_off
+    print(f"on/off: {ratio:.3f} (medians), {pairs:.3f} (median of per-repetition ratios)")
+    print(f"runs tracked by the 'on' sidecar at the end: {tracked}")
+    print(f"its remediations: {on_stats.get('remediations', {})}")
+    print(f"goal on/off >= {GOAL_RATIO}: {'yes' if ratio >= GOAL_RATIO else 'NO'}")
+    return 0
+
+
+def _range(ms: list[Measurement]) -> str:
+    rates = [m.per_cpu_s for m in ms]
+    return f"{min(rates):,.0f}-{max(rates):,.0f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

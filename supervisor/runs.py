@@ -1,0 +1,628 @@
+"""Each run's progress, and the detectors that need it: reasoning loops and stalls.
+
+A run is a trace, or the session it names (``gen_ai.conversation.id``,
+``session.id``, OpenLLMetry's association properties). The tracker sees every
+span once, on the wire (:meth:`RunTracker.observe`, from the pipeline's first
+pass), and reads only what it needs from the encoded attributes: the session,
+the dependency (already known), token counts on LLM spans, and a hash of the
+raw bytes of a tool call's arguments or an LLM's output. Hashing raw bytes
+rather than canonical JSON keeps the per-span cost to a dictionary update;
+an agent that repeats a call serializes it the same way each time.
+
+* **Loops**: the same tool with the same argument bytes ``repeats`` times
+  within the run's last ``window`` tool calls, or the same LLM output
+  ``repeats`` times within its last ``window`` LLM calls, is one detection,
+  reported at the first repeated call (the second of them), once per call.
+* **Stalls**: a run whose root span has not ended and that has had no span for
+  ``idle_seconds`` (per service) is one detection per silence, from a timer
+  (:meth:`RunTracker.stalled`, with an injectable clock); it lists the tool
+  calls the last LLM response asked for that no tool span answered, the work
+  whose effects are unverified.
+
+Bounded: at most ``max_runs`` runs (the least recently active is evicted),
+and runs idle for ``max_idle_s`` are dropped; both are counted.
+
+Lifecycle: built by the pipeline's owner; :meth:`observe` and
+:meth:`failed` from the pipeline's thread; :meth:`stalled`, :meth:`snapshot`
+from the same thread (the event loop), never concurrently.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from policies._detectors import DetectorSettings
+from supervisor.normalize.screen import (
+    INPUT_TOKEN_KEYS,
+    LLM_OUTPUT_KEYS,
+    OUTPUT_TOKEN_KEYS,
+    REQUEST_MARKERS,
+    SESSION_KEYS,
+    TOOL_ARGUMENT_KEYS,
+    WireSpan,
+)
+from supervisor.normalize.wire import RawAttributes, value_of
+
+__all__ = [
+    "LoopDetection",
+    "RunTracker",
+    "RunView",
+    "StallDetection",
+]
+
+_MAX_KEPT_BYTES: Final = 16 * 1024
+_MAX_SERVICES: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class LoopDetection:
+    run_id: str
+    service: str
+    trace_id: str
+    #: The first repeated call: where the failure is reported.
+    span_id: str
+    span_name: str
+    #: ``tool:<name>`` for a repeated tool call, the LLM's dependency for a repeated output.
+    dependency: str
+    repeats: int
+    what: str
+
+
+@dataclass(frozen=True, slots=True)
+class StallDetection:
+    run_id: str
+    service: str
+    trace_id: str
+    #: The run's last span: where the failure is reported.
+    span_id: str
+    span_name: str
+    #: The run's last call's dependency (a later success of it shows the run moving).
+    dependency: str
+    idle_s: float
+    #: Tool calls the last LLM response asked for that no tool span answered.
+    unverified: tuple[str, ...]
+    step: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    """One run as ``GET /v1/runs`` and ``spanvisor runs`` show it."""
+
+    run_id: str
+    service: str
+    status: str
+    started_at: float
+    last_seen_at: float
+    idle_s: float
+    spans: int
+    llm_calls: int
+    tool_calls: int
+    errors: int
+    input_tokens: int
+    output_tokens: int
+    step: str
+    spans_per_minute: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "service": self.service,
+            "status": self.status,
+            "started_at": self.started_at,
+            "last_seen_at": self.last_seen_at,
+            "idle_s": round(self.idle_s, 3),
+            "spans": self.spans,
+            "llm_calls": self.llm_calls,
+            "tool_calls": self.tool_calls,
+            "errors": self.errors,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "step": self.step,
+            "spans_per_minute": round(self.spans_per_minute, 2),
+        }
+
+
+_SESSION_MARK: Final = b"\x00session"
+_MAX_SESSION_BYTES: Final = 512
+_SAME_CALL: Final = "the same tool call"
+_SAME_OUTPUT: Final = "the same LLM output"
+_SESSION_SET: Final = frozenset(SESSION_KEYS)
+#: OpenInference's tool calls, probed in order: message n, call m.
+_OI_CALL: Final = "llm.output_messages.{n}.message.tool_calls.{m}.tool_call.function.{field}"
+_MAX_PROBED: Final = 8
+_INT_TAG: Final = 0x18
+#: OpenInference tool-call keys, [message][call] -> (name key, arguments key).
+_OI_KEYS: Final = tuple(
+    tuple(
+        (
+            _OI_CALL.format(n=n, m=m, field="name"),
+            _OI_CALL.format(n=n, m=m, field="arguments"),
+        )
+        for m in range(_MAX_PROBED)
+    )
+    for n in range(1)
+)
+
+
+class _Repeats:
+    """Per (dependency, digest): where it was seen among a run's last ``window`` calls.
+
+    One dictionary entry per distinct call, holding the sequence numbers of its
+    last ``repeats - 1`` occurrences: a new occurrence counts those still in
+    the window. O(1) per call; entries that fell out of the window are pruned
+    when the dictionary grows past a few windows' worth.
+    """
+
+    __slots__ = ("reported", "seen", "seq", "window")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.seq = 0
+        #: digest -> [(sequence number, instance)..., (span id, name) of the first repeat or None]
+        self.seen: dict[int, list[Any]] = {}
+        self.reported: set[int] = set()
+
+    def add(
+        self, digest: int, instance: bytes, span_id: bytes, name: str, repeats: int
+    ) -> tuple[bytes, str] | None:
+        """Count one call; where its first repeat was once it reaches ``repeats``, else None.
+
+        ``instance`` tells calls apart: the span id (a span re-sent by an
+        exporter is not a repeat), or for an LLM call its prompt's size (the
+        same prompt answered again is a retry, not a loop).
+        """
+        self.seq += 1
+        seq = self.seq
+        oldest = seq - self.window
+        entry = self.seen.get(digest)
+        if entry is None:
+            if len(self.seen) >= 4 * self.window:
+                self._prune(oldest)
+            self.seen[digest] = [(seq, instance), None]
+            return None
+        first = entry.pop()
+        recent = [(n, sid) for n, sid in entry if n > oldest]
+        if any(sid == instance for _, sid in recent):
+            entry.append(first)  # the same span again: nothing changes
+            self.seq -= 1
+            return None
+        if not recent:
+            first = None
+        if first is None:
+            first = (span_id, name)  # this is the first repeat
+        recent.append((seq, instance))
+        count = len(recent)
+        entry[:] = [*recent[-(repeats - 1) :], first] if repeats > 1 else [first]
+        if count >= repeats and digest not in self.reported and len(self.reported) < 256:
+            self.reported.add(digest)
+            return first  # type: ignore[no-any-return]
+        return None
+
+    def _prune(self, oldest: int) -> None:
+        self.seen = {k: v for k, v in self.seen.items() if len(v) > 1 and v[-2][0] > oldest}
+
+
+class _Run:
+    __slots__ = (
+        "errors",
+        "input_tokens",
+        "key",
+        "last_dependency",
+        "last_llm",
+        "last_seen",
+        "last_span",
+        "llm_calls",
+        "llm_outputs",
+        "open",
+        "output_tokens",
+        "service",
+        "spans",
+        "stalled",
+        "started",
+        "step",
+        "tool_calls",
+        "tools",
+        "tools_since_llm",
+        "trace",
+    )
+
+    def __init__(self, key: bytes, service: str, trace: bytes, now: float) -> None:
+        self.key = key
+        self.service = service
+        self.trace = trace
+        self.started = now
+        self.last_seen = now
+        self.last_span = b""
+        self.last_dependency = ""
+        self.step = ""
+        self.spans = 0
+        self.llm_calls = 0
+        self.tool_calls = 0
+        self.errors = 0
+        self.input_tokens = 0
+        self.output_tokens = 0
+        self.open = True
+        self.stalled = False
+        self.tools: _Repeats | None = None
+        self.llm_outputs: _Repeats | None = None
+        #: What names the tool calls the last LLM response asked for (raw values).
+        self.last_llm: dict[str, bytes] | None = None
+        self.tools_since_llm: list[str] = []
+
+    @property
+    def run_id(self) -> str:
+        key = self.key
+        if key.endswith(_SESSION_MARK):
+            session = value_of(key[: -len(_SESSION_MARK)])
+            return session[:256] if isinstance(session, str) else key.hex()
+        return key.hex()
+
+
+class RunTracker:
+    """Per-run state for every span; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        settings: Callable[[str], DetectorSettings] = lambda service: DetectorSettings(),
+        max_runs: int = 10_000,
+        max_idle_s: float = 6 * 3600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._settings = settings
+        self._settings_memo: dict[str, DetectorSettings] = {}
+        self.max_runs = max_runs
+        self.max_idle_s = max_idle_s
+        self._clock = clock
+        #: run key (trace id, or a session's encoded name, marked) -> state, least recently
+        #: active first
+        self._runs: OrderedDict[bytes, _Run] = OrderedDict()
+        #: trace -> session run key, for a session's spans that do not name it
+        self._sessions: OrderedDict[bytes, bytes] = OrderedDict()
+        self.evicted = 0
+        self.expired = 0
+        #: The run of the last span observed (consecutive spans share a trace).
+        self._last: _Run | None = None
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def settings_for(self, service: str) -> DetectorSettings:
+        found = self._settings_memo.get(service)
+        if found is None:
+            if len(self._settings_memo) >= _MAX_SERVICES:
+                self._settings_memo.clear()
+            found = self._settings_memo[service] = self._settings(service)
+        return found
+
+    def reset_settings(self) -> None:
+        """The policy changed: settings are read again."""
+        self._settings_memo.clear()
+
+    # -- the span path ---------------------------------------------------------
+
+    def observe(
+        self, item: WireSpan, dependency: str, now: float, *, repeats: bool = True
+    ) -> LoopDetection | None:
+        """Count one span in its run; a loop it completes, if any.
+
+        ``repeats`` false for a span that shows a failure: a failed call tried
+        again is a retry, which policies handle, not a loop.
+
+        This runs for every span: ids stay bytes (hex only in what is
+        reported), values are read raw and decoded only for sessions and
+        token counts (memoized by their encoding).
+        """
+        span, _, service, present = item
+        encoded = span.attributes
+        trace: bytes = span.trace_id
+        last = self._last
+        if (
+            last is not None
+            and last.trace == trace
+            and (last.key != trace or _SESSION_SET.isdisjoint(present))
+            and last.key in self._runs
+        ):
+            run = last  # the same trace as the span before: most spans of a batch
+        else:
+            run = self._run_for(trace, encoded, present, service=service, now=now)
+            self._last = run
+        run.last_seen = now
+        run.spans += 1
+        run.stalled = False
+        span_id: bytes = span.span_id
+        run.last_span = span_id
+        run.open = bool(span.parent_span_id)  # a root span ends its run's turn
+        if not dependency or dependency.startswith("http:"):
+            return None
+        name: str = span.name
+        run.step = name
+        run.last_dependency = dependency
+        settings = self._settings_memo.get(service) or self.settings_for(service)
+        if dependency.startswith("tool:"):
+            run.tool_calls += 1
+            if run.last_llm is not None and len(run.tools_since_llm) < 64:
+                run.tools_since_llm.append(dependency[5:])
+            if not settings.loops or not repeats:
+                return None
+            seen = run.tools
+            if seen is None:
+                seen = run.tools = _Repeats(settings.loop_window)
+            raw = _first_present(encoded, present, TOOL_ARGUMENT_KEYS)
+            instance = span_id
+            what = _SAME_CALL
+        else:
+            run.llm_calls += 1
+            prompt = _tokens(encoded, present, INPUT_TOKEN_KEYS)
+            run.input_tokens += prompt
+            run.output_tokens += _tokens(encoded, present, OUTPUT_TOKEN_KEYS)
+            run.last_llm = (
+                None if REQUEST_MARKERS.isdisjoint(present) else _requested_raw(encoded, present)
+            )
+            run.tools_since_llm = []
+            raw = _first_present(encoded, present, LLM_OUTPUT_KEYS)
+            if not settings.loops or not repeats or not raw:
+                return None  # no output recorded: nothing to compare
+            seen = run.llm_outputs
+            if seen is None:
+                seen = run.llm_outputs = _Repeats(settings.loop_window)
+            # The same answer to the same prompt (as long: its token count) is a call
+            # tried again; a loop answers the same to a context that keeps growing.
+            instance = prompt.to_bytes(8, "little") if prompt else span_id
+            what = _SAME_OUTPUT
+        first = seen.add(
+            _digest(raw) ^ hash(dependency), instance, span_id, name, settings.loop_repeats
+        )
+        if first is None:
+            return None
+        return _loop(run, dependency, first, repeats=settings.loop_repeats, what=what)
+
+    def _run_for(
+        self, trace: bytes, encoded: Any, present: frozenset[str], *, service: str, now: float
+    ) -> _Run:
+        key: bytes = trace
+        sessions = self._sessions
+        known = sessions.get(trace) if sessions else None
+        if known is not None:
+            key = known  # a trace never changes session: its spans need not be read again
+        elif not _SESSION_SET.isdisjoint(present):
+            for name in SESSION_KEYS:
+                raw_session: bytes | None = encoded.get(name)
+                if raw_session is not None and 2 < len(raw_session) <= _MAX_SESSION_BYTES:
+                    # The encoded value, marked, is the key: no decoding per span
+                    # (run_id decodes it). A trace id is 16 bytes and never ends so.
+                    key = raw_session + _SESSION_MARK
+                    self._remember_session(trace, key)
+                    break
+        runs = self._runs
+        run = runs.get(key)
+        if run is None:
+            while len(runs) >= self.max_runs:
+                runs.popitem(last=False)
+                self.evicted += 1
+            run = runs[key] = _Run(key, service, trace, now)
+        else:
+            runs.move_to_end(key)
+        run.trace = trace
+        return run
+
+    def failed(self, run_id: str) -> None:
+        """A failure was reported in ``run_id`` (from the pipeline's judging)."""
+        run = self._runs.get(_key_of(run_id))
+        if run is not None:
+            run.errors += 1
+
+    def _remember_session(self, trace: bytes, session: bytes) -> None:
+        sessions = self._sessions
+        if trace in sessions:
+            return
+        if len(sessions) >= self.max_runs:
+            sessions.popitem(last=False)
+        sessions[trace] = session
+
+    # -- the timer ------------------------------------------------------------
+
+    def stalled(self, now: float | None = None) -> list[StallDetection]:
+        """Runs silent past their ``idle_seconds``, each once per silence; drops expired runs."""
+        now = self._clock() if now is None else now
+        found: list[StallDetection] = []
+        for run in list(self._runs.values()):  # least recently active first
+            idle = now - run.last_seen
+            if idle >= self.max_idle_s:
+                del self._runs[run.key]
+                self.expired += 1
+                continue
+            if run.stalled or not run.open:
+                continue
+            settings = self.settings_for(run.service)
+            if not settings.stalls or idle < settings.idle_seconds:
+                continue
+            run.stalled = True
+            found.append(
+                StallDetection(
+                    run_id=run.run_id,
+                    service=run.service,
+                    trace_id=run.trace.hex(),
+                    span_id=run.last_span.hex(),
+                    span_name=run.step[:256],
+                    dependency=run.last_dependency,
+                    idle_s=idle,
+                    unverified=_unanswered(run),
+                    step=run.step,
+                )
+            )
+        return found
+
+    # -- views ---------------------------------------------------------------
+
+    def snapshot(self, limit: int = 100, now: float | None = None) -> list[RunView]:
+        """The most recently active runs first."""
+        now = self._clock() if now is None else now
+        views: list[RunView] = []
+        for run in reversed(self._runs.values()):
+            if len(views) >= limit:
+                break
+            views.append(_view(run, now, self.settings_for(run.service)))
+        return views
+
+    def stats(self) -> dict[str, int]:
+        return {"tracked": len(self._runs), "evicted": self.evicted, "expired": self.expired}
+
+
+def _loop(
+    run: _Run, dependency: str, first: tuple[bytes, str], *, repeats: int, what: str
+) -> LoopDetection:
+    return LoopDetection(
+        run_id=run.run_id,
+        service=run.service,
+        trace_id=run.trace.hex(),
+        span_id=first[0].hex(),
+        span_name=first[1][:256],
+        dependency=dependency,
+        repeats=repeats,
+        what=what,
+    )
+
+
+def _requested_raw(encoded: Any, present: frozenset[str]) -> dict[str, bytes] | None:
+    """The raw values that name the tool calls an LLM response asked for, probed by key."""
+    kept: dict[str, bytes] = {}
+    whole = encoded.get("gen_ai.output.messages") if "gen_ai.output.messages" in present else None
+    if whole is not None and len(whole) <= _MAX_KEPT_BYTES:
+        kept["gen_ai.output.messages"] = whole
+    for message in _OI_KEYS:  # a response is one message
+        for name_key, args_key in message:
+            found = encoded.get(name_key)
+            if found is None:
+                break
+            kept[name_key] = found
+            arguments = encoded.get(args_key)
+            if arguments is not None and len(arguments) <= _MAX_KEPT_BYTES:
+                kept[args_key] = arguments
+    return kept or None
+
+
+def _digest(raw: bytes | None) -> int:
+    """What a repeat is compared by: the whole value when short, else its length and ends.
+
+    Hashing a long answer cost microseconds per span; two answers of the same
+    length with the same first and last 256 bytes are the same answer in any
+    loop worth reporting.
+    """
+    if raw is None or len(raw) <= 512:
+        return hash(raw)
+    return hash((len(raw), raw[:256], raw[-256:]))
+
+
+def _first_present(encoded: Any, present: frozenset[str], keys: tuple[str, ...]) -> bytes | None:
+    for key in keys:
+        if key in present:
+            found: bytes | None = encoded.get(key)
+            return found
+    return None
+
+
+def _tokens(encoded: Any, present: frozenset[str], keys: tuple[str, ...]) -> int:
+    """The first of ``keys`` the span has, as a token count (0 when absent or odd)."""
+    for key in keys:
+        if key in present:
+            raw: bytes = encoded.get(key) or b""
+            if len(raw) > 1 and raw[0] == _INT_TAG:  # int_value: read the varint here
+                value = 0
+                shift = 0
+                for byte in raw[1:11]:
+                    value |= (byte & 0x7F) << shift
+                    if byte < 0x80:
+                        return value if value < 1 << 40 else 0
+                    shift += 7
+                return 0
+            decoded = value_of(raw) if raw else None  # a string or double: the long way
+            if isinstance(decoded, float) and decoded > 0:
+                return int(decoded)
+            if isinstance(decoded, str) and decoded.isdigit():
+                return int(decoded[:12])
+            return 0
+    return 0
+
+
+def _key_of(run_id: str) -> bytes:
+    """The tracker's key for a run id as records carry it (trace hex, or session name)."""
+    if len(run_id) == 32:
+        try:
+            return bytes.fromhex(run_id)
+        except ValueError:
+            pass
+    encoded = run_id.encode("utf-8", "surrogatepass")
+    size = len(encoded)
+    length = bytes([size]) if size < 0x80 else bytes([size & 0x7F | 0x80, size >> 7])
+    return b"\x0a" + length + encoded + _SESSION_MARK
+
+
+def _view(run: _Run, now: float, settings: DetectorSettings) -> RunView:
+    idle = max(0.0, now - run.last_seen)
+    if not run.open:
+        status = "ended"
+    elif run.stalled or (settings.stalls and idle >= settings.idle_seconds):
+        status = "stalled"
+    elif run.errors:
+        status = "failing"
+    else:
+        status = "running"
+    minutes = max((run.last_seen - run.started) / 60.0, 1 / 60)
+    return RunView(
+        run_id=run.run_id,
+        service=run.service,
+        status=status,
+        started_at=run.started,
+        last_seen_at=run.last_seen,
+        idle_s=idle,
+        spans=run.spans,
+        llm_calls=run.llm_calls,
+        tool_calls=run.tool_calls,
+        errors=run.errors,
+        input_tokens=run.input_tokens,
+        output_tokens=run.output_tokens,
+        step=run.step[:128],
+        spans_per_minute=run.spans / minutes,
+    )
+
+
+def _unanswered(run: _Run) -> tuple[str, ...]:
+    """The tool calls the last LLM response asked for, less the tool spans seen since."""
+    if run.last_llm is None:
+        return ()
+    requested = _requested_calls(run.last_llm)
+    answered = list(run.tools_since_llm)
+    left: list[str] = []
+    for call in requested:
+        name = call.split("(", 1)[0]
+        if name in answered:
+            answered.remove(name)
+        else:
+            left.append(call)
+    return tuple(left)
+
+
+def _requested_calls(kept: Mapping[str, bytes]) -> list[str]:
+    """``name(arguments)`` of each tool call in the kept LLM attributes, through the adapters."""
+    from supervisor.normalize import genai, openinference
+    from supervisor.normalize.wire import LazyConverted
+
+    attrs = LazyConverted(RawAttributes(kept))
+    calls: list[tuple[str, object]] = []
+    try:
+        if any(k.startswith("llm.output_messages.") for k in kept):
+            calls.extend(openinference.output_messages(attrs)[1])
+        if "gen_ai.output.messages" in kept:
+            calls.extend(genai.message_output(attrs.full("gen_ai.output.messages"))[1])
+    except Exception:  # boundary: a report with fewer calls beats no report
+        return []
+    out: list[str] = []
+    for name, arguments in calls[:32]:
+        text = arguments if isinstance(arguments, str) else repr(arguments)
+        out.append(f"{name}({text[:200]})")
+    return out

@@ -1,0 +1,239 @@
+"""The run tracker: progress per run, reasoning loops and stalls, bounded."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from policies import load_policy
+from policies._detectors import DetectorSettings
+from supervisor.normalize import dependency_of, wire_spans
+from supervisor.pipeline import Pipeline, stall_failure
+from supervisor.runs import RunTracker
+
+TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
+_ids = iter(range(1, 1_000_000))
+
+
+def _value(value: object) -> AnyValue:
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    return AnyValue(string_value=str(value))
+
+
+def span(
+    name: str,
+    attributes: dict[str, object],
+    *,
+    trace: bytes = TRACE,
+    parent: bool = True,
+) -> Span:
+    return Span(
+        trace_id=trace,
+        span_id=next(_ids).to_bytes(8, "big"),
+        parent_span_id=b"\x00" * 7 + b"\x01" if parent else b"",
+        name=name,
+        start_time_unix_nano=1,
+        end_time_unix_nano=2,
+        attributes=[KeyValue(key=k, value=_value(v)) for k, v in attributes.items()],
+    )
+
+
+def payload(*spans: Span, service: str = "agent") -> bytes:
+    request = ExportTraceServiceRequest()
+    resource = request.resource_spans.add()
+    resource.resource.attributes.append(KeyValue(key="service.name", value=_value(service)))
+    resource.scope_spans.add().spans.extend(spans)
+    return request.SerializeToString()
+
+
+def tool(name: str, arguments: dict[str, Any], **extra: object) -> Span:
+    return span(
+        f"execute_tool {name}",
+        {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": name,
+            "gen_ai.tool.call.arguments": json.dumps(arguments),
+            **extra,
+        },
+    )
+
+
+def llm(output: str = "", tool_calls: list[dict[str, Any]] | None = None, **extra: object) -> Span:
+    message: dict[str, Any] = {"role": "assistant", "parts": []}
+    if output:
+        message["parts"].append({"type": "text", "content": output})
+    for call in tool_calls or []:
+        message["parts"].append({"type": "tool_call", **call})
+    return span(
+        "chat gpt-4o",
+        {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": "gpt-4o",
+            "gen_ai.usage.input_tokens": 100,
+            "gen_ai.usage.output_tokens": 20,
+            "gen_ai.output.messages": json.dumps([message]),
+            **extra,
+        },
+    )
+
+
+def feed(tracker: RunTracker, data: bytes, now: float = 1000.0) -> list[Any]:
+    found = []
+    for item in wire_spans(data):
+        detection = tracker.observe(item, dependency_of(item), now)
+        if detection is not None:
+            found.append(detection)
+    return found
+
+
+def test_a_run_counts_its_spans_calls_and_tokens() -> None:
+    tracker = RunTracker()
+    feed(tracker, payload(llm("hi"), tool("search", {"q": "a"}), llm("done")))
+    (view,) = tracker.snapshot(now=1005.0)
+    assert (view.run_id, view.service, view.status) == (TRACE.hex(), "agent", "running")
+    assert (view.spans, view.llm_calls, view.tool_calls) == (3, 2, 1)
+    assert (view.input_tokens, view.output_tokens) == (200, 40)
+    assert view.idle_s == 5.0 and view.step == "chat gpt-4o"
+
+
+def test_spans_of_a_session_make_one_run_across_traces() -> None:
+    tracker = RunTracker()
+    other = bytes.fromhex("1" * 32)
+    feed(tracker, payload(llm("a", **{"gen_ai.conversation.id": "conv-9"})))
+    feed(tracker, payload(span("step", {"gen_ai.conversation.id": "conv-9"}, trace=other)))
+    feed(tracker, payload(span("untagged child", {}, trace=other)))  # its trace named the session
+    (view,) = tracker.snapshot()
+    assert view.run_id == "conv-9" and view.spans == 3
+
+
+def test_the_same_tool_call_three_times_is_one_loop_at_the_first_repeat() -> None:
+    tracker = RunTracker()
+    calls = [tool("search", {"q": "weather"}) for _ in range(4)]
+    other = tool("search", {"q": "news"})
+    found = feed(tracker, payload(calls[0], other, calls[1], calls[2], calls[3]))
+    (loop,) = found
+    assert loop.span_id == calls[1].span_id.hex()  # the first repeated call
+    assert (loop.dependency, loop.repeats, loop.what) == ("tool:search", 3, "the same tool call")
+
+
+def test_a_loop_needs_its_repeats_within_the_window() -> None:
+    tracker = RunTracker(settings=lambda s: DetectorSettings(loop_repeats=3, loop_window=4))
+    same = {"q": "weather"}
+    spans = [tool("search", same)]
+    spans += [tool("search", {"q": str(n)}) for n in range(4)]  # pushes the first out
+    spans += [tool("search", same), tool("search", same)]
+    assert feed(tracker, payload(*spans)) == []
+
+
+def test_the_same_llm_output_to_a_growing_context_is_a_loop() -> None:
+    tracker = RunTracker()
+    again = "I will check again."
+    found = feed(
+        tracker,
+        payload(*(llm(again, **{"gen_ai.usage.input_tokens": n}) for n in (100, 180, 260))),
+    )
+    (loop,) = found
+    assert (loop.dependency, loop.what) == ("openai:gpt-4o", "the same LLM output")
+
+
+def test_the_same_answer_to_the_same_prompt_is_a_retry_not_a_loop() -> None:
+    tracker = RunTracker()
+    assert feed(tracker, payload(*(llm("I will check again.") for _ in range(4)))) == []
+
+
+def test_a_silent_open_run_stalls_once_listing_unanswered_tool_calls() -> None:
+    tracker = RunTracker(settings=lambda s: DetectorSettings(idle_seconds=60))
+    asked = llm(
+        tool_calls=[
+            {"id": "c1", "name": "charge_card", "arguments": {"amount": 5}},
+            {"id": "c2", "name": "send_email", "arguments": {"to": "a@b"}},
+        ]
+    )
+    feed(tracker, payload(asked, tool("charge_card", {"amount": 5})), now=1000.0)
+    assert tracker.stalled(now=1059.0) == []
+    (stall,) = tracker.stalled(now=1061.0)
+    assert stall.unverified == ("send_email({'to': 'a@b'})",) or stall.unverified[0].startswith(
+        "send_email("
+    )
+    assert stall.span_id == "" or len(stall.span_id) == 16
+    assert tracker.stalled(now=1200.0) == []  # once per silence
+    (view,) = tracker.snapshot(now=1200.0)
+    assert view.status == "stalled"
+    feed(tracker, payload(tool("send_email", {"to": "a@b"})), now=1300.0)  # it moved again
+    assert tracker.snapshot(now=1301.0)[0].status == "running"
+    assert len(tracker.stalled(now=1400.0)) == 1
+
+
+def test_a_run_whose_root_ended_does_not_stall() -> None:
+    tracker = RunTracker(settings=lambda s: DetectorSettings(idle_seconds=60))
+    feed(tracker, payload(llm("a"), span("agent run", {}, parent=False)), now=1000.0)
+    assert tracker.stalled(now=5000.0) == []
+    assert tracker.snapshot(now=5000.0)[0].status == "ended"
+
+
+def test_runs_are_bounded_and_what_goes_is_counted() -> None:
+    tracker = RunTracker(max_runs=3, max_idle_s=100)
+    for n in range(5):
+        feed(tracker, payload(span("s", {}, trace=bytes([n + 1]) * 16)), now=1000.0 + n)
+    assert len(tracker) == 3 and tracker.evicted == 2
+    tracker.stalled(now=1103.5)  # the two oldest left are past max_idle_s
+    assert tracker.stats() == {"tracked": 1, "evicted": 2, "expired": 2}
+
+
+def test_the_pipeline_reports_a_loop_and_the_policy_sends_the_loop_breaker() -> None:
+    policy = load_policy()
+    pipeline = Pipeline(policy)
+    pipeline.runs = RunTracker(settings=policy.detectors.for_service)
+    calls = [tool("search", {"q": "weather"}) for _ in range(3)]
+    outcomes = pipeline.process_payload(payload(*calls), received_ns=1_000_000_000_000)
+    (outcome,) = outcomes
+    failure, decision = outcome.failure, outcome.decision
+    assert (failure.failure_class.value, failure.kind, failure.rule) == (
+        "model",
+        "reasoning_loop",
+        "builtin.detect.reasoning_loop",
+    )
+    assert failure.span_id == calls[1].span_id.hex()
+    assert failure.details["repeats"] == 3
+    assert (decision.action.value, decision.params["remediator"]) == ("remediate", "loop_breaker")
+    # The same detection again (an exporter re-sending) is not reported twice.
+    assert pipeline.judge_detected([failure]) == []
+
+
+def test_a_stall_becomes_a_resume_run_remediation_per_service_settings() -> None:
+    policy = load_policy(
+        text="""\
+version: 1
+detectors:
+  stalls: {idle_seconds: 600}
+  services:
+    "batch-*": {stalls: {idle_seconds: 30}}
+"""
+    )
+    pipeline = Pipeline(policy)
+    tracker = pipeline.runs = RunTracker(settings=policy.detectors.for_service)
+    pipeline.process_payload(payload(llm("a"), service="batch-7"), received_ns=10**12)
+    pipeline.process_payload(payload(llm("b"), service="web"), received_ns=10**12)
+    (stall,) = tracker.stalled(now=1000.0 + 31)
+    assert stall.service == "batch-7"
+    (outcome,) = pipeline.judge_detected([stall_failure(stall, 10**12)])
+    assert (outcome.failure.kind, outcome.failure.failure_class.value) == ("stall", "transient")
+    assert outcome.decision.params["remediator"] == "resume_run"
+    assert "no span for 31 s" in outcome.failure.message
+
+
+def test_a_re_sent_batch_is_not_a_loop() -> None:
+    tracker = RunTracker()
+    batch = payload(tool("search", {"q": "weather"}), tool("search", {"q": "weather"}))
+    assert feed(tracker, batch) == []
+    assert feed(tracker, batch) == []  # the exporter sent it again: the same two calls
+    assert feed(tracker, batch) == []
+    assert len(feed(tracker, payload(tool("search", {"q": "weather"})))) == 1  # a third call
