@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies._budgets import ContextPressureSpec, ModelTable, RunBudgetSpec
 from policies._glob import GlobSet
 from policies._schema import DetectorsSpec, LoopsSpec, ServiceDetectorsSpec, StallsSpec
 
@@ -25,20 +26,31 @@ class DetectorSettings:
     loop_window: int = 20
     stalls: bool = True
     idle_seconds: float = 600.0
+    #: Context pressure: the share of the model's window (None: not checked).
+    pressure_share: float | None = 0.9
+    #: The run budget (None: not checked).
+    budget: RunBudgetSpec | None = None
 
 
 class CompiledDetectors:
     """Settings by service, resolved once per service name by the caller's memo."""
 
-    __slots__ = ("_base", "_services")
+    __slots__ = ("_base", "_services", "budget", "models", "pressure")
 
     def __init__(
         self,
         base: ServiceDetectorsSpec,
         services: list[tuple[GlobSet, ServiceDetectorsSpec]],
+        *,
+        pressure: ContextPressureSpec | None = None,
+        budget: RunBudgetSpec | None = None,
     ) -> None:
         self._base = base
         self._services = services
+        self.pressure = pressure or ContextPressureSpec()
+        self.budget = budget or RunBudgetSpec()
+        #: Context windows and prices: the built-in table under the policy's overrides.
+        self.models = ModelTable.builtin(self.pressure.models)
 
     def for_service(self, service: str) -> DetectorSettings:
         loops, stalls = self._base.loops or LoopsSpec(), self._base.stalls or StallsSpec()
@@ -53,14 +65,29 @@ class CompiledDetectors:
             loop_window=loops.window,
             stalls=stalls.enabled,
             idle_seconds=stalls.idle_seconds,
+            pressure_share=self.pressure.share if self.pressure.enabled else None,
+            budget=self.budget
+            if self.budget.max_tokens is not None or self.budget.max_cost_usd is not None
+            else None,
         )
 
 
-def compile_detectors(spec: DetectorsSpec | None, base: DetectorsSpec | None) -> CompiledDetectors:
+def compile_detectors(
+    spec: DetectorsSpec | None,
+    base: DetectorsSpec | None,
+    *,
+    pressure: ContextPressureSpec | None = None,
+    budget: RunBudgetSpec | None = None,
+) -> CompiledDetectors:
     """The file's detectors over the base's (the built-in policy's), key by key."""
     chosen = spec or base or DetectorsSpec()
     merged = ServiceDetectorsSpec(
         loops=chosen.loops or (base.loops if base is not None else None),
         stalls=chosen.stalls or (base.stalls if base is not None else None),
     )
-    return CompiledDetectors(merged, [(GlobSet([glob]), s) for glob, s in chosen.services.items()])
+    return CompiledDetectors(
+        merged,
+        [(GlobSet([glob]), s) for glob, s in chosen.services.items()],
+        pressure=pressure,
+        budget=budget,
+    )

@@ -28,10 +28,13 @@ from policies._schema import (
     BUILTIN_REMEDIATORS,
     KNOWN_KEYS,
     BreakersSpec,
+    DecisionMatch,
     PolicyFile,
     RestartIntensitySpec,
     RetryBudgetSpec,
+    SimpleEntry,
 )
+from policies._verifiers import compile_verifiers
 from policies._yamldoc import MAX_TEXT_CHARS, PathElem, YamlDoc, join_path, parse
 from supervisor.errors import PolicyError, PolicyIssue
 from supervisor.records import BUILTIN_KINDS
@@ -283,7 +286,9 @@ def _builtin_policy() -> Policy:
         BUILTIN_SOURCE,
         _limits(spec, None),
         remediators=spec.remediators,
-        detectors=compile_detectors(spec.detectors, None),
+        detectors=compile_detectors(
+            spec.detectors, None, pressure=spec.context_pressure, budget=spec.run_budget
+        ),
     )
 
 
@@ -297,6 +302,15 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
         base_entries = base_entries[-1:]
     own_entries = tuple(compile_entry(e, observe=spec.observe) for e in spec.policies)
     builtin_spec, _ = _builtin()
+    budget = spec.run_budget or builtin_spec.run_budget
+    if budget is not None and budget.action == "abort_run":
+        # The budget's own action comes before the built-in escalation.
+        abort = SimpleEntry(
+            name="builtin.run_budget_abort",
+            match=DecisionMatch(kind=["budget_exceeded"]),
+            action="fail_fast",
+        )
+        base_entries = (compile_entry(abort, observe=spec.observe), *base_entries)
     remediators = {**builtin_spec.remediators, **spec.remediators}
     return Policy(
         rules,
@@ -304,7 +318,13 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
         doc.source,
         _limits(spec, builtin_spec),
         remediators=remediators,
-        detectors=compile_detectors(spec.detectors, builtin_spec.detectors),
+        verifiers=compile_verifiers([*spec.verifiers, *builtin_spec.verifiers]),
+        detectors=compile_detectors(
+            spec.detectors,
+            builtin_spec.detectors,
+            pressure=spec.context_pressure or builtin_spec.context_pressure,
+            budget=spec.run_budget or builtin_spec.run_budget,
+        ),
     )
 
 

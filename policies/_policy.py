@@ -25,6 +25,7 @@ from policies._schema import (
     RestartIntensitySpec,
     RetryBudgetSpec,
 )
+from policies._verifiers import VerifierSet, compile_verifiers
 from supervisor.records import Classification, Decision, Failure, SpanRecord
 
 
@@ -59,6 +60,7 @@ class Policy:
         "remediators_used",
         "rules",
         "source",
+        "verifiers",
     )
 
     def __init__(
@@ -70,6 +72,7 @@ class Policy:
         *,
         remediators: Mapping[str, RemediatorSpec] | None = None,
         detectors: CompiledDetectors | None = None,
+        verifiers: VerifierSet | None = None,
     ) -> None:
         if not rules or rules[-1].conditions:
             raise ValueError("the last classification rule must be a catch-all")
@@ -87,6 +90,8 @@ class Policy:
         self.limits = limits if limits is not None else RuntimeLimits()
         #: Named remediators defined by the policy files (built-ins need no entry).
         self.remediators: Mapping[str, RemediatorSpec] = MappingProxyType(dict(remediators or {}))
+        #: Semantic verifiers of outputs (empty: none).
+        self.verifiers = verifiers if verifiers is not None else compile_verifiers(())
         #: Loop and stall detection settings, per service.
         self.detectors = detectors if detectors is not None else compile_detectors(None, None)
         #: Remediator names that ``remediate`` actions name, nested ones included.

@@ -585,6 +585,20 @@ class DetectorsSpec(ServiceDetectorsSpec):
     services: dict[Glob, ServiceDetectorsSpec] = Field(default_factory=dict, max_length=256)
 
 
+from policies._budgets import (  # noqa: E402 - the budgets module does not import this one
+    ContextPressureSpec,
+    ModelInfoSpec,
+    RunBudgetSpec,
+)
+from policies._verifiers import (  # noqa: E402 - it imports the names above, defined by now
+    AttributeRangeSpec,
+    OutputRegexSpec,
+    VerifierMatch,
+    Verifiers,
+    VerifierSpec,
+)
+
+
 class PolicyFile(_Strict):
     """A spanvisor policy file (``version: 1``)."""
 
@@ -607,6 +621,16 @@ class PolicyFile(_Strict):
     ] = Field(default_factory=dict, description="Named remediators for 'remediate' actions.")
     detectors: DetectorsSpec | None = Field(
         default=None, description="Run detectors (loops, stalls); unset: the built-in policy's."
+    )
+    context_pressure: ContextPressureSpec | None = Field(
+        default=None, description="Predict context overflows; unset: the built-in policy's."
+    )
+    run_budget: RunBudgetSpec | None = Field(
+        default=None, description="Tokens and cost one run may spend; unset: the built-in's."
+    )
+    verifiers: Verifiers = Field(
+        default_factory=list,
+        description="Semantic checks of outputs (per service, role or span name).",
     )
 
 
@@ -640,6 +664,13 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         LoopsSpec,
         StallsSpec,
         ServiceDetectorsSpec,
+        ContextPressureSpec,
+        RunBudgetSpec,
+        ModelInfoSpec,
+        VerifierSpec,
+        VerifierMatch,
+        OutputRegexSpec,
+        AttributeRangeSpec,
     )
     for name, field in model.model_fields.items()
 )

@@ -132,6 +132,7 @@ class Sidecar:
         self.runs = RunTracker(
             # Through self.policy at each call: a reloaded policy's detectors apply.
             settings=lambda service: self.policy.detectors.for_service(service),  # noqa: PLW0108
+            models=policy.detectors.models,
             max_runs=settings.tracked_runs,
         )
         if settings.track_runs:
@@ -463,6 +464,7 @@ class Sidecar:
         self.pipeline.policy = policy
         self.governor.set_policy(policy)
         self.runs.reset_settings()
+        self.runs.models = policy.detectors.models
 
         self.reloads["ok"] += 1
         log.info("policy reloaded", extra={"policy": policy.source, "rules": len(policy.rules)})

@@ -30,6 +30,7 @@ from typing import NamedTuple, Protocol
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from policies import Policy
+from policies._verifiers import VerificationFailure, VerifierSet
 from supervisor.bounded import BoundedMap
 from supervisor.normalize import (
     WireSpan,
@@ -48,13 +49,10 @@ from supervisor.records import (
     Role,
     SpanRecord,
 )
-from supervisor.runs import LoopDetection, RunTracker, StallDetection
+from supervisor.runs import STALL_RULE, Detection, RunTracker, StallDetection
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
 OWN_SERVICE = "spanvisor"
-#: The rules that run detectors report under (policies match on them like any other).
-LOOP_RULE = "builtin.detect.reasoning_loop"
-STALL_RULE = "builtin.detect.stall"
 _MESSAGE_LIMIT = 300
 _SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
 #: Characters of an origin's message kept to recognise it in a parent's.
@@ -211,18 +209,21 @@ class Pipeline:
         recovering = recovery.dependencies if recovery is not None else ()
         runs = self.runs
         now_s = received_ns / 1e9
-        loops: list[LoopDetection] = []
+        verifiers = self.policy.verifiers
+        verifying = len(verifiers) > 0
+        verify: list[WireSpan] = []
+        detected: list[Detection] = []
         for item in spans:
             if shows_failure_signal(item):
                 first.append(item)
             elif may_fail_quietly(item):
                 later.append(item)
-            elif counting or runs is not None:
+            elif counting or runs is not None or verifying:
                 dependency = dependency_of(item)  # a success, for breakers, budgets and runs
                 if runs is not None:
-                    found = runs.observe(item, dependency, now_s)
-                    if found is not None:
-                        loops.append(found)
+                    runs.observe(item, dependency, now_s, detected)
+                if verifying and _verified(verifiers, item, dependency):
+                    verify.append(item)  # its output must pass a verifier: normalize it
                 if dependency:
                     span = item[0]
                     if counting:
@@ -233,13 +234,11 @@ class Pipeline:
                         recovery.succeeded(span.trace_id.hex(), dependency, span.span_id.hex())
         if runs is not None:  # the spans judged below count in their runs too
             for item in first + later:
-                found = runs.observe(item, dependency_of(item), now_s, repeats=False)
-                if found is not None:
-                    loops.append(found)
+                runs.observe(item, dependency_of(item), now_s, detected, repeats=False)
         outcomes = self._judge_wire(first, received_ns, calls)
-        if loops:
-            outcomes += self.judge_detected([_loop_failure(d, received_ns) for d in loops])
-        return outcomes, Remainder(later, received_ns)
+        if detected:
+            outcomes += self.judge_detected([_detected_failure(d, received_ns) for d in detected])
+        return outcomes, Remainder(later + verify, received_ns)
 
     def judge_detected(self, failures: list[Failure]) -> list[Outcome]:
         """Decide on failures a run detector found (loops, stalls); each once."""
@@ -265,6 +264,15 @@ class Pipeline:
     ) -> list[Outcome]:
         records = [normalize_wire(item) for item in spans]
         failing = [r for r in records if r.error is not None]
+        verifiers = self.policy.verifiers
+        unverified: list[Failure] = []
+        if len(verifiers):
+            for record in records:
+                if record.error is None:
+                    unverified.extend(
+                        _verification_failure(record, found, received_ns)
+                        for found in verifiers.check(record)
+                    )
         for r in records:
             if r.error is None and r.dependency:
                 if self.governor is not None:
@@ -276,7 +284,10 @@ class Pipeline:
                     recovery.succeeded(r.run_id, r.dependency, r.span_id)
                     if r.run_id != r.trace_id:
                         recovery.succeeded(r.trace_id, r.dependency, r.span_id)
-        return self._judge(failing, received_ns, calls)
+        outcomes = self._judge(failing, received_ns, calls)
+        if unverified:
+            outcomes += self.judge_detected(unverified)
+        return outcomes
 
     def process_records(self, records: Iterable[SpanRecord], received_ns: int) -> list[Outcome]:
         """Like :meth:`process`, for records normalized elsewhere (tests, detectors)."""
@@ -504,7 +515,7 @@ def _summary(record: SpanRecord) -> str:
     return line if len(line) <= _MESSAGE_LIMIT else line[: _MESSAGE_LIMIT - 1] + "…"
 
 
-def _loop_failure(found: LoopDetection, received_ns: int) -> Failure:
+def _detected_failure(found: Detection, received_ns: int) -> Failure:
     return Failure(
         trace_id=found.trace_id,
         span_id=found.span_id,
@@ -513,14 +524,14 @@ def _loop_failure(found: LoopDetection, received_ns: int) -> Failure:
         span_name=found.span_name,
         run_id=found.run_id,
         role=Role.TOOL if found.dependency.startswith("tool:") else Role.LLM,
-        failure_class=FailureClass.MODEL,
-        kind="reasoning_loop",
+        failure_class=FailureClass(found.failure_class),
+        kind=found.kind,
         dependency=found.dependency,
-        rule=LOOP_RULE,
-        message=f"{found.what} {found.repeats} times: {found.span_name}"[:512],
+        rule=found.rule,
+        message=found.message[:512],
         evidence=ErrorEvidence(),
         received_ns=received_ns,
-        details={"repeats": found.repeats, "repeated_call": found.span_name},
+        details=found.details,
     )
 
 
@@ -543,4 +554,43 @@ def stall_failure(found: StallDetection, now_ns: int) -> Failure:
         evidence=ErrorEvidence(),
         received_ns=now_ns,
         details={"idle_s": round(found.idle_s, 3), "unverified": found.unverified},
+    )
+
+
+#: Roles a span without a dependency may have, for choosing the verifiers that want it.
+_UNNAMED_ROLES = (Role.AGENT, Role.CHAIN, Role.OTHER)
+
+
+def _verified(verifiers: VerifierSet, item: WireSpan, dependency: str) -> bool:
+    """Whether some verifier looks at this successful span (it is then normalized)."""
+    span, _, service, _ = item
+    name: str = span.name
+    if dependency.startswith("tool:"):
+        return verifiers.wants(service, Role.TOOL, name)
+    if dependency.startswith("http:"):
+        return verifiers.wants(service, Role.HTTP, name)
+    if dependency:
+        return verifiers.wants(service, Role.LLM, name)
+    return any(verifiers.wants(service, role, name) for role in _UNNAMED_ROLES)
+
+
+def _verification_failure(
+    record: SpanRecord, found: VerificationFailure, received_ns: int
+) -> Failure:
+    return Failure(
+        trace_id=record.trace_id,
+        span_id=record.span_id,
+        parent_span_id=record.parent_span_id,
+        service=record.service,
+        span_name=record.name,
+        run_id=record.run_id,
+        role=record.role,
+        failure_class=FailureClass.SEMANTIC,
+        kind="verification_failed",
+        dependency=record.dependency,
+        rule=f"verifier.{found.verifier}",
+        message=f"{found.verifier}: {found.message}"[:512],
+        evidence=ErrorEvidence(),
+        received_ns=received_ns,
+        details={"verifier": found.verifier},
     )

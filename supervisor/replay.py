@@ -119,7 +119,9 @@ def replay(path: Path, policy: Policy) -> Iterator[Outcome | BadRecord]:
     each request, and at the end of the file). Same file, same output.
     """
     pipeline = Pipeline(policy)
-    runs = pipeline.runs = RunTracker(settings=policy.detectors.for_service)
+    runs = pipeline.runs = RunTracker(
+        settings=policy.detectors.for_service, models=policy.detectors.models
+    )
     clock_ns = 0
     for item in read_requests(path):
         if isinstance(item, BadRecord):

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from policies._budgets import ModelTable, RunSpend, context_pressure
 from policies._detectors import DetectorSettings
 from supervisor.normalize.screen import (
     INPUT_TOKEN_KEYS,
@@ -48,7 +49,7 @@ from supervisor.normalize.screen import (
 from supervisor.normalize.wire import RawAttributes, value_of
 
 __all__ = [
-    "LoopDetection",
+    "Detection",
     "RunTracker",
     "RunView",
     "StallDetection",
@@ -59,17 +60,22 @@ _MAX_SERVICES: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
-class LoopDetection:
+class Detection:
+    """What a run detector found at one span: a failure to classify and decide on."""
+
+    kind: str
+    failure_class: str
+    rule: str
     run_id: str
     service: str
     trace_id: str
-    #: The first repeated call: where the failure is reported.
+    #: Where the failure is reported (a loop: its first repeated call).
     span_id: str
     span_name: str
-    #: ``tool:<name>`` for a repeated tool call, the LLM's dependency for a repeated output.
+    #: ``tool:<name>`` or the LLM's ``provider:model``.
     dependency: str
-    repeats: int
-    what: str
+    message: str
+    details: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,10 @@ class RunView:
     output_tokens: int
     step: str
     spans_per_minute: float
+    #: The run's spend in USD from its token usage (None: no priced call yet).
+    cost_usd: float | None = None
+    #: Some calls were of models without a price: ``cost_usd`` is a lower bound.
+    cost_partial: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -123,11 +133,18 @@ class RunView:
             "output_tokens": self.output_tokens,
             "step": self.step,
             "spans_per_minute": round(self.spans_per_minute, 2),
+            "cost_usd": None if self.cost_usd is None else round(self.cost_usd, 6),
+            "cost_partial": self.cost_partial,
         }
 
 
 _SESSION_MARK: Final = b"\x00session"
 _MAX_SESSION_BYTES: Final = 512
+#: The rules that run detectors report under (policies match on them like any other).
+LOOP_RULE: Final = "builtin.detect.reasoning_loop"
+STALL_RULE: Final = "builtin.detect.stall"
+PRESSURE_RULE: Final = "builtin.detect.context_pressure"
+BUDGET_RULE: Final = "builtin.detect.run_budget"
 _SAME_CALL: Final = "the same tool call"
 _SAME_OUTPUT: Final = "the same LLM output"
 _SESSION_SET: Final = frozenset(SESSION_KEYS)
@@ -219,8 +236,10 @@ class _Run:
         "llm_outputs",
         "open",
         "output_tokens",
+        "pressured",
         "service",
         "spans",
+        "spend",
         "stalled",
         "started",
         "step",
@@ -247,6 +266,9 @@ class _Run:
         self.output_tokens = 0
         self.open = True
         self.stalled = False
+        self.pressured = False
+        #: Tokens and cost so far (policies._budgets), from the first call with usage.
+        self.spend: RunSpend | None = None
         self.tools: _Repeats | None = None
         self.llm_outputs: _Repeats | None = None
         #: What names the tool calls the last LLM response asked for (raw values).
@@ -269,11 +291,14 @@ class RunTracker:
         self,
         *,
         settings: Callable[[str], DetectorSettings] = lambda service: DetectorSettings(),
+        models: ModelTable | None = None,
         max_runs: int = 10_000,
         max_idle_s: float = 6 * 3600.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._settings = settings
+        #: Context windows and prices (None: no context pressure, no budgets, no cost).
+        self.models = models
         self._settings_memo: dict[str, DetectorSettings] = {}
         self.max_runs = max_runs
         self.max_idle_s = max_idle_s
@@ -306,9 +331,15 @@ class RunTracker:
     # -- the span path ---------------------------------------------------------
 
     def observe(
-        self, item: WireSpan, dependency: str, now: float, *, repeats: bool = True
-    ) -> LoopDetection | None:
-        """Count one span in its run; a loop it completes, if any.
+        self,
+        item: WireSpan,
+        dependency: str,
+        now: float,
+        found: list[Detection],
+        *,
+        repeats: bool = True,
+    ) -> None:
+        """Count one span in its run; what it makes a detector find is appended to ``found``.
 
         ``repeats`` false for a span that shows a failure: a failed call tried
         again is a retry, which policies handle, not a loop.
@@ -338,7 +369,7 @@ class RunTracker:
         run.last_span = span_id
         run.open = bool(span.parent_span_id)  # a root span ends its run's turn
         if not dependency or dependency.startswith("http:"):
-            return None
+            return
         name: str = span.name
         run.step = name
         run.last_dependency = dependency
@@ -348,7 +379,7 @@ class RunTracker:
             if run.last_llm is not None and len(run.tools_since_llm) < 64:
                 run.tools_since_llm.append(dependency[5:])
             if not settings.loops or not repeats:
-                return None
+                return
             seen = run.tools
             if seen is None:
                 seen = run.tools = _Repeats(settings.loop_window)
@@ -356,17 +387,16 @@ class RunTracker:
             instance = span_id
             what = _SAME_CALL
         else:
-            run.llm_calls += 1
-            prompt = _tokens(encoded, present, INPUT_TOKEN_KEYS)
-            run.input_tokens += prompt
-            run.output_tokens += _tokens(encoded, present, OUTPUT_TOKEN_KEYS)
+            prompt = self._llm_call(
+                run, encoded, present, dependency, settings=settings, span_id=span_id, found=found
+            )
             run.last_llm = (
                 None if REQUEST_MARKERS.isdisjoint(present) else _requested_raw(encoded, present)
             )
             run.tools_since_llm = []
             raw = _first_present(encoded, present, LLM_OUTPUT_KEYS)
             if not settings.loops or not repeats or not raw:
-                return None  # no output recorded: nothing to compare
+                return  # no output recorded: nothing to compare
             seen = run.llm_outputs
             if seen is None:
                 seen = run.llm_outputs = _Repeats(settings.loop_window)
@@ -377,9 +407,101 @@ class RunTracker:
         first = seen.add(
             _digest(raw) ^ hash(dependency), instance, span_id, name, settings.loop_repeats
         )
-        if first is None:
-            return None
-        return _loop(run, dependency, first, repeats=settings.loop_repeats, what=what)
+        if first is not None:
+            found.append(_loop(run, dependency, first, repeats=settings.loop_repeats, what=what))
+
+    def _llm_call(
+        self,
+        run: _Run,
+        encoded: Any,
+        present: frozenset[str],
+        dependency: str,
+        *,
+        settings: DetectorSettings,
+        span_id: bytes,
+        found: list[Detection],
+    ) -> int:
+        """Count an LLM call's tokens, cost and context pressure; its prompt's token count."""
+        run.llm_calls += 1
+        prompt = _tokens(encoded, present, INPUT_TOKEN_KEYS)
+        completion = _tokens(encoded, present, OUTPUT_TOKEN_KEYS)
+        run.input_tokens += prompt
+        run.output_tokens += completion
+        if prompt or completion:
+            self._spend(
+                run,
+                dependency,
+                prompt,
+                completion,
+                settings=settings,
+                span_id=span_id,
+                found=found,
+            )
+        return prompt
+
+    def _spend(
+        self,
+        run: _Run,
+        dependency: str,
+        prompt: int,
+        completion: int,
+        *,
+        settings: DetectorSettings,
+        span_id: bytes,
+        found: list[Detection],
+    ) -> None:
+        """Context pressure and the run's budget, for one LLM call with token usage."""
+        models = self.models
+        if models is None:
+            return
+        model = dependency.partition(":")[2]
+        name = run.step
+        share = settings.pressure_share
+        if share is not None and prompt and not run.pressured:
+            hit = context_pressure(model, prompt, share, models)
+            if hit is not None:
+                run.pressured = True  # once per run: every later call would say the same
+                used, window = hit
+                found.append(
+                    _at(
+                        run,
+                        span_id,
+                        name,
+                        dependency,
+                        kind="context_overflow",
+                        failure_class="model",
+                        rule=PRESSURE_RULE,
+                        message=f"{prompt:,} input tokens are {used:.0%} of {model}'s"
+                        f" {window:,}-token context window",
+                        details={
+                            "input_tokens": prompt,
+                            "context_window": window,
+                            "share": round(used, 4),
+                        },
+                    )
+                )
+        spend = run.spend
+        if spend is None:
+            spend = run.spend = RunSpend()
+        spend.add(model, prompt, completion, models)
+        budget = settings.budget
+        if budget is None:
+            return
+        crossed = spend.crossed(budget)
+        if crossed is not None:
+            found.append(
+                _at(
+                    run,
+                    span_id,
+                    name,
+                    dependency,
+                    kind="budget_exceeded",
+                    failure_class="permanent",
+                    rule=BUDGET_RULE,
+                    message=f"{crossed}: {spend.describe(budget)}",
+                    details={"crossed": crossed, **spend.to_json()},
+                )
+            )
 
     def _run_for(
         self, trace: bytes, encoded: Any, present: frozenset[str], *, service: str, now: float
@@ -475,16 +597,47 @@ class RunTracker:
 
 def _loop(
     run: _Run, dependency: str, first: tuple[bytes, str], *, repeats: int, what: str
-) -> LoopDetection:
-    return LoopDetection(
+) -> Detection:
+    name = first[1][:256]
+    return Detection(
+        kind="reasoning_loop",
+        failure_class="model",
+        rule=LOOP_RULE,
         run_id=run.run_id,
         service=run.service,
         trace_id=run.trace.hex(),
         span_id=first[0].hex(),
-        span_name=first[1][:256],
+        span_name=name,
         dependency=dependency,
-        repeats=repeats,
-        what=what,
+        message=f"{what} {repeats} times: {name}",
+        details={"repeats": repeats, "repeated_call": name},
+    )
+
+
+def _at(
+    run: _Run,
+    span_id: bytes,
+    name: str,
+    dependency: str,
+    *,
+    kind: str,
+    failure_class: str,
+    rule: str,
+    message: str,
+    details: Mapping[str, Any],
+) -> Detection:
+    return Detection(
+        kind=kind,
+        failure_class=failure_class,
+        rule=rule,
+        run_id=run.run_id,
+        service=run.service,
+        trace_id=run.trace.hex(),
+        span_id=span_id.hex(),
+        span_name=name[:256],
+        dependency=dependency,
+        message=message,
+        details=details,
     )
 
 
@@ -588,6 +741,8 @@ def _view(run: _Run, now: float, settings: DetectorSettings) -> RunView:
         output_tokens=run.output_tokens,
         step=run.step[:128],
         spans_per_minute=run.spans / minutes,
+        cost_usd=run.spend.cost_usd if run.spend is not None and run.spend.calls else None,
+        cost_partial=run.spend.partial if run.spend is not None else False,
     )
 
 

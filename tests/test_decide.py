@@ -361,7 +361,7 @@ def test_builtin_quota_exhaustion_has_no_chain_so_escalates() -> None:
         (M, "reasoning_loop", 1, (Action.REMEDIATE, "builtin.reasoning_loop")),
         (T, "stall", 1, (Action.REMEDIATE, "builtin.stall")),
         (S, "verification_failed", 1, (Action.ESCALATE, "builtin.semantic")),
-        (S, "budget_exceeded", 1, (Action.ESCALATE, "builtin.semantic")),
+        (P, "budget_exceeded", 1, (Action.ESCALATE, "builtin.budget_exceeded")),
     ],
 )
 def test_builtin_decisions(

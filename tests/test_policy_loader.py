@@ -643,6 +643,9 @@ def test_json_schema_describes_the_file() -> None:
         "restart_intensity",
         "remediators",
         "detectors",
+        "context_pressure",
+        "run_budget",
+        "verifiers",
     }
     assert schema["$defs"]["Rule"]["properties"]["class"]["enum"] == [
         "transient",
@@ -721,3 +724,30 @@ policies:
     builtin = policy.remediator("retry_step")
     assert builtin is not None and builtin.use == "retry_step"  # built-ins need no entry
     assert policy.remediator("undefined") is None
+
+
+def test_a_run_budget_with_abort_run_aborts_instead_of_escalating() -> None:
+    from supervisor.records import ErrorEvidence, Failure, FailureClass, Role
+
+    def over(policy: Policy) -> str:
+        failure = Failure(
+            trace_id="a" * 32,
+            span_id="b" * 16,
+            parent_span_id="",
+            service="agent",
+            span_name="chat",
+            run_id="a" * 32,
+            role=Role.LLM,
+            failure_class=FailureClass.PERMANENT,
+            kind="budget_exceeded",
+            dependency="openai:gpt-4o",
+            rule="builtin.detect.run_budget",
+            message="",
+            evidence=ErrorEvidence(),
+            received_ns=0,
+        )
+        return policy.decide(failure, attempt=1).action.value
+
+    assert over(load_policy(text="version: 1\nrun_budget: {max_cost_usd: 5}\n")) == "escalate"
+    aborting = "version: 1\nrun_budget: {max_cost_usd: 5, action: abort_run}\n"
+    assert over(load_policy(text=aborting)) == "fail_fast"

@@ -13,7 +13,7 @@ from policies import load_policy
 from policies._detectors import DetectorSettings
 from supervisor.normalize import dependency_of, wire_spans
 from supervisor.pipeline import Pipeline, stall_failure
-from supervisor.runs import RunTracker
+from supervisor.runs import Detection, RunTracker
 
 TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
 _ids = iter(range(1, 1_000_000))
@@ -85,12 +85,10 @@ def llm(output: str = "", tool_calls: list[dict[str, Any]] | None = None, **extr
     )
 
 
-def feed(tracker: RunTracker, data: bytes, now: float = 1000.0) -> list[Any]:
-    found = []
+def feed(tracker: RunTracker, data: bytes, now: float = 1000.0) -> list[Detection]:
+    found: list[Detection] = []
     for item in wire_spans(data):
-        detection = tracker.observe(item, dependency_of(item), now)
-        if detection is not None:
-            found.append(detection)
+        tracker.observe(item, dependency_of(item), now, found)
     return found
 
 
@@ -121,7 +119,12 @@ def test_the_same_tool_call_three_times_is_one_loop_at_the_first_repeat() -> Non
     found = feed(tracker, payload(calls[0], other, calls[1], calls[2], calls[3]))
     (loop,) = found
     assert loop.span_id == calls[1].span_id.hex()  # the first repeated call
-    assert (loop.dependency, loop.repeats, loop.what) == ("tool:search", 3, "the same tool call")
+    assert (loop.dependency, loop.details["repeats"], loop.kind) == (
+        "tool:search",
+        3,
+        "reasoning_loop",
+    )
+    assert loop.message.startswith("the same tool call 3 times")
 
 
 def test_a_loop_needs_its_repeats_within_the_window() -> None:
@@ -141,7 +144,8 @@ def test_the_same_llm_output_to_a_growing_context_is_a_loop() -> None:
         payload(*(llm(again, **{"gen_ai.usage.input_tokens": n}) for n in (100, 180, 260))),
     )
     (loop,) = found
-    assert (loop.dependency, loop.what) == ("openai:gpt-4o", "the same LLM output")
+    assert loop.dependency == "openai:gpt-4o"
+    assert loop.message.startswith("the same LLM output")
 
 
 def test_the_same_answer_to_the_same_prompt_is_a_retry_not_a_loop() -> None:
@@ -191,7 +195,9 @@ def test_runs_are_bounded_and_what_goes_is_counted() -> None:
 def test_the_pipeline_reports_a_loop_and_the_policy_sends_the_loop_breaker() -> None:
     policy = load_policy()
     pipeline = Pipeline(policy)
-    pipeline.runs = RunTracker(settings=policy.detectors.for_service)
+    pipeline.runs = RunTracker(
+        settings=policy.detectors.for_service, models=policy.detectors.models
+    )
     calls = [tool("search", {"q": "weather"}) for _ in range(3)]
     outcomes = pipeline.process_payload(payload(*calls), received_ns=1_000_000_000_000)
     (outcome,) = outcomes
@@ -219,7 +225,9 @@ detectors:
 """
     )
     pipeline = Pipeline(policy)
-    tracker = pipeline.runs = RunTracker(settings=policy.detectors.for_service)
+    tracker = pipeline.runs = RunTracker(
+        settings=policy.detectors.for_service, models=policy.detectors.models
+    )
     pipeline.process_payload(payload(llm("a"), service="batch-7"), received_ns=10**12)
     pipeline.process_payload(payload(llm("b"), service="web"), received_ns=10**12)
     (stall,) = tracker.stalled(now=1000.0 + 31)
@@ -237,3 +245,34 @@ def test_a_re_sent_batch_is_not_a_loop() -> None:
     assert feed(tracker, batch) == []  # the exporter sent it again: the same two calls
     assert feed(tracker, batch) == []
     assert len(feed(tracker, payload(tool("search", {"q": "weather"})))) == 1  # a third call
+
+
+def test_context_pressure_is_predicted_once_per_run() -> None:
+    policy = load_policy()
+    tracker = RunTracker(settings=policy.detectors.for_service, models=policy.detectors.models)
+    near = {"gen_ai.usage.input_tokens": 120_000}  # gpt-4o: a 128k window, share 0.9
+    found = feed(tracker, payload(llm("a"), llm("b", **near), llm("c", **near)))
+    (pressure,) = found
+    assert (pressure.kind, pressure.failure_class, pressure.rule) == (
+        "context_overflow",
+        "model",
+        "builtin.detect.context_pressure",
+    )
+    assert pressure.details["context_window"] == 128_000
+    assert "120,000 input tokens are 94%" in pressure.message
+
+
+def test_a_run_over_its_budget_is_stopped_once() -> None:
+    policy = load_policy(text="version: 1\nrun_budget: {max_tokens: 300, action: abort_run}\n")
+    pipeline = Pipeline(policy)
+    pipeline.runs = RunTracker(
+        settings=policy.detectors.for_service, models=policy.detectors.models
+    )
+    outcomes = pipeline.process_payload(
+        payload(llm("a"), llm("b"), llm("c"), llm("d")), received_ns=10**12
+    )
+    (over,) = [o for o in outcomes if o.failure.kind == "budget_exceeded"]
+    assert over.failure.failure_class.value == "permanent"
+    assert over.failure.details["tokens"] == 360  # 3 calls of 120 crossed 300
+    assert "max_tokens" in over.failure.message
+    assert over.decision.action.value == "fail_fast"  # the budget's action: abort the run

@@ -293,7 +293,7 @@ def test_a_real_tracker_is_listed_as_it_counts() -> None:
     _span(request, "chat gpt-4o", 4, 1, **llm, gen_ai__usage__output_tokens=34)
     tracker = RunTracker(clock=lambda: 1_030.0)
     for n, item in enumerate(wire_spans(request.SerializeToString())):
-        tracker.observe(item, dependency_of(item), 1_000.0 + 10 * n)
+        tracker.observe(item, dependency_of(item), 1_000.0 + 10 * n, [])
     client = TestClient(_app(tracker))
 
     body = client.get("/v1/runs", headers=AUTH).json()
@@ -315,6 +315,8 @@ def test_a_real_tracker_is_listed_as_it_counts() -> None:
         "output_tokens": 34,
         "step": "chat gpt-4o",
         "spans_per_minute": 9.0,
+        "cost_usd": None,  # a tracker without the model table prices nothing
+        "cost_partial": False,
     }
     assert client.get("/v1/runs?status=ended", headers=AUTH).json()["runs"] == []
     assert _ids(client.get("/v1/runs?service=agent", headers=AUTH).json()) == ["conv-7"]
