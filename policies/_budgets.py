@@ -453,10 +453,15 @@ class RunSpend:
         tokens_out = _tokens(output_tokens)
         if tokens_in == 0 and tokens_out == 0:
             return 0.0
+        return self.add_known(model, table.lookup(model), tokens_in, tokens_out)
+
+    def add_known(
+        self, model: str, info: ModelInfo | None, tokens_in: int, tokens_out: int
+    ) -> float | None:
+        """:meth:`add` for a caller that looked the model up already (and checked the counts)."""
         self.calls += 1
         self.input_tokens += tokens_in
         self.output_tokens += tokens_out
-        info = table.lookup(model)
         cost = None if info is None else info.cost_usd(tokens_in, tokens_out)
         if cost is None:
             self.unpriced_calls += 1

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from policies._budgets import ModelTable, RunSpend, context_pressure
+from policies._budgets import ModelInfo, ModelTable, RunSpend
 from policies._detectors import DetectorSettings
 from supervisor.normalize.screen import (
     INPUT_TOKEN_KEYS,
@@ -168,10 +168,11 @@ _OI_KEYS: Final = tuple(
 class _Repeats:
     """Per (dependency, digest): where it was seen among a run's last ``window`` calls.
 
-    One dictionary entry per distinct call, holding the sequence numbers of its
-    last ``repeats - 1`` occurrences: a new occurrence counts those still in
-    the window. O(1) per call; entries that fell out of the window are pruned
-    when the dictionary grows past a few windows' worth.
+    One entry per distinct call, a flat list ``[first repeat or None, seq,
+    instance, seq, instance...]`` of its last ``repeats - 1`` occurrences (one
+    allocation for a call seen once, the usual case): a new occurrence counts
+    those still in the window. O(1) per call; entries out of the window are
+    pruned when the dictionary grows past a few windows' worth.
     """
 
     __slots__ = ("reported", "seen", "seq", "window")
@@ -179,9 +180,8 @@ class _Repeats:
     def __init__(self, window: int) -> None:
         self.window = window
         self.seq = 0
-        #: digest -> [(sequence number, instance)..., (span id, name) of the first repeat or None]
         self.seen: dict[int, list[Any]] = {}
-        self.reported: set[int] = set()
+        self.reported: set[int] | None = None
 
     def add(
         self, digest: int, instance: bytes, span_id: bytes, name: str, repeats: int
@@ -194,33 +194,40 @@ class _Repeats:
         """
         self.seq += 1
         seq = self.seq
-        oldest = seq - self.window
         entry = self.seen.get(digest)
-        if entry is None:
+        if entry is None:  # the usual case: a call not made lately
             if len(self.seen) >= 4 * self.window:
-                self._prune(oldest)
-            self.seen[digest] = [(seq, instance), None]
+                self._prune(seq - self.window)
+            self.seen[digest] = [None, seq, instance]
             return None
-        first = entry.pop()
-        recent = [(n, sid) for n, sid in entry if n > oldest]
-        if any(sid == instance for _, sid in recent):
-            entry.append(first)  # the same span again: nothing changes
-            self.seq -= 1
+        if instance in entry:
+            self.seq -= 1  # the same call again (a re-sent span): nothing changes
             return None
-        if not recent:
-            first = None
-        if first is None:
-            first = (span_id, name)  # this is the first repeat
-        recent.append((seq, instance))
-        count = len(recent)
-        entry[:] = [*recent[-(repeats - 1) :], first] if repeats > 1 else [first]
-        if count >= repeats and digest not in self.reported and len(self.reported) < 256:
-            self.reported.add(digest)
-            return first  # type: ignore[no-any-return]
-        return None
+        oldest = seq - self.window
+        while len(entry) > 1 and entry[1] <= oldest:
+            del entry[1:3]
+        if len(entry) == 1:
+            entry[0] = None  # what was seen fell out of the window: start again
+        elif entry[0] is None:
+            entry[0] = (span_id, name)  # this call is the first repeat
+        entry.append(seq)
+        entry.append(instance)
+        count = (len(entry) - 1) // 2
+        if count > repeats - 1 and count > 1:
+            del entry[1:3]
+        first: tuple[bytes, str] | None = entry[0]
+        if count < repeats or first is None:
+            return None
+        reported = self.reported
+        if reported is None:
+            reported = self.reported = set()
+        if digest in reported or len(reported) >= 256:
+            return None
+        reported.add(digest)
+        return first
 
     def _prune(self, oldest: int) -> None:
-        self.seen = {k: v for k, v in self.seen.items() if len(v) > 1 and v[-2][0] > oldest}
+        self.seen = {k: v for k, v in self.seen.items() if v[-2] > oldest}
 
 
 class _Run:
@@ -234,6 +241,8 @@ class _Run:
         "last_span",
         "llm_calls",
         "llm_outputs",
+        "model",
+        "model_info",
         "open",
         "output_tokens",
         "pressured",
@@ -267,6 +276,9 @@ class _Run:
         self.open = True
         self.stalled = False
         self.pressured = False
+        #: The last LLM dependency called and its table entry (runs call one model, mostly).
+        self.model = ""
+        self.model_info: ModelInfo | None = None
         #: Tokens and cost so far (policies._budgets), from the first call with usage.
         self.spend: RunSpend | None = None
         self.tools: _Repeats | None = None
@@ -454,36 +466,43 @@ class RunTracker:
         models = self.models
         if models is None:
             return
-        model = dependency.partition(":")[2]
-        name = run.step
+        if dependency == run.model:
+            info = run.model_info  # a run calls the same model, most of the time
+        else:
+            info = models.lookup(dependency.partition(":")[2])
+            run.model, run.model_info = dependency, info
         share = settings.pressure_share
-        if share is not None and prompt and not run.pressured:
-            hit = context_pressure(model, prompt, share, models)
-            if hit is not None:
-                run.pressured = True  # once per run: every later call would say the same
-                used, window = hit
-                found.append(
-                    _at(
-                        run,
-                        span_id,
-                        name,
-                        dependency,
-                        kind="context_overflow",
-                        failure_class="model",
-                        rule=PRESSURE_RULE,
-                        message=f"{prompt:,} input tokens are {used:.0%} of {model}'s"
-                        f" {window:,}-token context window",
-                        details={
-                            "input_tokens": prompt,
-                            "context_window": window,
-                            "share": round(used, 4),
-                        },
-                    )
+        if (
+            info is not None
+            and share is not None
+            and not run.pressured
+            and prompt >= share * info.context_window
+        ):
+            run.pressured = True  # once per run: every later call would say the same
+            window = info.context_window
+            model = dependency.partition(":")[2]
+            found.append(
+                _at(
+                    run,
+                    span_id,
+                    run.step,
+                    dependency,
+                    kind="context_overflow",
+                    failure_class="model",
+                    rule=PRESSURE_RULE,
+                    message=f"{prompt:,} input tokens are {prompt / window:.0%} of {model}'s"
+                    f" {window:,}-token context window",
+                    details={
+                        "input_tokens": prompt,
+                        "context_window": window,
+                        "share": round(prompt / window, 4),
+                    },
                 )
+            )
         spend = run.spend
         if spend is None:
             spend = run.spend = RunSpend()
-        spend.add(model, prompt, completion, models)
+        spend.add_known(run.model.partition(":")[2], info, prompt, completion)
         budget = settings.budget
         if budget is None:
             return
@@ -493,7 +512,7 @@ class RunTracker:
                 _at(
                     run,
                     span_id,
-                    name,
+                    run.step,
                     dependency,
                     kind="budget_exceeded",
                     failure_class="permanent",
