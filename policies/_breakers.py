@@ -309,6 +309,27 @@ class BreakerBoard:
         self._emit(changes)
         return True
 
+    def trip(self, dependency: str, reason: str) -> bool:
+        """Open ``dependency``'s breaker now (a cascade across runs), as its failures would.
+
+        It half-opens after its ``reset_timeout_s`` like any open breaker. An
+        isolated or already open breaker is left as it is. False when the
+        dependency could not be tracked.
+        """
+        changes: list[BreakerChange] = []
+        with self._lock:
+            now = self._now()
+            entry = self._get_or_create(dependency)
+            if entry is None:
+                return False
+            state = self._refresh(dependency, entry, now, changes)
+            if state is BreakerState.CLOSED or state is BreakerState.HALF_OPEN:
+                entry.breaker.open()
+                entry.opened_at = now
+                self._change(dependency, entry, BreakerState.OPEN, reason, now=now, changes=changes)
+        self._emit(changes)
+        return True
+
     def close(self, dependency: str) -> None:
         """Close ``dependency``'s breaker and reset its counts, whatever its state.
 

@@ -11,8 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policies._budgets import ContextPressureSpec, ModelTable, RunBudgetSpec
+from policies._cascade import CascadeSettings
 from policies._glob import GlobSet
-from policies._schema import DetectorsSpec, LoopsSpec, ServiceDetectorsSpec, StallsSpec
+from policies._schema import (
+    CascadesSpec,
+    DetectorsSpec,
+    LoopsSpec,
+    ServiceDetectorsSpec,
+    StallsSpec,
+)
 
 __all__ = ["DetectorSettings", "DetectorsSpec", "compile_detectors"]
 
@@ -35,7 +42,7 @@ class DetectorSettings:
 class CompiledDetectors:
     """Settings by service, resolved once per service name by the caller's memo."""
 
-    __slots__ = ("_base", "_services", "budget", "models", "pressure")
+    __slots__ = ("_base", "_services", "budget", "cascades", "models", "pressure")
 
     def __init__(
         self,
@@ -44,8 +51,18 @@ class CompiledDetectors:
         *,
         pressure: ContextPressureSpec | None = None,
         budget: RunBudgetSpec | None = None,
+        cascades: CascadesSpec | None = None,
     ) -> None:
         self._base = base
+        spec = cascades or CascadesSpec()
+        #: Cascade detection across runs (policies._cascade).
+        self.cascades = CascadeSettings(
+            enabled=spec.enabled,
+            window_s=spec.window_s,
+            min_failures=spec.min_failures,
+            min_runs=spec.min_runs,
+            min_error_rate=spec.min_error_rate,
+        )
         self._services = services
         self.pressure = pressure or ContextPressureSpec()
         self.budget = budget or RunBudgetSpec()
@@ -90,4 +107,5 @@ def compile_detectors(
         [(GlobSet([glob]), s) for glob, s in chosen.services.items()],
         pressure=pressure,
         budget=budget,
+        cascades=chosen.cascades or (base.cascades if base is not None else None),
     )

@@ -35,6 +35,7 @@ import pybreaker
 
 from policies._breakers import BreakerBoard, BreakerChange, BreakerSettings, BreakerState
 from policies._budget import BudgetSettings, RetryBudget
+from policies._cascade import Cascade, CascadeDetector
 from policies._intensity import IntensitySettings, RestartIntensity
 from policies._policy import Policy
 from supervisor.records import Action, AttrValue, Decision, Failure
@@ -77,10 +78,28 @@ class Governor:
         # Dependencies whose breaker has something a success can change (failures
         # counted, or not closed): successes of all others skip the board.
         self._watched: set[str] = set()
+        #: One dependency failing across runs: one incident, and its breaker opened.
+        self.cascade = CascadeDetector(
+            policy.detectors.cascades, clock=clock, max_dependencies=max_dependencies
+        )
 
     def set_policy(self, policy: Policy) -> None:
         self.policy = policy
         self.intensity.settings = self._intensity_settings()
+        self.cascade.settings = policy.detectors.cascades
+
+    def observe_cascades(self, successes: list[str], failures: list[Failure]) -> list[Cascade]:
+        """A batch's successful calls and failures; the cascades that started, breakers opened.
+
+        The breaker of a cascading dependency opens at once, for every run,
+        rather than after each run's own failures have added up.
+        """
+        self.cascade.observe(successes, failures)
+        started = self.cascade.cascades()
+        for found in started:
+            if self.policy.limits.breakers_enabled:
+                self.board.trip(found.dependency, "cascade")
+        return started
 
     def _breaker_settings(self, dependency: str) -> BreakerSettings:
         spec = self.policy.limits.breaker_for(dependency)

@@ -574,6 +574,16 @@ class StallsSpec(_Strict):
     idle_seconds: float = Field(default=600.0, gt=0, le=7 * 86_400)
 
 
+class CascadesSpec(_Strict):
+    """A dependency failing across runs: ``min_failures`` from ``min_runs`` runs in the window."""
+
+    enabled: bool = True
+    window_s: float = Field(default=60.0, gt=0, le=86_400)
+    min_failures: int = Field(default=10, ge=2, le=1_000_000)
+    min_runs: int = Field(default=3, ge=2, le=100_000)
+    min_error_rate: float = Field(default=0.5, gt=0, le=1)
+
+
 class ServiceDetectorsSpec(_Strict):
     loops: LoopsSpec | None = None
     stalls: StallsSpec | None = None
@@ -583,6 +593,9 @@ class DetectorsSpec(ServiceDetectorsSpec):
     """Run detectors for every service; ``services`` overrides by service glob."""
 
     services: dict[Glob, ServiceDetectorsSpec] = Field(default_factory=dict, max_length=256)
+    cascades: CascadesSpec | None = Field(
+        default=None, description="Across runs, not per service: one dependency failing for many."
+    )
 
 
 from policies._budgets import (  # noqa: E402 - the budgets module does not import this one
@@ -661,6 +674,7 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         RemediatorSpec,
         RemediatorBudgetSpec,
         DetectorsSpec,
+        CascadesSpec,
         LoopsSpec,
         StallsSpec,
         ServiceDetectorsSpec,

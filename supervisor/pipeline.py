@@ -30,6 +30,7 @@ from typing import NamedTuple, Protocol
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from policies import Policy
+from policies._cascade import Cascade
 from policies._verifiers import VerificationFailure, VerifierSet
 from supervisor.bounded import BoundedMap
 from supervisor.normalize import (
@@ -49,7 +50,7 @@ from supervisor.records import (
     Role,
     SpanRecord,
 )
-from supervisor.runs import STALL_RULE, Detection, RunTracker, StallDetection
+from supervisor.runs import CASCADE_RULE, STALL_RULE, Detection, RunTracker, StallDetection
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
 OWN_SERVICE = "spanvisor"
@@ -69,6 +70,8 @@ class Governor(Protocol):
     """
 
     def observe_calls(self, calls: list[tuple[int, str, bool]]) -> None: ...
+
+    def observe_cascades(self, successes: list[str], failures: list[Failure]) -> list[Cascade]: ...
 
     def review(self, failure: Failure, decision: Decision) -> Decision: ...
 
@@ -253,7 +256,7 @@ class Pipeline:
             if self.runs is not None:
                 self.runs.failed(failure.run_id)
             outcomes.append(Outcome(failure, self.policy.decide(failure, attempt=1)))
-        return self._finish(outcomes, [])
+        return self._finish(outcomes, [], cascades=False)
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:
         """Judge the spans a :meth:`first_pass` left."""
@@ -378,10 +381,23 @@ class Pipeline:
                 self.runs.failed(failure.run_id)
         return self._finish(outcomes, calls)
 
-    def _finish(self, outcomes: list[Outcome], calls: list[tuple[int, str, bool]]) -> list[Outcome]:
-        """The governor's review and observe mode, on a batch's decisions."""
+    def _finish(
+        self, outcomes: list[Outcome], calls: list[tuple[int, str, bool]], *, cascades: bool = True
+    ) -> list[Outcome]:
+        """The governor's review and observe mode, on a batch's decisions.
+
+        ``cascades`` false for what detectors found: those are not calls that failed.
+        """
         if self.governor is not None:
+            started: list[Cascade] = []
+            if cascades:
+                started = self.governor.observe_cascades(
+                    [dependency for _, dependency, ok in calls if ok],
+                    [o.failure for o in outcomes],
+                )
             outcomes = self._govern(self.governor, outcomes, calls)
+            if started:
+                outcomes += self.judge_detected([_cascade_failure(c) for c in started])
         if self.observe_only:
             outcomes = [
                 o if o.decision.observe_only else replace(o, decision=_observed(o.decision))
@@ -593,4 +609,25 @@ def _verification_failure(
         evidence=ErrorEvidence(),
         received_ns=received_ns,
         details={"verifier": found.verifier},
+    )
+
+
+def _cascade_failure(found: Cascade) -> Failure:
+    """A cascade as one incident, at the failure that completed it, listing the runs hit."""
+    last = found.trigger
+    runs = ", ".join(found.runs[:5]) + (" ..." if len(found.runs) > 5 else "")
+    return replace(
+        last,
+        rule=CASCADE_RULE,
+        message=(
+            f"{found.dependency} failing across runs: {found.failures} of {found.calls} calls"
+            f" ({found.error_rate:.0%}) from {len(found.runs)} runs ({runs})"
+        )[:512],
+        attributed=(),
+        details={
+            "runs": found.runs,
+            "failures": found.failures,
+            "calls": found.calls,
+            "error_rate": round(found.error_rate, 4),
+        },
     )

@@ -145,6 +145,7 @@ LOOP_RULE: Final = "builtin.detect.reasoning_loop"
 STALL_RULE: Final = "builtin.detect.stall"
 PRESSURE_RULE: Final = "builtin.detect.context_pressure"
 BUDGET_RULE: Final = "builtin.detect.run_budget"
+CASCADE_RULE: Final = "builtin.detect.cascade"
 _SAME_CALL: Final = "the same tool call"
 _SAME_OUTPUT: Final = "the same LLM output"
 _SESSION_SET: Final = frozenset(SESSION_KEYS)

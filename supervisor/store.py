@@ -479,8 +479,7 @@ class Store:
         with self._lock:
             rows = self._db.execute(
                 # Insertion order: an index on created_at would cost every failure an insert.
-                "SELECT key, body, created_at FROM incidents ORDER BY rowid DESC"
-                " LIMIT ?",
+                "SELECT key, body, created_at FROM incidents ORDER BY rowid DESC LIMIT ?",
                 (limit,),
             ).fetchall()
         return [Incident(r["key"], orjson.loads(r["body"]), r["created_at"]) for r in rows]

@@ -131,9 +131,12 @@ LLM_OUTPUT_KEYS: Final = (
 #: An LLM span whose response may ask for tool calls (kept for stall reports).
 REQUEST_MARKERS: Final = frozenset({_OUTPUT_MESSAGES, "gen_ai.output.messages"})
 #: Every key the run tracker (supervisor.runs) looks for in a span's present keys.
-RUN_KEYS: Final = frozenset(
-    SESSION_KEYS + INPUT_TOKEN_KEYS + OUTPUT_TOKEN_KEYS + TOOL_ARGUMENT_KEYS + LLM_OUTPUT_KEYS
-) | REQUEST_MARKERS
+RUN_KEYS: Final = (
+    frozenset(
+        SESSION_KEYS + INPUT_TOKEN_KEYS + OUTPUT_TOKEN_KEYS + TOOL_ARGUMENT_KEYS + LLM_OUTPUT_KEYS
+    )
+    | REQUEST_MARKERS
+)
 
 #: Every key the screens test for, the conventions' markers (for
 #: :func:`supervisor.normalize.dependency_of`) and what the run tracker reads.
