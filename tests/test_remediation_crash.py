@@ -402,7 +402,9 @@ def test_kill_9_mid_remediation_resumes_without_repeating_steps(crashed: Observe
     assert seen.deadline_at_end == seen.sleep_deadline  # replayed, not recorded again
     assert seen.retry_arrived_at >= seen.sleep_deadline - 0.05
     assert seen.retry_arrived_at <= max(seen.sleep_deadline, seen.ready_at) + 1.5
-    assert seen.retry_arrived_at < seen.restarted_at + DELAY_S
+    # A new whole sleep would have started when the new process launched (just
+    # before it was ready); under load a restart can take longer than the sleep.
+    assert seen.retry_arrived_at < seen.ready_at + DELAY_S / 2
 
     # One workflow, one sleep, one retry_step: resumed, not started again.
     assert seen.workflows_after_retry == [(rid, "PENDING")]
