@@ -37,6 +37,10 @@ class DetectorSettings:
     pressure_share: float | None = 0.9
     #: The run budget (None: not checked).
     budget: RunBudgetSpec | None = None
+    #: Re-anchoring: from this many steps (or minutes) on, every ``reanchor_every`` steps.
+    reanchor_after: int | None = None
+    reanchor_after_s: float | None = None
+    reanchor_every: int = 10
 
 
 class CompiledDetectors:
@@ -71,11 +75,14 @@ class CompiledDetectors:
 
     def for_service(self, service: str) -> DetectorSettings:
         loops, stalls = self._base.loops or LoopsSpec(), self._base.stalls or StallsSpec()
+        anchor = self._base.reanchor
         for globs, spec in self._services:
             if globs(service):
                 loops = spec.loops or loops
                 stalls = spec.stalls or stalls
+                anchor = spec.reanchor or anchor
                 break
+        anchoring = anchor is not None and anchor.enabled
         return DetectorSettings(
             loops=loops.enabled,
             loop_repeats=loops.repeats,
@@ -86,6 +93,13 @@ class CompiledDetectors:
             budget=self.budget
             if self.budget.max_tokens is not None or self.budget.max_cost_usd is not None
             else None,
+            reanchor_after=anchor.after_steps if anchor is not None and anchoring else None,
+            reanchor_after_s=(
+                anchor.after_minutes * 60
+                if anchor is not None and anchoring and anchor.after_minutes
+                else None
+            ),
+            reanchor_every=anchor.every_steps if anchor is not None else 10,
         )
 
 
@@ -101,6 +115,7 @@ def compile_detectors(
     merged = ServiceDetectorsSpec(
         loops=chosen.loops or (base.loops if base is not None else None),
         stalls=chosen.stalls or (base.stalls if base is not None else None),
+        reanchor=chosen.reanchor or (base.reanchor if base is not None else None),
     )
     return CompiledDetectors(
         merged,

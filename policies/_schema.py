@@ -500,6 +500,7 @@ BUILTIN_REMEDIATORS: tuple[str, ...] = (
     "llm",
     "compact_context",
     "resume_run",
+    "reanchor",
 )
 ToolName = Literal[
     "retry_step",
@@ -584,9 +585,21 @@ class CascadesSpec(_Strict):
     min_error_rate: float = Field(default=0.5, gt=0, le=1)
 
 
+class ReanchorSpec(_Strict):
+    """Remind a long run of its objective (its first input) every ``every_steps`` steps."""
+
+    enabled: bool = True
+    after_steps: int = Field(default=20, ge=1, le=1_000_000, description="LLM and tool calls.")
+    after_minutes: float | None = Field(default=None, gt=0, le=7 * 1440)
+    every_steps: int = Field(default=10, ge=1, le=1_000_000)
+
+
 class ServiceDetectorsSpec(_Strict):
     loops: LoopsSpec | None = None
     stalls: StallsSpec | None = None
+    reanchor: ReanchorSpec | None = Field(
+        default=None, description="Unset: runs are not reminded of their objective."
+    )
 
 
 class DetectorsSpec(ServiceDetectorsSpec):
@@ -675,6 +688,7 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         RemediatorBudgetSpec,
         DetectorsSpec,
         CascadesSpec,
+        ReanchorSpec,
         LoopsSpec,
         StallsSpec,
         ServiceDetectorsSpec,

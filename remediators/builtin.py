@@ -82,6 +82,27 @@ class ResumeRun(Remediator):
         return Verdict.ACTED if result.ok else Verdict.FAILED
 
 
+class Reanchor(Remediator):
+    """A long run, reminded of its objective: guidance carrying the run's first input.
+
+    Long runs drift from what they were asked; the objective, captured when
+    the run's first input arrived, is sent back as guidance every few steps.
+    """
+
+    name = "reanchor"
+    tools = frozenset({"inject_guidance"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        objective = str(ctx.trigger.params.get("objective") or "")[:1800]
+        if not objective:
+            return Verdict.FAILED
+        result = await ctx.call(
+            "inject_guidance",
+            guidance=f"Reminder: this run's objective, as first given, is: {objective}",
+        )
+        return Verdict.SUCCEEDED if result.ok else Verdict.FAILED
+
+
 class CompactContext(Remediator):
     """For a context overflow: ask the agent to compact its context, then verify.
 

@@ -28,6 +28,7 @@ _BUILTIN_PATHS: Final = {
     "llm": "remediators.llm:LlmRemediator",
     "compact_context": "remediators.builtin:CompactContext",
     "resume_run": "remediators.builtin:ResumeRun",
+    "reanchor": "remediators.builtin:Reanchor",
 }
 assert tuple(_BUILTIN_PATHS) == BUILTIN_REMEDIATORS
 

@@ -91,6 +91,7 @@ BUILTIN_KINDS: tuple[str, ...] = (
     "stall",
     "verification_failed",
     "budget_exceeded",
+    "goal_drift",
     "tool_error",
     "unknown",
 )

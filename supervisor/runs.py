@@ -29,6 +29,7 @@ from the same thread (the event loop), never concurrently.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -40,6 +41,7 @@ from policies._detectors import DetectorSettings
 from supervisor.normalize.screen import (
     INPUT_TOKEN_KEYS,
     LLM_OUTPUT_KEYS,
+    OBJECTIVE_KEYS,
     OUTPUT_TOKEN_KEYS,
     REQUEST_MARKERS,
     SESSION_KEYS,
@@ -146,9 +148,13 @@ STALL_RULE: Final = "builtin.detect.stall"
 PRESSURE_RULE: Final = "builtin.detect.context_pressure"
 BUDGET_RULE: Final = "builtin.detect.run_budget"
 CASCADE_RULE: Final = "builtin.detect.cascade"
+REANCHOR_RULE: Final = "builtin.detect.reanchor"
+#: Longest objective carried in a re-anchoring command (characters).
+_MAX_OBJECTIVE: Final = 2000
 _SAME_CALL: Final = "the same tool call"
 _SAME_OUTPUT: Final = "the same LLM output"
 _SESSION_SET: Final = frozenset(SESSION_KEYS)
+_OBJECTIVE_SET: Final = frozenset(OBJECTIVE_KEYS)
 #: OpenInference's tool calls, probed in order: message n, call m.
 _OI_CALL: Final = "llm.output_messages.{n}.message.tool_calls.{m}.tool_call.function.{field}"
 _MAX_PROBED: Final = 8
@@ -233,6 +239,7 @@ class _Repeats:
 
 class _Run:
     __slots__ = (
+        "anchored",
         "errors",
         "input_tokens",
         "key",
@@ -244,6 +251,7 @@ class _Run:
         "llm_outputs",
         "model",
         "model_info",
+        "objective",
         "open",
         "output_tokens",
         "pressured",
@@ -277,6 +285,9 @@ class _Run:
         self.open = True
         self.stalled = False
         self.pressured = False
+        #: The run's first input (encoded), for re-anchoring; steps when last re-anchored.
+        self.objective: bytes | None = None
+        self.anchored = 0
         #: The last LLM dependency called and its table entry (runs call one model, mostly).
         self.model = ""
         self.model_info: ModelInfo | None = None
@@ -381,12 +392,16 @@ class RunTracker:
         span_id: bytes = span.span_id
         run.last_span = span_id
         run.open = bool(span.parent_span_id)  # a root span ends its run's turn
+        if run.objective is None and not _OBJECTIVE_SET.isdisjoint(present):
+            run.objective = _first_present(encoded, present, OBJECTIVE_KEYS)
         if not dependency or dependency.startswith("http:"):
             return
         name: str = span.name
         run.step = name
         run.last_dependency = dependency
         settings = self._settings_memo.get(service) or self.settings_for(service)
+        if settings.reanchor_after is not None or settings.reanchor_after_s is not None:
+            self._reanchor(run, settings, span_id, dependency, now=now, found=found)
         if dependency.startswith("tool:"):
             run.tool_calls += 1
             if run.last_llm is not None and len(run.tools_since_llm) < 64:
@@ -422,6 +437,44 @@ class RunTracker:
         )
         if first is not None:
             found.append(_loop(run, dependency, first, repeats=settings.loop_repeats, what=what))
+
+    @staticmethod
+    def _reanchor(
+        run: _Run,
+        settings: DetectorSettings,
+        span_id: bytes,
+        dependency: str,
+        *,
+        now: float,
+        found: list[Detection],
+    ) -> None:
+        """Every ``reanchor_every`` steps of a long run: remind it of its first input."""
+        steps = run.llm_calls + run.tool_calls + 1  # this call included
+        long_by_steps = settings.reanchor_after is not None and steps >= settings.reanchor_after
+        long_by_time = (
+            settings.reanchor_after_s is not None and now - run.started >= settings.reanchor_after_s
+        )
+        if not (long_by_steps or long_by_time) or run.objective is None:
+            return
+        if run.anchored and steps - run.anchored < settings.reanchor_every:
+            return
+        run.anchored = steps
+        objective = _objective_text(run.objective)
+        if not objective:
+            return
+        found.append(
+            _at(
+                run,
+                span_id,
+                run.step,
+                dependency,
+                kind="goal_drift",
+                failure_class="semantic",
+                rule=REANCHOR_RULE,
+                message=f"step {steps} of a long run: re-anchoring it on its objective",
+                details={"objective": objective, "steps": steps},
+            )
+        )
 
     def _llm_call(
         self,
@@ -697,6 +750,39 @@ def _first_present(encoded: Any, present: frozenset[str], keys: tuple[str, ...])
             found: bytes | None = encoded.get(key)
             return found
     return None
+
+
+def _objective_text(raw: bytes) -> str:
+    """The first user message of a run's first input, as text (bounded)."""
+    value = value_of(raw)
+    if not isinstance(value, str):
+        return ""
+    text = value.strip()
+    if text.startswith("["):  # a message list (gen_ai.input.messages, or OpenAI's JSON)
+        try:
+            messages = json.loads(text)
+        except ValueError:
+            messages = None
+        if isinstance(messages, list):
+            text = _first_user_text(messages) or text
+    return text[:_MAX_OBJECTIVE]
+
+
+def _first_user_text(messages: list[Any]) -> str:
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ("user", "human"):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            return content
+        parts = message.get("parts") or (content if isinstance(content, list) else [])
+        texts = [
+            str(p.get("content") or p.get("text") or "")
+            for p in parts
+            if isinstance(p, dict) and p.get("type") in ("text", None)
+        ]
+        return " ".join(t for t in texts if t)
+    return ""
 
 
 def _tokens(encoded: Any, present: frozenset[str], keys: tuple[str, ...]) -> int:

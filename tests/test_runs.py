@@ -276,3 +276,33 @@ def test_a_run_over_its_budget_is_stopped_once() -> None:
     assert over.failure.details["tokens"] == 360  # 3 calls of 120 crossed 300
     assert "max_tokens" in over.failure.message
     assert over.decision.action.value == "fail_fast"  # the budget's action: abort the run
+
+
+def test_a_long_run_is_re_anchored_on_its_first_input_every_k_steps() -> None:
+    policy = load_policy(
+        text="""\
+version: 1
+detectors:
+  reanchor: {after_steps: 3, every_steps: 2}
+"""
+    )
+    pipeline = Pipeline(policy)
+    pipeline.runs = RunTracker(
+        settings=policy.detectors.for_service, models=policy.detectors.models
+    )
+    objective = json.dumps(
+        [{"role": "user", "parts": [{"type": "text", "content": "Refund order 1234."}]}]
+    )
+    first = llm("thinking", **{"gen_ai.input.messages": objective})
+    steps = [first] + [tool("lookup", {"n": n}) for n in range(5)]
+    outcomes = pipeline.process_payload(payload(*steps), received_ns=10**12)
+    anchors = [o for o in outcomes if o.failure.kind == "goal_drift"]
+    assert [a.failure.details["steps"] for a in anchors] == [3, 5]
+    assert anchors[0].failure.details["objective"] == "Refund order 1234."
+    assert anchors[0].decision.params["remediator"] == "reanchor"
+    # Off unless a policy sets it.
+    plain = Pipeline(load_policy())
+    plain.runs = RunTracker(settings=plain.policy.detectors.for_service)
+    assert [
+        o for o in plain.process_payload(payload(*steps), 10**12) if o.failure.kind == "goal_drift"
+    ] == []

@@ -128,12 +128,24 @@ LLM_OUTPUT_KEYS: Final = (
     "gen_ai.completion.0.content",
     "gen_ai.output.messages",
 )
+#: Where a run's first input (its objective, for re-anchoring) is found, in order.
+OBJECTIVE_KEYS: Final = (
+    "gen_ai.input.messages",
+    "llm.input_messages.0.message.content",
+    "gen_ai.prompt.0.content",
+    "input.value",
+)
 #: An LLM span whose response may ask for tool calls (kept for stall reports).
 REQUEST_MARKERS: Final = frozenset({_OUTPUT_MESSAGES, "gen_ai.output.messages"})
 #: Every key the run tracker (supervisor.runs) looks for in a span's present keys.
 RUN_KEYS: Final = (
     frozenset(
-        SESSION_KEYS + INPUT_TOKEN_KEYS + OUTPUT_TOKEN_KEYS + TOOL_ARGUMENT_KEYS + LLM_OUTPUT_KEYS
+        SESSION_KEYS
+        + INPUT_TOKEN_KEYS
+        + OUTPUT_TOKEN_KEYS
+        + TOOL_ARGUMENT_KEYS
+        + LLM_OUTPUT_KEYS
+        + OBJECTIVE_KEYS
     )
     | REQUEST_MARKERS
 )
