@@ -140,6 +140,8 @@ class CompiledEntry:
     observe: bool
     #: Retry entries skip permanent failures unless their match names the class.
     skips_permanent: bool
+    #: Only while the service's SLO burns fast (True) or does not (False); None: either.
+    slo_burning: bool | None = None
 
     def matches(self, failure: Failure) -> bool:
         if self.skips_permanent and failure.failure_class is FailureClass.PERMANENT:
@@ -153,6 +155,8 @@ class CompiledEntry:
         if self.dependency is not None and not self.dependency(failure.dependency):
             return False
         if self.service is not None and not self.service(failure.service):
+            return False
+        if self.slo_burning is not None and failure.slo_burning is not self.slo_burning:
             return False
         return self.rule is None or self.rule(failure.rule)
 
@@ -176,4 +180,5 @@ def compile_entry(
         observe=observe or entry.observe,
         skips_permanent=isinstance(entry, RetryEntry)
         and (classes is None or FailureClass.PERMANENT not in classes),
+        slo_burning=m.slo_burning,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies._budgets import ContextPressureSpec, ModelTable, RunBudgetSpec
+from policies._budgets import ContextPressureSpec, ModelTable, RunBudgetSpec, SloSpec
 from policies._cascade import CascadeSettings
 from policies._glob import GlobSet
 from policies._schema import (
@@ -46,7 +46,7 @@ class DetectorSettings:
 class CompiledDetectors:
     """Settings by service, resolved once per service name by the caller's memo."""
 
-    __slots__ = ("_base", "_services", "budget", "cascades", "models", "pressure")
+    __slots__ = ("_base", "_services", "budget", "cascades", "models", "pressure", "slo")
 
     def __init__(
         self,
@@ -56,8 +56,11 @@ class CompiledDetectors:
         pressure: ContextPressureSpec | None = None,
         budget: RunBudgetSpec | None = None,
         cascades: CascadesSpec | None = None,
+        slo: SloSpec | None = None,
     ) -> None:
         self._base = base
+        #: The run SLO every service is held to (None: no SLOs).
+        self.slo = slo
         spec = cascades or CascadesSpec()
         #: Cascade detection across runs (policies._cascade).
         self.cascades = CascadeSettings(
@@ -109,6 +112,7 @@ def compile_detectors(
     *,
     pressure: ContextPressureSpec | None = None,
     budget: RunBudgetSpec | None = None,
+    slo: SloSpec | None = None,
 ) -> CompiledDetectors:
     """The file's detectors over the base's (the built-in policy's), key by key."""
     chosen = spec or base or DetectorsSpec()
@@ -123,4 +127,5 @@ def compile_detectors(
         pressure=pressure,
         budget=budget,
         cascades=chosen.cascades or (base.cascades if base is not None else None),
+        slo=slo,
     )

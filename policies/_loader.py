@@ -287,7 +287,11 @@ def _builtin_policy() -> Policy:
         _limits(spec, None),
         remediators=spec.remediators,
         detectors=compile_detectors(
-            spec.detectors, None, pressure=spec.context_pressure, budget=spec.run_budget
+            spec.detectors,
+            None,
+            pressure=spec.context_pressure,
+            budget=spec.run_budget,
+            slo=spec.slo,
         ),
     )
 
@@ -324,6 +328,7 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
             builtin_spec.detectors,
             pressure=spec.context_pressure or builtin_spec.context_pressure,
             budget=spec.run_budget or builtin_spec.run_budget,
+            slo=spec.slo or builtin_spec.slo,
         ),
     )
 

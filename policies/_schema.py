@@ -312,6 +312,11 @@ class DecisionMatch(_Strict):
     service: Globs | None = None
     role: Roles | None = None
     rule: Globs | None = None
+    slo_burning: bool | None = Field(
+        default=None,
+        description="True: only while the service's run SLO burns its error budget fast"
+        " (both windows); false: only while it does not.",
+    )
 
 
 class FixedWait(_Strict):
@@ -615,6 +620,7 @@ from policies._budgets import (  # noqa: E402 - the budgets module does not impo
     ContextPressureSpec,
     ModelInfoSpec,
     RunBudgetSpec,
+    SloSpec,
 )
 from policies._verifiers import (  # noqa: E402 - it imports the names above, defined by now
     AttributeRangeSpec,
@@ -653,6 +659,10 @@ class PolicyFile(_Strict):
     )
     run_budget: RunBudgetSpec | None = Field(
         default=None, description="Tokens and cost one run may spend; unset: the built-in's."
+    )
+    slo: SloSpec | None = Field(
+        default=None,
+        description="Run SLO per service (success, duration, cost) with burn-rate windows.",
     )
     verifiers: Verifiers = Field(
         default_factory=list,
@@ -695,6 +705,7 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         ContextPressureSpec,
         RunBudgetSpec,
         ModelInfoSpec,
+        SloSpec,
         VerifierSpec,
         VerifierMatch,
         OutputRegexSpec,

@@ -133,6 +133,7 @@ class Sidecar:
             # Through self.policy at each call: a reloaded policy's detectors apply.
             settings=lambda service: self.policy.detectors.for_service(service),  # noqa: PLW0108
             models=policy.detectors.models,
+            slo=policy.detectors.slo,
             max_runs=settings.tracked_runs,
         )
         if settings.track_runs:
@@ -465,6 +466,7 @@ class Sidecar:
         self.governor.set_policy(policy)
         self.runs.reset_settings()
         self.runs.models = policy.detectors.models
+        self.runs.set_slo(policy.detectors.slo)
 
         self.reloads["ok"] += 1
         log.info("policy reloaded", extra={"policy": policy.source, "rules": len(policy.rules)})
@@ -542,7 +544,7 @@ class Sidecar:
                 "latency_ms": _percentiles(self.dispatcher.latency),
             },
             "remediations": self.remediations.describe(),
-            "runs": self.runs.stats(),
+            "runs": {**self.runs.stats(), "slo": self.runs.slo_status()},
             "breakers": {
                 "tracked": len(self.governor.board),
                 "changes": self.breaker_changes,

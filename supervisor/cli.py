@@ -818,6 +818,37 @@ def _print_runs(args: argparse.Namespace, answer: dict[str, Any], *, fit_screen:
             print(f"… and {more} more: narrow with --status, --service or --limit")
     if isinstance(stats.get("tracked"), int):
         print(_runs_footer(len(found), stats))
+    slo = answer.get("slo")
+    if isinstance(slo, dict) and slo:
+        print()
+        for line in _slo_lines(slo):
+            print(line)
+
+
+def _slo_lines(slo: dict[str, Any]) -> list[str]:
+    """One line per service: run success against its target, burn rates, duration, cost."""
+    header = ["SERVICE", "RUNS", "SUCCESS", "TARGET", "BURN 5m/1h", "P95", "COST/RUN", ""]
+    rows: list[list[str]] = []
+    for service, status in sorted(slo.items()):
+        if not isinstance(status, dict):
+            continue
+        runs = status.get("runs") or {}
+        rate = (status.get("success_rate") or {}).get("long")
+        burn = status.get("burn_rate") or {}
+        cost = status.get("mean_cost_usd")
+        rows.append(
+            [
+                _one_line(service, 24),
+                _one_line(runs.get("long"), 10),
+                "-" if not isinstance(rate, (int, float)) else f"{rate:.1%}",
+                f"{status.get('success_target', 0):.1%}",
+                f"{burn.get('short', 0):.1f}/{burn.get('long', 0):.1f}",
+                _duration((status.get("duration_s") or {}).get("p95")),
+                "-" if not isinstance(cost, (int, float)) else f"${cost:.4f}",
+                "BURNING" if status.get("fast_burn") else "",
+            ]
+        )
+    return _aligned(header, rows, right=range(1, 7)) if rows else []
 
 
 def _run_row(run: dict[str, Any]) -> list[str]:

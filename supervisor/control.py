@@ -339,7 +339,11 @@ class Control:
             if (status is None or view.status == status)
             and (service is None or view.service == service)
         ][:limit]
-        return {"runs": found, "tracking": True, "stats": dict(runs.stats())}
+        answer: dict[str, Any] = {"runs": found, "tracking": True, "stats": dict(runs.stats())}
+        slo_status = getattr(runs, "slo_status", None)  # the tracker's SLOs, when it has them
+        if callable(slo_status):
+            answer["slo"] = slo_status()
+        return answer
 
     # -- decisions --------------------------------------------------------------
 

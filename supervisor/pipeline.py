@@ -239,22 +239,31 @@ class Pipeline:
             for item in first + later:
                 runs.observe(item, dependency_of(item), now_s, detected, repeats=False)
         outcomes = self._judge_wire(first, received_ns, calls)
+        if runs is not None:
+            runs.settle()
         if detected:
             outcomes += self.judge_detected([_detected_failure(d, received_ns) for d in detected])
         return outcomes, Remainder(later + verify, received_ns)
 
+    def _with_slo(self, failure: Failure) -> Failure:
+        """The failure as policies see it: whether its service's SLO is burning fast."""
+        if self.runs is not None and self.runs.burning(failure.service):
+            return replace(failure, slo_burning=True)
+        return failure
+
     def judge_detected(self, failures: list[Failure]) -> list[Outcome]:
         """Decide on failures a run detector found (loops, stalls); each once."""
         outcomes: list[Outcome] = []
-        for failure in failures:
-            key = failure.trace_id + failure.span_id + failure.rule
+        for found in failures:
+            key = found.trace_id + found.span_id + found.rule
             if key in self._seen:
                 self._duplicates += 1
                 continue
             self._seen.set(key, True)
             self._failures += 1
             if self.runs is not None:
-                self.runs.failed(failure.run_id)
+                self.runs.failed(found.run_id)
+            failure = self._with_slo(found)
             outcomes.append(Outcome(failure, self.policy.decide(failure, attempt=1)))
         return self._finish(outcomes, [], cascades=False)
 
@@ -373,6 +382,7 @@ class Pipeline:
             if len(self._attempted) < 10_000:  # bounded; beyond it successes reset nothing
                 self._attempted.add(failure.dependency)
             self._failures += 1
+            failure = self._with_slo(failure)
             decision = self.policy.decide(failure, attempt=attempt)
             if failure.dependency and self.governor is not None:
                 calls.append((cand.record.end_ns, failure.dependency, False))

@@ -229,6 +229,8 @@ class Failure:
     attributed: tuple[str, ...] = ()
     #: What a run detector found (repeats, idle seconds, unverified work); empty otherwise.
     details: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
+    #: The service's run SLO was burning its error budget fast when this was decided.
+    slo_burning: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,7 +120,10 @@ def replay(path: Path, policy: Policy) -> Iterator[Outcome | BadRecord]:
     """
     pipeline = Pipeline(policy)
     runs = pipeline.runs = RunTracker(
-        settings=policy.detectors.for_service, models=policy.detectors.models
+        settings=policy.detectors.for_service,
+        models=policy.detectors.models,
+        slo=policy.detectors.slo,
+        clock=lambda: clock_ns / 1e9,
     )
     clock_ns = 0
     for item in read_requests(path):

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from policies._budgets import ModelInfo, ModelTable, RunSpend
+from policies._budgets import ModelInfo, ModelTable, RunSpend, SloSpec, SloTracker
 from policies._detectors import DetectorSettings
 from supervisor.normalize.screen import (
     INPUT_TOKEN_KEYS,
@@ -316,6 +316,7 @@ class RunTracker:
         *,
         settings: Callable[[str], DetectorSettings] = lambda service: DetectorSettings(),
         models: ModelTable | None = None,
+        slo: SloSpec | None = None,
         max_runs: int = 10_000,
         max_idle_s: float = 6 * 3600.0,
         clock: Callable[[], float] = time.time,
@@ -323,6 +324,10 @@ class RunTracker:
         self._settings = settings
         #: Context windows and prices (None: no context pressure, no budgets, no cost).
         self.models = models
+        #: Run outcomes per service, against the policy's SLO (None: no SLOs).
+        self.slo = SloTracker(slo, clock=clock) if slo is not None else None
+        #: Runs whose root span ended in this batch: judged (errors counted) first.
+        self._ending: list[_Run] = []
         self._settings_memo: dict[str, DetectorSettings] = {}
         self.max_runs = max_runs
         self.max_idle_s = max_idle_s
@@ -391,9 +396,7 @@ class RunTracker:
         run.stalled = False
         span_id: bytes = span.span_id
         run.last_span = span_id
-        run.open = bool(span.parent_span_id)  # a root span ends its run's turn
-        if run.objective is None and not _OBJECTIVE_SET.isdisjoint(present):
-            run.objective = _first_present(encoded, present, OBJECTIVE_KEYS)
+        self._turn(run, bool(span.parent_span_id), encoded, present)
         if not dependency or dependency.startswith("http:"):
             return
         name: str = span.name
@@ -576,6 +579,14 @@ class RunTracker:
                 )
             )
 
+    def _turn(self, run: _Run, child: bool, encoded: Any, present: frozenset[str]) -> None:
+        """Whether the run's turn ended (its root span arrived), and its objective."""
+        if run.open and not child and self.slo is not None and len(self._ending) < 10_000:
+            self._ending.append(run)  # for the SLO, once this batch's failures are counted
+        run.open = child  # a root span ends its run's turn
+        if run.objective is None and not _OBJECTIVE_SET.isdisjoint(present):
+            run.objective = _first_present(encoded, present, OBJECTIVE_KEYS)
+
     def _run_for(
         self, trace: bytes, encoded: Any, present: frozenset[str], *, service: str, now: float
     ) -> _Run:
@@ -604,6 +615,45 @@ class RunTracker:
             runs.move_to_end(key)
         run.trace = trace
         return run
+
+    def settle(self, now: float | None = None) -> None:
+        """The batch is judged: runs that ended in it count in their service's SLO."""
+        ending, self._ending = self._ending, []
+        slo = self.slo
+        if slo is None:
+            return
+        for run in ending:
+            spend = run.spend
+            cost = (
+                spend.cost_usd if spend is not None and spend.calls and not spend.partial else None
+            )
+            slo.record_run(
+                run.service,
+                run.errors == 0,
+                max(0.0, run.last_seen - run.started),
+                cost,
+                now=now,
+            )
+
+    def set_slo(self, spec: SloSpec | None) -> None:
+        """A reloaded policy's SLO (history kept where its windows did not change)."""
+        if spec is None:
+            self.slo = None
+        elif self.slo is None:
+            self.slo = SloTracker(spec, clock=self._clock)
+        else:
+            self.slo.set_spec(spec)
+
+    def burning(self, service: str) -> bool:
+        """Whether ``service``'s run SLO burns its error budget fast (policies may match it)."""
+        return self.slo is not None and self.slo.burning(service)
+
+    def slo_status(self) -> dict[str, Any]:
+        """Each service's SLO status (success rate, burn rates, durations, cost per run)."""
+        slo = self.slo
+        if slo is None:
+            return {}
+        return {service: slo.status(service).to_json() for service in slo.services()[:100]}
 
     def failed(self, run_id: str) -> None:
         """A failure was reported in ``run_id`` (from the pipeline's judging)."""

@@ -646,6 +646,7 @@ def test_json_schema_describes_the_file() -> None:
         "context_pressure",
         "run_budget",
         "verifiers",
+        "slo",
     }
     assert schema["$defs"]["Rule"]["properties"]["class"]["enum"] == [
         "transient",

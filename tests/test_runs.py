@@ -306,3 +306,45 @@ detectors:
     assert [
         o for o in plain.process_payload(payload(*steps), 10**12) if o.failure.kind == "goal_drift"
     ] == []
+
+
+def test_ended_runs_roll_up_into_slos_that_policies_can_match() -> None:
+    policy = load_policy(
+        text="""\
+version: 1
+slo: {success_target: 0.9, short_window_s: 60, long_window_s: 600, burn_alert: 5, min_runs: 3}
+policies:
+  - name: no_optional_retries_while_burning
+    match: {kind: rate_limit, slo_burning: true}
+    action: fail_fast
+"""
+    )
+    clock = [1000.0]
+    pipeline = Pipeline(policy)
+    runs = pipeline.runs = RunTracker(
+        settings=policy.detectors.for_service,
+        models=policy.detectors.models,
+        slo=policy.detectors.slo,
+        clock=lambda: clock[0],
+    )
+    for n in range(4):  # four runs end, each after a failed call
+        trace = bytes([n + 1]) * 16
+        failing = llm("")
+        failing.trace_id = trace
+        failing.status.code = 2
+        failing.status.message = "InternalServerError: 503 Service Unavailable"
+        root = span("agent run", {}, trace=trace, parent=False)
+        pipeline.process_payload(payload(failing, root), received_ns=10**12)
+    status = runs.slo_status()["agent"]
+    assert status["runs"]["long"] == 4 and status["success_rate"]["long"] == 0.0
+    assert runs.burning("agent") and status["fast_burn"] is True
+    limited = llm("")
+    limited.trace_id = bytes([9]) * 16
+    limited.status.code = 2
+    limited.status.message = "RateLimitError: Error code: 429 - rate_limit_exceeded"
+    (outcome,) = pipeline.process_payload(payload(limited), received_ns=10**12)
+    assert outcome.failure.slo_burning is True
+    assert (outcome.decision.policy, outcome.decision.action.value) == (
+        "no_optional_retries_while_burning",
+        "fail_fast",
+    )

@@ -615,3 +615,27 @@ def test_the_cli_help_explains_the_verb(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "runs" in capsys.readouterr().out
+
+
+def test_slo_lines_show_each_service_against_its_target() -> None:
+    from supervisor.cli import _slo_lines
+
+    lines = _slo_lines(
+        {
+            "agent": {
+                "runs": {"short": 3, "long": 40},
+                "success_rate": {"short": 0.5, "long": 0.875},
+                "success_target": 0.95,
+                "burn_rate": {"short": 10.0, "long": 2.5},
+                "fast_burn": False,
+                "duration_s": {"p50": 20.0, "p95": 95.0},
+                "mean_cost_usd": 0.0123,
+            },
+            "batch\x1b[2J": {"runs": {"long": 5}, "success_rate": {}, "fast_burn": True},
+        }
+    )
+    assert lines[0].split() == [
+        "SERVICE", "RUNS", "SUCCESS", "TARGET", "BURN", "5m/1h", "P95", "COST/RUN",
+    ]  # fmt: skip
+    assert "87.5%" in lines[1] and "10.0/2.5" in lines[1] and "$0.0123" in lines[1]
+    assert "BURNING" in lines[2] and "\x1b" not in lines[2]
