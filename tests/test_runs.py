@@ -348,3 +348,36 @@ policies:
         "no_optional_retries_while_burning",
         "fail_fast",
     )
+
+
+def test_a_clock_going_back_or_leaping_ahead_neither_crashes_nor_stalls_wrongly() -> None:
+    tracker = RunTracker(settings=lambda s: DetectorSettings(idle_seconds=60), max_idle_s=3600)
+    feed(tracker, payload(llm("a")), now=1000.0)
+    assert tracker.stalled(now=900.0) == []  # the clock went back: nothing is idle
+    feed(tracker, payload(llm("b")), now=950.0)  # a span received "earlier" than the last
+    assert tracker.snapshot(now=950.0)[0].idle_s == 0.0
+    (stall,) = tracker.stalled(now=1100.0)
+    assert stall.idle_s == 150.0
+    assert tracker.stalled(now=10**9) == []  # a leap ahead: the run expires, counted
+    assert tracker.stats()["expired"] == 1
+
+
+def test_a_run_of_100_000_spans_keeps_bounded_state() -> None:
+    tracker = RunTracker(settings=lambda s: DetectorSettings(loop_window=20))
+    spans = [tool("search", {"q": n}) for n in range(2_000)]
+    for start in range(0, 100_000, 2_000):
+        feed(tracker, payload(*spans))  # re-sent 50 times: the same 2,000 calls
+        if start == 0:
+            spans = [tool("search", {"q": f"{start}-{n}"}) for n in range(2_000)]
+    run = next(iter(tracker._runs.values()))
+    assert run.spans == 100_000
+    assert run.tools is not None and len(run.tools.seen) <= 4 * 20
+    assert len(run.tools_since_llm) <= 64
+
+
+def test_a_trace_reused_by_an_unrelated_service_is_counted_not_crashed() -> None:
+    tracker = RunTracker()
+    feed(tracker, payload(llm("a"), service="agent"))
+    feed(tracker, payload(tool("x", {}), service="billing"))  # the same trace id
+    (view,) = tracker.snapshot()
+    assert (view.service, view.spans) == ("agent", 2)  # the run keeps its first service
