@@ -50,10 +50,18 @@ from supervisor.records import (
     Role,
     SpanRecord,
 )
-from supervisor.runs import CASCADE_RULE, STALL_RULE, Detection, RunTracker, StallDetection
+from supervisor.runs import (
+    CASCADE_RULE,
+    STALL_RULE,
+    Detection,
+    RunTracker,
+    StallDetection,
+    requested_calls,
+)
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
 OWN_SERVICE = "spanvisor"
+_STATUS_ERROR = 2  # OTLP Status.STATUS_CODE_ERROR
 _MESSAGE_LIMIT = 300
 _SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
 #: Characters of an origin's message kept to recognise it in a parent's.
@@ -237,7 +245,11 @@ class Pipeline:
                         recovery.succeeded(span.trace_id.hex(), dependency, span.span_id.hex())
         if runs is not None:  # the spans judged below count in their runs too
             for item in first + later:
-                runs.observe(item, dependency_of(item), now_s, detected, repeats=False)
+                # A failed call tried again is a retry, not a loop; a span with only
+                # harmless events (a streamed answer's first-token event) still counts.
+                runs.observe(
+                    item, dependency_of(item), now_s, detected, repeats=not _failed(item)
+                )
         outcomes = self._judge_wire(first, received_ns, calls)
         if runs is not None:
             runs.settle()
@@ -279,8 +291,8 @@ class Pipeline:
         verifiers = self.policy.verifiers
         unverified: list[Failure] = []
         if len(verifiers):
-            for record in records:
-                if record.error is None:
+            for item, record in zip(spans, records, strict=True):
+                if record.error is None and not _only_calls_tools(item, record):
                     unverified.extend(
                         _verification_failure(record, found, received_ns)
                         for found in verifiers.check(record)
@@ -641,3 +653,19 @@ def _cascade_failure(found: Cascade) -> Failure:
             "error_rate": round(found.error_rate, 4),
         },
     )
+
+
+def _failed(item: WireSpan) -> bool:
+    """Whether a screened span failed for sure: an ERROR status, or an exception event."""
+    span, _, _, present = item
+    if span.status.code == _STATUS_ERROR or "error.type" in present:
+        return True
+    return any(event.name == "exception" for event in span.events)
+
+
+def _only_calls_tools(item: WireSpan, record: SpanRecord) -> bool:
+    """An LLM turn with no text that asked for tool calls: not an answer to verify."""
+    if record.role is not Role.LLM or record.output_text:
+        return False
+    span, _, _, present = item
+    return bool(requested_calls(span.attributes, present))

@@ -55,6 +55,7 @@ __all__ = [
     "RunTracker",
     "RunView",
     "StallDetection",
+    "requested_calls",
 ]
 
 _MAX_KEPT_BYTES: Final = 16 * 1024
@@ -159,6 +160,7 @@ _OBJECTIVE_SET: Final = frozenset(OBJECTIVE_KEYS)
 _OI_CALL: Final = "llm.output_messages.{n}.message.tool_calls.{m}.tool_call.function.{field}"
 _MAX_PROBED: Final = 8
 _INT_TAG: Final = 0x18
+_OI_ROLE: Final = "llm.output_messages.0.message.role"
 #: OpenInference tool-call keys, [message][call] -> (name key, arguments key).
 _OI_KEYS: Final = tuple(
     tuple(
@@ -770,6 +772,8 @@ def _requested_raw(encoded: Any, present: frozenset[str]) -> dict[str, bytes] | 
     whole = encoded.get("gen_ai.output.messages") if "gen_ai.output.messages" in present else None
     if whole is not None and len(whole) <= _MAX_KEPT_BYTES:
         kept["gen_ai.output.messages"] = whole
+    if encoded.get(_OI_ROLE) is not None:  # the adapter reads a message only with its role
+        kept[_OI_ROLE] = encoded.get(_OI_ROLE)
     for message in _OI_KEYS:  # a response is one message
         for name_key, args_key in message:
             found = encoded.get(name_key)
@@ -900,6 +904,14 @@ def _view(run: _Run, now: float, settings: DetectorSettings) -> RunView:
         cost_usd=run.spend.cost_usd if run.spend is not None and run.spend.calls else None,
         cost_partial=run.spend.partial if run.spend is not None else False,
     )
+
+
+def requested_calls(encoded: Any, present: frozenset[str]) -> list[str]:
+    """``name(arguments)`` of the tool calls an LLM span's response asked for."""
+    if REQUEST_MARKERS.isdisjoint(present):
+        return []
+    kept = _requested_raw(encoded, present)
+    return _requested_calls(kept) if kept else []
 
 
 def _unanswered(run: _Run) -> tuple[str, ...]:

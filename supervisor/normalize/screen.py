@@ -125,6 +125,8 @@ TOOL_ARGUMENT_KEYS: Final = ("gen_ai.tool.call.arguments", "input.value", "trace
 #: whole response JSON), else the new GenAI convention's message list.
 LLM_OUTPUT_KEYS: Final = (
     "llm.output_messages.0.message.content",
+    # openinference-instrumentation-anthropic writes the text as content blocks
+    "llm.output_messages.0.message.contents.0.message_content.text",
     "gen_ai.completion.0.content",
     "gen_ai.output.messages",
 )
