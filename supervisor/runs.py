@@ -607,6 +607,8 @@ class RunTracker:
                     self._remember_session(trace, key)
                     break
         runs = self._runs
+        # Spans of the trace seen before one named its session: their run is this one.
+        early = runs.pop(trace, None) if key != trace else None
         run = runs.get(key)
         if run is None:
             while len(runs) >= self.max_runs:
@@ -615,6 +617,8 @@ class RunTracker:
             run = runs[key] = _Run(key, service, trace, now)
         else:
             runs.move_to_end(key)
+        if early is not None:
+            _fold(early, into=run)
         run.trace = trace
         return run
 
@@ -804,6 +808,19 @@ def _first_present(encoded: Any, present: frozenset[str], keys: tuple[str, ...])
             found: bytes | None = encoded.get(key)
             return found
     return None
+
+
+def _fold(early: _Run, *, into: _Run) -> None:
+    """Counts of a trace's first spans (before it named its session) into the session's run."""
+    into.started = min(into.started, early.started)
+    into.spans += early.spans
+    into.llm_calls += early.llm_calls
+    into.tool_calls += early.tool_calls
+    into.errors += early.errors
+    into.input_tokens += early.input_tokens
+    into.output_tokens += early.output_tokens
+    if into.objective is None:
+        into.objective = early.objective
 
 
 def _objective_text(raw: bytes) -> str:

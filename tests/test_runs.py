@@ -381,3 +381,13 @@ def test_a_trace_reused_by_an_unrelated_service_is_counted_not_crashed() -> None
     feed(tracker, payload(tool("x", {}), service="billing"))  # the same trace id
     (view,) = tracker.snapshot()
     assert (view.service, view.spans) == ("agent", 2)  # the run keeps its first service
+
+
+def test_spans_seen_before_their_trace_named_its_session_join_the_session_run() -> None:
+    tracker = RunTracker(settings=lambda s: DetectorSettings(idle_seconds=600))
+    feed(tracker, payload(span("GET /search", {})), now=1000.0)  # no session yet
+    feed(tracker, payload(llm("a", **{"gen_ai.conversation.id": "conv-9"})), now=1000.0)
+    (view,) = tracker.snapshot()
+    assert (view.run_id, view.spans, view.llm_calls) == ("conv-9", 2, 1)
+    feed(tracker, payload(llm("b", **{"gen_ai.conversation.id": "conv-9"})), now=1600.0)
+    assert tracker.stalled(now=1601.0) == []  # no leftover trace-keyed run to stall
