@@ -55,10 +55,12 @@ class Cascade:
 
 @dataclass
 class _Window:
-    #: (time, ok, run id or "") per call, oldest first
-    calls: deque[tuple[float, bool, str]] = field(default_factory=deque)
+    #: (time, ok, run id or "", failing span or "") per call, oldest first
+    calls: deque[tuple[float, bool, str, str]] = field(default_factory=deque)
     failures: int = 0
     active: bool = False
+    #: The failing spans in the window: a span judged again (re-sent) counts once.
+    spans: set[str] = field(default_factory=set)
 
 
 class CascadeDetector:
@@ -94,7 +96,11 @@ class CascadeDetector:
             if not failure.dependency:
                 continue
             window = self._window(failure.dependency)
-            window.calls.append((now, False, failure.run_id))
+            span = failure.trace_id + failure.span_id
+            if span in window.spans:
+                continue  # the same failing span again: an exporter re-sent it
+            window.spans.add(span)
+            window.calls.append((now, False, failure.run_id, span))
             window.failures += 1
             touched[failure.dependency] = failure
         for dependency, last in touched.items():
@@ -113,7 +119,7 @@ class CascadeDetector:
         for dependency in successes:
             window = windows.get(dependency)  # only dependencies that failed lately
             if window is not None:
-                window.calls.append((stamp, True, ""))
+                window.calls.append((stamp, True, "", ""))
                 if len(window.calls) > self.max_calls:
                     self._drop_oldest(window)
 
@@ -133,9 +139,10 @@ class CascadeDetector:
 
     @staticmethod
     def _drop_oldest(window: _Window) -> None:
-        _, ok, _ = window.calls.popleft()
+        _, ok, _, span = window.calls.popleft()
         if not ok:
             window.failures -= 1
+            window.spans.discard(span)
 
     def _check(self, dependency: str, window: _Window, last: Failure, now: float) -> None:
         settings = self.settings
@@ -153,7 +160,7 @@ class CascadeDetector:
         rate = failures / calls
         if rate < settings.min_error_rate:
             return
-        runs = list(dict.fromkeys(run for _, ok, run in window.calls if not ok and run))
+        runs = list(dict.fromkeys(run for _, ok, run, _ in window.calls if not ok and run))
         if len(runs) < settings.min_runs:
             return
         window.active = True

@@ -161,6 +161,9 @@ _OI_CALL: Final = "llm.output_messages.{n}.message.tool_calls.{m}.tool_call.func
 _MAX_PROBED: Final = 8
 _INT_TAG: Final = 0x18
 _OI_ROLE: Final = "llm.output_messages.0.message.role"
+_MESSAGES: Final = "gen_ai.output.messages"
+#: LLM_OUTPUT_KEYS but the message list, which is read once for both uses.
+_LLM_TEXT_KEYS: Final = tuple(k for k in LLM_OUTPUT_KEYS if k != _MESSAGES)
 #: OpenInference tool-call keys, [message][call] -> (name key, arguments key).
 _OI_KEYS: Final = tuple(
     tuple(
@@ -423,11 +426,14 @@ class RunTracker:
             prompt = self._llm_call(
                 run, encoded, present, dependency, settings=settings, span_id=span_id, found=found
             )
+            messages = encoded.get(_MESSAGES) if _MESSAGES in present else None
             run.last_llm = (
-                None if REQUEST_MARKERS.isdisjoint(present) else _requested_raw(encoded, present)
+                None
+                if REQUEST_MARKERS.isdisjoint(present)
+                else _requested_raw(encoded, present, messages)
             )
             run.tools_since_llm = []
-            raw = _first_present(encoded, present, LLM_OUTPUT_KEYS)
+            raw = _first_present(encoded, present, _LLM_TEXT_KEYS) or messages
             if not settings.loops or not repeats or not raw:
                 return  # no output recorded: nothing to compare
             seen = run.llm_outputs
@@ -770,19 +776,30 @@ def _at(
     )
 
 
-def _requested_raw(encoded: Any, present: frozenset[str]) -> dict[str, bytes] | None:
-    """The raw values that name the tool calls an LLM response asked for, probed by key."""
-    kept: dict[str, bytes] = {}
-    whole = encoded.get("gen_ai.output.messages") if "gen_ai.output.messages" in present else None
-    if whole is not None and len(whole) <= _MAX_KEPT_BYTES:
-        kept["gen_ai.output.messages"] = whole
-    if encoded.get(_OI_ROLE) is not None:  # the adapter reads a message only with its role
-        kept[_OI_ROLE] = encoded.get(_OI_ROLE)
+def _requested_raw(
+    encoded: Any, present: frozenset[str], messages: bytes | None = None
+) -> dict[str, bytes] | None:
+    """The raw values that name the tool calls an LLM response asked for; None when none.
+
+    Probed cheaply first (OpenInference's first call's name; a ``tool_call``
+    part in the GenAI message list), kept only when there is one: most
+    responses ask for nothing. ``messages``: ``gen_ai.output.messages``, when
+    the caller read it already.
+    """
+    kept: dict[str, bytes] | None = None
+    if messages is None and "gen_ai.output.messages" in present:
+        messages = encoded.get("gen_ai.output.messages")
+    if messages is not None and b"tool_call" in messages and len(messages) <= _MAX_KEPT_BYTES:
+        kept = {"gen_ai.output.messages": messages}
+    if _OI_ROLE not in present:
+        return kept
     for message in _OI_KEYS:  # a response is one message
         for name_key, args_key in message:
             found = encoded.get(name_key)
             if found is None:
                 break
+            if kept is None:
+                kept = {_OI_ROLE: encoded.get(_OI_ROLE)}  # the adapter needs the role
             kept[name_key] = found
             arguments = encoded.get(args_key)
             if arguments is not None and len(arguments) <= _MAX_KEPT_BYTES:

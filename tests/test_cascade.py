@@ -95,3 +95,11 @@ breakers:
     assert failures == len(own)  # a batch is observed at once: all of it counts
     assert f"failing across runs: {failures} of {failures} calls" in cascade.failure.message
     assert governor.breaker_state("openai:gpt-4o") is BreakerState.OPEN
+
+
+def test_a_re_sent_failure_counts_once() -> None:
+    detector = CascadeDetector(CascadeSettings(min_failures=3, min_runs=2))
+    batch = [failure("a", 1), failure("b", 2)]
+    for _ in range(5):
+        detector.observe([], batch)  # the same two failing spans, judged again and again
+    assert detector.cascades() == []
