@@ -16,15 +16,11 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -40,6 +36,7 @@ from supervisor.control import Control, RunsView
 from supervisor.normalize import dependency_of, wire_spans
 from supervisor.runs import RunTracker, RunView
 from supervisor.store import Store
+from tests.test_remediations_api import _Served
 
 TOKEN = "t0k3n"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -323,28 +320,6 @@ def test_a_real_tracker_is_listed_as_it_counts() -> None:
 
 
 # -- the CLI, over a real socket ---------------------------------------------------
-
-
-class _Served:
-    def __init__(self, app: FastAPI) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        port = self.sock.getsockname()[1]
-        self.remote = ["--api", f"http://127.0.0.1:{port}", "--token", TOKEN]
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
 
 
 @pytest.fixture
