@@ -39,6 +39,7 @@ from typing import Any, Final
 from policies._budgets import ModelInfo, ModelTable, RunSpend, SloSpec, SloTracker
 from policies._detectors import DetectorSettings
 from supervisor.normalize.screen import (
+    FIRST_TOOL_CALL,
     INPUT_TOKEN_KEYS,
     LLM_OUTPUT_KEYS,
     OBJECTIVE_KEYS,
@@ -567,7 +568,8 @@ class RunTracker:
         spend = run.spend
         if spend is None:
             spend = run.spend = RunSpend()
-        spend.add_known(run.model.partition(":")[2], info, prompt, completion)
+        # The dependency names the model in the list of unpriced ones (provider:model).
+        spend.add_known(run.model, info, prompt, completion)
         budget = settings.budget
         if budget is None:
             return
@@ -791,7 +793,7 @@ def _requested_raw(
         messages = encoded.get("gen_ai.output.messages")
     if messages is not None and b"tool_call" in messages and len(messages) <= _MAX_KEPT_BYTES:
         kept = {"gen_ai.output.messages": messages}
-    if _OI_ROLE not in present:
+    if FIRST_TOOL_CALL not in present:
         return kept
     for message in _OI_KEYS:  # a response is one message
         for name_key, args_key in message:

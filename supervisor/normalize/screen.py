@@ -137,8 +137,10 @@ OBJECTIVE_KEYS: Final = (
     "gen_ai.prompt.0.content",
     "input.value",
 )
+#: OpenInference's first requested tool call: its presence says the response asked for one.
+FIRST_TOOL_CALL: Final = "llm.output_messages.0.message.tool_calls.0.tool_call.function.name"
 #: An LLM span whose response may ask for tool calls (kept for stall reports).
-REQUEST_MARKERS: Final = frozenset({_OUTPUT_MESSAGES, "gen_ai.output.messages"})
+REQUEST_MARKERS: Final = frozenset({FIRST_TOOL_CALL, "gen_ai.output.messages"})
 #: Every key the run tracker (supervisor.runs) looks for in a span's present keys.
 RUN_KEYS: Final = (
     frozenset(
