@@ -49,7 +49,7 @@ from remediators.tools import check_arguments, execute
 from remediators.tracing import preset_ids, root_span_id
 from supervisor.errors import ConfigError
 
-__all__ = ["DurableRunner", "RunnerSettings", "build_request"]
+__all__ = ["DurableRunner", "RunnerSettings", "build_request", "redact_url"]
 
 log = logging.getLogger("spanvisor.remediate")
 
@@ -359,7 +359,7 @@ class DurableRunner:
         if self._error is not None:
             _Active.runner = None
             raise ConfigError(
-                f"cannot start remediations on {_redact(self.settings.database_url)}:"
+                f"cannot start remediations on {redact_url(self.settings.database_url)}:"
                 f" {type(self._error).__name__}: {_first_line(self._error)}"
             ) from self._error
 
@@ -792,7 +792,7 @@ def _clip(text: str) -> str:
     return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 1] + "…"
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """A database URL without its password, for messages."""
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)

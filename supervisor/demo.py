@@ -170,7 +170,10 @@ def _summary(
     last = [line for line in agent_err.strip().splitlines() if line.startswith("demo agent:")]
     if last:
         print(f"  {last[-1]}")
-    print("\nThis release classifies and decides; carrying decisions out comes next.")
+    print(
+        "\nThis demo shows classification and decisions. An agent that takes them (retries,"
+        "\nfallbacks, approvals, remediations) is examples/webhook_agent.py; see the README."
+    )
     if downstream is None:
         print(
             "To see the failures next to their spanvisor.decide spans in a trace viewer, start\n"

@@ -34,7 +34,7 @@ import tenacity
 from policies import Governor, Policy
 from remediators.base import Trigger
 from remediators.registry import RemediatorNotFound, allowed_tools, budget_of, resolve
-from remediators.runner import DurableRunner, RunnerSettings, build_request
+from remediators.runner import DurableRunner, RunnerSettings, build_request, redact_url
 from supervisor.act import Actor
 from supervisor.failure_log import outcome_json
 from supervisor.pipeline import Outcome
@@ -405,7 +405,7 @@ class Remediations:
         )
         runner.start()
         self.runner = runner
-        log.info("remediations ready", extra={"database": _redacted(self.database_url)})
+        log.info("remediations ready", extra={"database": redact_url(self.database_url)})
         if redispatch:
             self._redispatch()
 
@@ -543,14 +543,8 @@ class Remediations:
         runner = self.runner
         return {
             "running": runner is not None,
-            "database": _redacted(self.database_url) if self.database_url else None,
+            "database": redact_url(self.database_url) if self.database_url else None,
             "undispatched": self.undispatched,
             "watched": len(self.watch),
             **(runner.stats() if runner is not None else {}),
         }
-
-
-def _redacted(url: str) -> str:
-    from remediators.runner import _redact
-
-    return _redact(url)
