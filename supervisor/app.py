@@ -52,7 +52,7 @@ from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.metrics import SidecarMetrics
-from supervisor.pipeline import Outcome, Pipeline, stall_failure
+from supervisor.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.remediation import Remediations
 from supervisor.runs import RunTracker
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
@@ -487,7 +487,7 @@ class Sidecar:
         if not found:
             return []
         now_ns = time.time_ns()
-        outcomes = self.pipeline.judge_detected([stall_failure(s, now_ns) for s in found])
+        outcomes = self.pipeline.judge_detected([detected_failure(s, now_ns) for s in found])
         for outcome in outcomes:
             self.failures.add(outcome)
             self.tracer.emit(outcome.failure, outcome.decision)

@@ -52,10 +52,8 @@ from supervisor.records import (
 )
 from supervisor.runs import (
     CASCADE_RULE,
-    STALL_RULE,
     Detection,
     RunTracker,
-    StallDetection,
     requested_calls,
 )
 
@@ -247,14 +245,12 @@ class Pipeline:
             for item in first + later:
                 # A failed call tried again is a retry, not a loop; a span with only
                 # harmless events (a streamed answer's first-token event) still counts.
-                runs.observe(
-                    item, dependency_of(item), now_s, detected, repeats=not _failed(item)
-                )
+                runs.observe(item, dependency_of(item), now_s, detected, repeats=not _failed(item))
         outcomes = self._judge_wire(first, received_ns, calls)
         if runs is not None:
             runs.settle()
         if detected:
-            outcomes += self.judge_detected([_detected_failure(d, received_ns) for d in detected])
+            outcomes += self.judge_detected([detected_failure(d, received_ns) for d in detected])
         return outcomes, Remainder(later + verify, received_ns)
 
     def _with_slo(self, failure: Failure) -> Failure:
@@ -553,7 +549,12 @@ def _summary(record: SpanRecord) -> str:
     return line if len(line) <= _MESSAGE_LIMIT else line[: _MESSAGE_LIMIT - 1] + "…"
 
 
-def _detected_failure(found: Detection, received_ns: int) -> Failure:
+def detected_failure(found: Detection, received_ns: int) -> Failure:
+    """What a run detector found, as a failure at its span."""
+    if found.role:
+        role = Role(found.role)
+    else:
+        role = Role.TOOL if found.dependency.startswith("tool:") else Role.LLM
     return Failure(
         trace_id=found.trace_id,
         span_id=found.span_id,
@@ -561,7 +562,7 @@ def _detected_failure(found: Detection, received_ns: int) -> Failure:
         service=found.service,
         span_name=found.span_name,
         run_id=found.run_id,
-        role=Role.TOOL if found.dependency.startswith("tool:") else Role.LLM,
+        role=role,
         failure_class=FailureClass(found.failure_class),
         kind=found.kind,
         dependency=found.dependency,
@@ -570,28 +571,6 @@ def _detected_failure(found: Detection, received_ns: int) -> Failure:
         evidence=ErrorEvidence(),
         received_ns=received_ns,
         details=found.details,
-    )
-
-
-def stall_failure(found: StallDetection, now_ns: int) -> Failure:
-    """A stalled run as a failure at its last span; ``unverified`` names unanswered calls."""
-    unverified = ", ".join(found.unverified) or "none seen"
-    return Failure(
-        trace_id=found.trace_id,
-        span_id=found.span_id,
-        parent_span_id="",
-        service=found.service,
-        span_name=found.span_name,
-        run_id=found.run_id,
-        role=Role.AGENT,
-        failure_class=FailureClass.TRANSIENT,
-        kind="stall",
-        dependency=found.dependency,
-        rule=STALL_RULE,
-        message=f"no span for {found.idle_s:.0f} s; unverified work: {unverified}"[:512],
-        evidence=ErrorEvidence(),
-        received_ns=now_ns,
-        details={"idle_s": round(found.idle_s, 3), "unverified": found.unverified},
     )
 
 

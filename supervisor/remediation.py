@@ -105,10 +105,15 @@ class RecoveryWatch:
             self.dependencies.intersection_update(dep for _, dep in self._by_key)
 
     def succeeded(self, run: str, dependency: str, span_id: str) -> None:
-        """A span of ``run`` shows ``dependency`` succeeding (from the pipeline's thread)."""
+        """A span of ``run`` shows ``dependency`` succeeding (from the pipeline's thread).
+
+        Each waiting remediation is told once: later successes before it
+        unwatches would only pile up messages nobody receives.
+        """
         with self._lock:
             waiting = list(self._by_key.get((run, dependency), ()))
         for remediation_id in waiting:
+            self.unwatch(remediation_id)
             self._notify(remediation_id, {"run": run, "dependency": dependency, "span_id": span_id})
 
     def __len__(self) -> int:

@@ -25,7 +25,7 @@ from policies import Policy
 from supervisor.errors import IngestError
 from supervisor.failure_log import outcome_json
 from supervisor.ingest.codec import decode_request, validate_spans
-from supervisor.pipeline import Outcome, Pipeline, stall_failure
+from supervisor.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.runs import RunTracker
 
 #: Far above any real request; a corrupt length prefix fails clearly instead.
@@ -150,7 +150,7 @@ def _last_end_ns(request: ExportTraceServiceRequest) -> int:
 
 def _stalls(pipeline: Pipeline, runs: RunTracker, clock_ns: int) -> list[Outcome]:
     found = runs.stalled(now=clock_ns / 1e9)
-    return pipeline.judge_detected([stall_failure(s, clock_ns) for s in found]) if found else []
+    return pipeline.judge_detected([detected_failure(s, clock_ns) for s in found]) if found else []
 
 
 # -- output ---------------------------------------------------------------------

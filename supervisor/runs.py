@@ -55,7 +55,6 @@ __all__ = [
     "Detection",
     "RunTracker",
     "RunView",
-    "StallDetection",
     "requested_calls",
 ]
 
@@ -80,22 +79,8 @@ class Detection:
     dependency: str
     message: str
     details: Mapping[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class StallDetection:
-    run_id: str
-    service: str
-    trace_id: str
-    #: The run's last span: where the failure is reported.
-    span_id: str
-    span_name: str
-    #: The run's last call's dependency (a later success of it shows the run moving).
-    dependency: str
-    idle_s: float
-    #: Tool calls the last LLM response asked for that no tool span answered.
-    unverified: tuple[str, ...]
-    step: str
+    #: The failing role when it is not the dependency's (a stall: the agent's).
+    role: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -685,10 +670,10 @@ class RunTracker:
 
     # -- the timer ------------------------------------------------------------
 
-    def stalled(self, now: float | None = None) -> list[StallDetection]:
+    def stalled(self, now: float | None = None) -> list[Detection]:
         """Runs silent past their ``idle_seconds``, each once per silence; drops expired runs."""
         now = self._clock() if now is None else now
-        found: list[StallDetection] = []
+        found: list[Detection] = []
         for run in list(self._runs.values()):  # least recently active first
             idle = now - run.last_seen
             if idle >= self.max_idle_s:
@@ -701,17 +686,20 @@ class RunTracker:
             if not settings.stalls or idle < settings.idle_seconds:
                 continue
             run.stalled = True
+            unverified = _unanswered(run)
+            listed = ", ".join(unverified) or "none seen"
             found.append(
-                StallDetection(
-                    run_id=run.run_id,
-                    service=run.service,
-                    trace_id=run.trace.hex(),
-                    span_id=run.last_span.hex(),
-                    span_name=run.step[:256],
-                    dependency=run.last_dependency,
-                    idle_s=idle,
-                    unverified=_unanswered(run),
-                    step=run.step,
+                _at(
+                    run,
+                    run.last_span,
+                    run.step,
+                    run.last_dependency,
+                    kind="stall",
+                    failure_class="transient",
+                    rule=STALL_RULE,
+                    message=f"no span for {idle:.0f} s; unverified work: {listed}",
+                    details={"idle_s": round(idle, 3), "unverified": unverified},
+                    role="agent",
                 )
             )
         return found
@@ -735,19 +723,17 @@ class RunTracker:
 def _loop(
     run: _Run, dependency: str, first: tuple[bytes, str], *, repeats: int, what: str
 ) -> Detection:
-    name = first[1][:256]
-    return Detection(
+    span_id, name = first
+    return _at(
+        run,
+        span_id,
+        name,
+        dependency,
         kind="reasoning_loop",
         failure_class="model",
         rule=LOOP_RULE,
-        run_id=run.run_id,
-        service=run.service,
-        trace_id=run.trace.hex(),
-        span_id=first[0].hex(),
-        span_name=name,
-        dependency=dependency,
-        message=f"{what} {repeats} times: {name}",
-        details={"repeats": repeats, "repeated_call": name},
+        message=f"{what} {repeats} times: {name[:256]}",
+        details={"repeats": repeats, "repeated_call": name[:256]},
     )
 
 
@@ -762,6 +748,7 @@ def _at(
     rule: str,
     message: str,
     details: Mapping[str, Any],
+    role: str = "",
 ) -> Detection:
     return Detection(
         kind=kind,
@@ -775,6 +762,7 @@ def _at(
         dependency=dependency,
         message=message,
         details=details,
+        role=role,
     )
 
 

@@ -44,7 +44,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydantic.warnings import PydanticDeprecatedSince20
 
 from policies import load_policy
-from supervisor.pipeline import Outcome, Pipeline, stall_failure
+from supervisor.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.runs import RunTracker
 from supervisor.testing import FakeProvider, Reply, ToolCall
 from tests.screening import assert_early_reads_agree
@@ -540,20 +540,20 @@ def test_a_crash_before_the_tool_ran_leaves_the_charge_unverified(
     assert agent.outcomes == []
     assert agent.tracker.stalled(now=last + 4.9) == []
     (stall,) = agent.tracker.stalled(now=last + 5.0)
-    assert (stall.span_id, stall.dependency, stall.idle_s) == (
+    assert (stall.span_id, stall.dependency, stall.details["idle_s"]) == (
         agent.llm_spans[0],
         agent.flavor.dependency,
         5.0,
     )
     assert agent.tracker.snapshot(now=last + 5.0)[0].status == "stalled"
     assert agent.tracker.stalled(now=last + 60.0) == []  # once per silence
-    (outcome,) = agent.pipeline.judge_detected([stall_failure(stall, int((last + 5) * 1e9))])
+    (outcome,) = agent.pipeline.judge_detected([detected_failure(stall, int((last + 5) * 1e9))])
     assert (outcome.failure.kind, outcome.failure.rule) == ("stall", "builtin.detect.stall")
     assert (outcome.decision.action.value, outcome.decision.params["remediator"]) == (
         "remediate",
         "resume_run",
     )
-    (unverified,) = stall.unverified
+    (unverified,) = stall.details["unverified"]
     assert unverified.startswith("charge_card(")
     assert "42" in unverified and "EUR" in unverified
     assert "charge_card(" in outcome.failure.message
@@ -575,7 +575,7 @@ def test_a_crash_between_two_tool_calls_leaves_only_the_second_unverified(
         # ...and dies before sending the receipt.
     (stall,) = agent.tracker.stalled(now=agent.now + 5)
     assert stall.dependency == "tool:charge_card"
-    (unverified,) = stall.unverified
+    (unverified,) = stall.details["unverified"]
     assert unverified.startswith("send_receipt(")
     assert "ada@example.com" in unverified
 

@@ -124,6 +124,7 @@ def test_the_watch_tells_only_the_remediations_of_that_run_and_dependency() -> N
     assert watch.dependencies == {"openai:gpt-4o"}
     watch.succeeded("run-1", "openai:gpt-4o", "c" * 16)
     watch.succeeded("run-1", "anthropic:claude", "d" * 16)
+    watch.succeeded("run-1", "openai:gpt-4o", "e" * 16)  # told once: no pile of messages
     assert [rid for rid, _ in told] == ["rem_1"]
     watch.unwatch("rem_1")
     watch.unwatch("rem_2")

@@ -12,7 +12,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from policies import load_policy
 from policies._detectors import DetectorSettings
 from supervisor.normalize import dependency_of, wire_spans
-from supervisor.pipeline import Pipeline, stall_failure
+from supervisor.pipeline import Pipeline, detected_failure
 from supervisor.runs import Detection, RunTracker
 
 TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
@@ -164,9 +164,9 @@ def test_a_silent_open_run_stalls_once_listing_unanswered_tool_calls() -> None:
     feed(tracker, payload(asked, tool("charge_card", {"amount": 5})), now=1000.0)
     assert tracker.stalled(now=1059.0) == []
     (stall,) = tracker.stalled(now=1061.0)
-    assert stall.unverified == ("send_email({'to': 'a@b'})",) or stall.unverified[0].startswith(
-        "send_email("
-    )
+    assert stall.details["unverified"] == ("send_email({'to': 'a@b'})",) or stall.details[
+        "unverified"
+    ][0].startswith("send_email(")
     assert stall.span_id == "" or len(stall.span_id) == 16
     assert tracker.stalled(now=1200.0) == []  # once per silence
     (view,) = tracker.snapshot(now=1200.0)
@@ -232,7 +232,7 @@ detectors:
     pipeline.process_payload(payload(llm("b"), service="web"), received_ns=10**12)
     (stall,) = tracker.stalled(now=1000.0 + 31)
     assert stall.service == "batch-7"
-    (outcome,) = pipeline.judge_detected([stall_failure(stall, 10**12)])
+    (outcome,) = pipeline.judge_detected([detected_failure(stall, 10**12)])
     assert (outcome.failure.kind, outcome.failure.failure_class.value) == ("stall", "transient")
     assert outcome.decision.params["remediator"] == "resume_run"
     assert "no span for 31 s" in outcome.failure.message
@@ -357,7 +357,7 @@ def test_a_clock_going_back_or_leaping_ahead_neither_crashes_nor_stalls_wrongly(
     feed(tracker, payload(llm("b")), now=950.0)  # a span received "earlier" than the last
     assert tracker.snapshot(now=950.0)[0].idle_s == 0.0
     (stall,) = tracker.stalled(now=1100.0)
-    assert stall.idle_s == 150.0
+    assert stall.details["idle_s"] == 150.0
     assert tracker.stalled(now=10**9) == []  # a leap ahead: the run expires, counted
     assert tracker.stats()["expired"] == 1
 
