@@ -500,6 +500,7 @@ BUILTIN_REMEDIATORS: tuple[str, ...] = (
     "retry_step",
     "fallback_switch",
     "loop_breaker",
+    "rewind",
     "escalate",
     "restart_worker",
     "llm",
@@ -510,6 +511,7 @@ BUILTIN_REMEDIATORS: tuple[str, ...] = (
 ToolName = Literal[
     "retry_step",
     "resume_run",
+    "rewind_run",
     "switch_fallback",
     "pause_run",
     "abort_run",

@@ -188,7 +188,7 @@ class RemediationContext(Protocol):
     @property
     def tools(self) -> frozenset[str]: ...
 
-    async def call(self, tool: str, **arguments: Any) -> ToolResult:
+    async def call(self, tool: str, /, **arguments: Any) -> ToolResult:
         """Run ``tool`` once (durably); refused when outside the allowlist."""
         ...
 

@@ -22,6 +22,7 @@ __all__ = [
     "RestartWorker",
     "ResumeRun",
     "RetryStep",
+    "Rewind",
 ]
 
 _MAX_DELAY_S = 3600.0
@@ -162,39 +163,95 @@ def _after(chain: Sequence[Any], dependency: str) -> list[str]:
 
 
 class LoopBreaker(Remediator):
-    """For a reasoning loop: guidance naming the repeated call; if the loop goes on, abort.
+    """For a reasoning loop: guidance, then a rewind, then an abort, as the loop goes on.
 
-    params: ``watch_s`` (default 60): how long the run has to move on.
+    The run tracker reports a loop again each time it goes on after a report
+    (``occurrence`` 1, 2, 3), so each rung is a new remediation triggered by
+    evidence that the previous one did not work, and a restarted sidecar
+    takes the same rung:
+
+    1. guidance naming the repeated call;
+    2. ``rewind_run``: back to the checkpoint before the loop's first call,
+       with a summary of the failed attempt, because going forward from
+       inside the loop has not helped;
+    3. ``abort_run``.
     """
 
     name = "loop_breaker"
-    tools = frozenset({"inject_guidance", "abort_run", "recent_spans"})
+    tools = frozenset({"inject_guidance", "rewind_run", "abort_run", "recent_spans"})
     budget: ClassVar[Budget] = Budget(steps=6, tool_calls=4)
-
-    @classmethod
-    def check_params(cls, params: Mapping[str, Any]) -> list[str]:
-        problems: list[str] = []
-        _number(params, "watch_s", 60.0, problems)
-        return problems
 
     async def run(self, ctx: RemediationContext) -> Verdict:
         trigger = ctx.trigger
         repeated = str(trigger.params.get("repeated_call") or trigger.span_name or "the same call")
         count = trigger.params.get("repeats")
         times = f" {count} times" if isinstance(count, int) else " repeatedly"
-        guidance = (
-            f"You have called {repeated[:200]}{times} with the same arguments and the same"
-            " result. Do not call it again with these arguments: change the arguments, use"
-            " another tool, or give your best final answer now."
-        )
-        sent = await ctx.call("inject_guidance", guidance=guidance)
-        if not sent.ok:
-            return Verdict.FAILED
-        if await ctx.wait_for_recovery(float(self.params.get("watch_s", 60.0))):
-            return Verdict.SUCCEEDED
-        ctx.log("the loop went on after guidance; aborting the run")
+        occurrence = trigger.params.get("occurrence")
+        rung = occurrence if isinstance(occurrence, int) and occurrence > 0 else 1
+        if rung == 1:
+            guidance = (
+                f"You have called {repeated[:200]}{times} with the same arguments and the same"
+                " result. Do not call it again with these arguments: change the arguments, use"
+                " another tool, or give your best final answer now."
+            )
+            sent = await ctx.call("inject_guidance", guidance=guidance)
+            return Verdict.ACTED if sent.ok else Verdict.FAILED
+        if rung == 2:
+            arguments: dict[str, Any] = {
+                "summary": (
+                    f"A previous attempt from this point called {repeated[:200]}{times} with the"
+                    " same arguments and kept getting the same result, and went on after being"
+                    " told to stop. Take a different approach from here."
+                ),
+                "reason": f"reasoning loop on {repeated[:200]}",
+            }
+            if trigger.dependency.startswith("tool:"):
+                arguments["tool"] = trigger.dependency[len("tool:") :][:200]
+            elif isinstance(count, int) and 1 <= count <= 100:
+                arguments["steps_back"] = count  # an LLM repeating itself: its last turns
+            rewound = await ctx.call("rewind_run", **arguments)
+            return Verdict.ACTED if rewound.ok else Verdict.FAILED
+        ctx.log("the loop went on after guidance and a rewind; aborting the run")
         await ctx.call("abort_run", reason=f"reasoning loop on {repeated[:200]}")
         return Verdict.FAILED
+
+
+class Rewind(Remediator):
+    """For a semantic failure: rewind the run to before the failed step, with what was wrong.
+
+    Going forward from a wrong answer tends to build on it; going back one
+    step with a summary of why it failed verification gives the model a
+    clean second try. Verification then watches the run's later spans, and
+    a second failure goes to ``on_unresolved`` (a person, by default).
+
+    params: ``steps_back`` (default 1).
+    """
+
+    name = "rewind"
+    tools = frozenset({"rewind_run", "recent_spans"})
+    budget: ClassVar[Budget] = Budget(steps=4, tool_calls=2)
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, Any]) -> list[str]:
+        problems: list[str] = []
+        steps = params.get("steps_back", 1)
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
+            problems.append("steps_back must be an integer between 1 and 100")
+        return problems
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        trigger = ctx.trigger
+        what = (trigger.message or trigger.kind)[:600]
+        result = await ctx.call(
+            "rewind_run",
+            summary=(
+                f"A previous attempt at this step produced a result that failed"
+                f" verification ({what}). Do it again and make sure the result passes."
+            ),
+            reason=f"{trigger.kind} at {trigger.span_name or 'the last step'}"[:400],
+            steps_back=int(self.params.get("steps_back", 1)),
+        )
+        return Verdict.ACTED if result.ok else Verdict.FAILED
 
 
 class Escalate(Remediator):

@@ -23,6 +23,7 @@ _BUILTIN_PATHS: Final = {
     "retry_step": "remediators.builtin:RetryStep",
     "fallback_switch": "remediators.builtin:FallbackSwitch",
     "loop_breaker": "remediators.builtin:LoopBreaker",
+    "rewind": "remediators.builtin:Rewind",
     "escalate": "remediators.builtin:Escalate",
     "restart_worker": "remediators.builtin:RestartWorker",
     "llm": "remediators.llm:LlmRemediator",

@@ -189,7 +189,7 @@ class _Context:
 
         return await DBOS.run_step_async({"name": name}, once)
 
-    async def call(self, tool: str, **arguments: Any) -> ToolResult:
+    async def call(self, tool: str, /, **arguments: Any) -> ToolResult:
         self._charge_step()
         if self.tool_calls >= self._budget.tool_calls:
             raise BudgetSpent(f"{self._budget.tool_calls} tool calls")

@@ -68,7 +68,7 @@ class FakeContext:
             raise BudgetSpent(f"{self._budget.steps} steps")
         self.steps += 1
 
-    async def call(self, tool: str, **arguments: Any) -> ToolResult:
+    async def call(self, tool: str, /, **arguments: Any) -> ToolResult:
         self._charge_step()
         if self.tool_calls >= self._budget.tool_calls:
             raise BudgetSpent(f"{self._budget.tool_calls} tool calls")

@@ -67,6 +67,15 @@ TOOL_SPECS: Final[Mapping[str, ToolSpec]] = {
             reason=("string", False),
         ),
         _spec(
+            "rewind_run",
+            "Ask the agent to go back to an earlier checkpoint of the run, before the"
+            " failed attempt, carrying a short summary of what went wrong.",
+            summary=("string", True),
+            reason=("string", False),
+            tool=("string", False),
+            steps_back=("integer", False),
+        ),
+        _spec(
             "switch_fallback",
             "Ask the agent to use another dependency from the failed one's fallback chain.",
             to=("string", True),
@@ -167,6 +176,8 @@ def check_arguments(
                 f"switch_fallback to {str(target)[:128]!r} is not in {trigger.dependency!r}'s"
                 f" fallback chain ({', '.join(allowed) or 'none configured'})"
             )
+    if tool == "rewind_run" and not 1 <= int(arguments.get("steps_back", 1)) <= 100:
+        return "rewind_run: steps_back must be between 1 and 100"
     if tool == "retry_step":
         delay = arguments.get("delay_s", 0)
         if not 0 <= float(delay) <= 3600:

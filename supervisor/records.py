@@ -282,6 +282,7 @@ REMEDIATION_AGENT_TOOLS: frozenset[str] = frozenset(
     {
         "retry_step",
         "resume_run",
+        "rewind_run",
         "switch_fallback",
         "pause_run",
         "abort_run",

@@ -12,7 +12,11 @@ an agent that repeats a call serializes it the same way each time.
 * **Loops**: the same tool with the same argument bytes ``repeats`` times
   within the run's last ``window`` tool calls, or the same LLM output
   ``repeats`` times within its last ``window`` LLM calls, is one detection,
-  reported at the first repeated call (the second of them), once per call.
+  reported at the first repeated call (the second of them). A loop that goes
+  on after it was reported (the agent ignored the guidance) is reported again
+  once the call has been made ``repeats - 1`` more times, at most ``MAX_LOOP_REPORTS``
+  times per call, each with its ``occurrence``: the loop breaker escalates
+  from guidance to rewinding the run to aborting it on these.
 * **Stalls**: a run whose root span has not ended and that has had no span for
   ``idle_seconds`` (per service) is one detection per silence, from a timer
   (:meth:`RunTracker.stalled`, with an injectable clock); it lists the tool
@@ -138,6 +142,8 @@ CASCADE_RULE: Final = "builtin.detect.cascade"
 REANCHOR_RULE: Final = "builtin.detect.reanchor"
 #: Longest objective carried in a re-anchoring command (characters).
 _MAX_OBJECTIVE: Final = 2000
+#: How many times one looping call is reported in a run (guidance, rewind, abort).
+MAX_LOOP_REPORTS: Final = 3
 _SAME_CALL: Final = "the same tool call"
 _SAME_OUTPUT: Final = "the same LLM output"
 _SESSION_SET: Final = frozenset(SESSION_KEYS)
@@ -179,12 +185,12 @@ class _Repeats:
         self.window = window
         self.seq = 0
         self.seen: dict[int, list[Any]] = {}
-        self.reported: set[int] | None = None
+        self.reported: dict[int, int] | None = None
 
     def add(
         self, digest: int, instance: bytes, span_id: bytes, name: str, repeats: int
-    ) -> tuple[bytes, str] | None:
-        """Count one call; where its first repeat was once it reaches ``repeats``, else None.
+    ) -> tuple[bytes, str, int] | None:
+        """Count one call; (where its first repeat was, occurrence) at ``repeats``, else None.
 
         ``instance`` tells calls apart: the span id (a span re-sent by an
         exporter is not a repeat), or for an LLM call its prompt's size (the
@@ -218,11 +224,14 @@ class _Repeats:
             return None
         reported = self.reported
         if reported is None:
-            reported = self.reported = set()
-        if digest in reported or len(reported) >= 256:
+            reported = self.reported = {}
+        occurrence = reported.get(digest, 0) + 1
+        if occurrence > MAX_LOOP_REPORTS or (occurrence == 1 and len(reported) >= 256):
             return None
-        reported.add(digest)
-        return first
+        reported[digest] = occurrence
+        # Count again from here: a loop that goes on is reported after as many repeats.
+        self.seen[digest] = [None, seq, instance]
+        return first[0], first[1], occurrence
 
     def _prune(self, oldest: int) -> None:
         self.seen = {k: v for k, v in self.seen.items() if v[-2] > oldest}
@@ -721,9 +730,9 @@ class RunTracker:
 
 
 def _loop(
-    run: _Run, dependency: str, first: tuple[bytes, str], *, repeats: int, what: str
+    run: _Run, dependency: str, first: tuple[bytes, str, int], *, repeats: int, what: str
 ) -> Detection:
-    span_id, name = first
+    span_id, name, occurrence = first
     return _at(
         run,
         span_id,
@@ -732,8 +741,9 @@ def _loop(
         kind="reasoning_loop",
         failure_class="model",
         rule=LOOP_RULE,
-        message=f"{what} {repeats} times: {name[:256]}",
-        details={"repeats": repeats, "repeated_call": name[:256]},
+        message=f"{what} {repeats} times: {name[:256]}"
+        + (f" (still looping, report {occurrence})" if occurrence > 1 else ""),
+        details={"repeats": repeats, "repeated_call": name[:256], "occurrence": occurrence},
     )
 
 

@@ -360,7 +360,7 @@ def test_builtin_quota_exhaustion_has_no_chain_so_escalates() -> None:
         (M, "my_model_thing", 2, (Action.ESCALATE, "builtin.model")),
         (M, "reasoning_loop", 1, (Action.REMEDIATE, "builtin.reasoning_loop")),
         (T, "stall", 1, (Action.REMEDIATE, "builtin.stall")),
-        (S, "verification_failed", 1, (Action.ESCALATE, "builtin.semantic")),
+        (S, "verification_failed", 1, (Action.REMEDIATE, "builtin.verification_failed")),
         (P, "budget_exceeded", 1, (Action.ESCALATE, "builtin.budget_exceeded")),
     ],
 )

@@ -85,7 +85,7 @@ FLAVORS = {
         Flavor("openinference", "openai", MODEL, 128_000, (0.15, 0.60)),
         Flavor("openai_v2", "openai", MODEL, 128_000, (0.15, 0.60)),
         Flavor("openllmetry", "openai", MODEL, 128_000, (0.15, 0.60)),
-        Flavor("openinference_anthropic", "anthropic", CLAUDE, 200_000, (0.80, 4.00)),
+        Flavor("openinference_anthropic", "anthropic", CLAUDE, 200_000, (1.00, 5.00)),
     )
 }
 OPENINFERENCE = [name for name, flavor in FLAVORS.items() if flavor.openinference]

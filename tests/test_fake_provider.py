@@ -19,7 +19,7 @@ import pytest
 from supervisor.testing import FakeProvider, FaultPlan, Reply, ToolCall
 
 MODEL = "gpt-4o-mini"
-CLAUDE = "claude-3-5-haiku-latest"
+CLAUDE = "claude-haiku-4-5"
 MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -282,14 +282,20 @@ def test_anthropic_stream_assembles_text_and_tool_use(
         (Reply.not_found(CLAUDE), anthropic.NotFoundError, 404, "not_found_error"),
         (Reply.context_length_exceeded(), anthropic.BadRequestError, 400, "invalid_request_error"),
         (Reply.server_error(500), anthropic.InternalServerError, 500, "api_error"),
-        (Reply.server_error(503), anthropic.ServiceUnavailableError, 503, "api_error"),
+        # SDK 0.x raises ServiceUnavailableError for a 503, 1.x InternalServerError.
+        (
+            Reply.server_error(503),
+            (anthropic.ServiceUnavailableError, anthropic.InternalServerError),
+            503,
+            "api_error",
+        ),
     ],
 )
 def test_anthropic_faults_raise_the_sdk_exception_with_the_error_type(
     provider: FakeProvider,
     claude: anthropic.Anthropic,
     reply: Reply,
-    exc_type: type[anthropic.APIStatusError],
+    exc_type: type[anthropic.APIStatusError] | tuple[type[anthropic.APIStatusError], ...],
     status: int,
     error_type: str,
 ) -> None:

@@ -65,7 +65,7 @@ from supervisor.testing import FakeProvider, Reply
 from tests.screening import assert_early_reads_agree
 
 MODEL = "gpt-4o-mini"
-CLAUDE = "claude-3-5-haiku-latest"
+CLAUDE = "claude-haiku-4-5"
 SERVICE = "weather-agent"
 MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 OPENAI_TOOLS: Any = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from remediators.builtin import (
     LoopBreaker,
     RestartWorker,
     RetryStep,
+    Rewind,
 )
 from remediators.gateway import RecordingGateway
 from remediators.testing import FakeContext
@@ -74,20 +76,51 @@ def test_fallback_switch_skips_open_breakers_and_asks_when_none_is_left() -> Non
     assert not spent.commands and len(spent.approvals) == 1
 
 
-def test_loop_breaker_guides_then_aborts_when_the_loop_goes_on() -> None:
-    gateway = RecordingGateway()
-    ctx = context(LoopBreaker, gateway, repeated_call="search_web", repeats=5)
-    assert run(LoopBreaker({"watch_s": 30}), ctx) is Verdict.FAILED
-    (guide, guidance), (abort, _) = sent(gateway)
-    assert (guide, abort) == ("inject_guidance", "abort_run")
-    assert "search_web 5 times" in guidance["guidance"]
-    assert ("recovery", 30.0) in ctx.waited
+def test_loop_breaker_guides_then_rewinds_then_aborts_as_the_loop_goes_on() -> None:
+    rungs = []
+    for occurrence in (1, 2, 3):
+        gateway = RecordingGateway()
+        ctx = context(
+            LoopBreaker, gateway, repeated_call="search_web", repeats=5, occurrence=occurrence
+        )
+        ctx = FakeContext(
+            dataclasses.replace(ctx.trigger, dependency="tool:search_web"),
+            gateway,
+            LoopBreaker.tools,
+        )
+        verdict = run(LoopBreaker({}), ctx)
+        ((command, params),) = sent(gateway)
+        rungs.append((occurrence, command, verdict))
+        if command == "inject_guidance":
+            assert "search_web 5 times" in params["guidance"]
+        if command == "rewind_run":
+            assert params["tool"] == "search_web"
+            assert "different approach" in params["summary"]
+    assert rungs == [
+        (1, "inject_guidance", Verdict.ACTED),
+        (2, "rewind_run", Verdict.ACTED),
+        (3, "abort_run", Verdict.FAILED),
+    ]
 
-    calmed = RecordingGateway()
-    ctx = context(LoopBreaker, calmed, repeated_call="search_web")
-    ctx.recovers = True
-    assert run(LoopBreaker({}), ctx) is Verdict.SUCCEEDED
-    assert [name for name, _ in sent(calmed)] == ["inject_guidance"]
+
+def test_loop_breaker_rewinds_an_llm_repeating_itself_by_its_repeated_turns() -> None:
+    gateway = RecordingGateway()
+    ctx = context(LoopBreaker, gateway, repeated_call="chat gpt-4o", repeats=4, occurrence=2)
+    assert run(LoopBreaker({}), ctx) is Verdict.ACTED
+    ((command, params),) = sent(gateway)
+    assert command == "rewind_run" and params["steps_back"] == 4 and "tool" not in params
+
+
+def test_rewind_goes_back_with_why_the_result_failed_verification() -> None:
+    gateway = RecordingGateway()
+    ctx = context(Rewind, gateway)
+    assert run(Rewind({"steps_back": 2}), ctx) is Verdict.ACTED
+    ((command, params),) = sent(gateway)
+    assert command == "rewind_run" and params["steps_back"] == 2
+    assert "failed verification (429)" in params["summary"]
+    assert Rewind.check_params({"steps_back": 0}) == [
+        "steps_back must be an integer between 1 and 100"
+    ]
 
 
 def test_escalate_pauses_asks_with_context_and_applies_the_default_on_timeout() -> None:

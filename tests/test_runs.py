@@ -127,6 +127,20 @@ def test_the_same_tool_call_three_times_is_one_loop_at_the_first_repeat() -> Non
     assert loop.message.startswith("the same tool call 3 times")
 
 
+def test_a_loop_that_goes_on_is_reported_again_three_times_at_most() -> None:
+    tracker = RunTracker()
+    calls = [tool("search", {"q": "weather"}) for _ in range(12)]
+    found = feed(tracker, payload(*calls))
+    # Reported at the 3rd call, then at the 5th and the 7th (2 more calls each), never
+    # again; each report is placed at the first call after the previous one.
+    assert [(d.span_id, d.details["occurrence"]) for d in found] == [
+        (calls[1].span_id.hex(), 1),
+        (calls[3].span_id.hex(), 2),
+        (calls[5].span_id.hex(), 3),
+    ]
+    assert "still looping, report 3" in found[2].message
+
+
 def test_a_loop_needs_its_repeats_within_the_window() -> None:
     tracker = RunTracker(settings=lambda s: DetectorSettings(loop_repeats=3, loop_window=4))
     same = {"q": "weather"}

@@ -485,7 +485,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0].rstrip("/") == "/v1/models":
             models = [
                 {"id": m, "object": "model", "created": 1700000000, "owned_by": "fake"}
-                for m in ("gpt-4o-mini", "gpt-4o", "claude-3-5-haiku-latest")
+                for m in ("gpt-4o-mini", "gpt-4o", "claude-haiku-4-5")
             ]
             self._send_json(200, {"object": "list", "data": models})
         else:
@@ -706,7 +706,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer_anthropic(self, reply: Reply, params: Mapping[str, Any]) -> None:
         n = self.server.state.next_id()
-        model = reply.model or str(params.get("model") or "claude-3-5-haiku-latest")
+        model = reply.model or str(params.get("model") or "claude-haiku-4-5")
         input_tokens, output_tokens = self._usage(reply, params)
         content: list[dict[str, Any]] = []
         if reply.content:
