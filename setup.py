@@ -41,6 +41,8 @@ COMPILED = [
     "policies/_backoff.py",
     "policies/_compile.py",
     "policies/_glob.py",
+    "policies/_spend.py",
+    "policies/_detectors.py",
     "policies/_match.py",
     "policies/_policy.py",
 ]

@@ -37,6 +37,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from policies._glob import GlobSet, check_glob
+from policies._spend import MAX_MODEL_NAME, ModelInfo, RunSpend, clamp_tokens
 from policies._yamldoc import parse
 
 __all__ = [
@@ -57,10 +58,6 @@ __all__ = [
 #: The packaged table, next to this module.
 MODEL_TABLE_FILE = "model_tables.yaml"
 MODEL_TABLE_SOURCE = "<builtin model table>"
-#: Model names longer than this are not looked up (no real model name is).
-MAX_MODEL_NAME = 256
-#: Tokens one call may report; larger figures are clamped (they are garbage anyway).
-MAX_TOKENS_PER_CALL = 1_000_000_000
 MAX_WINDOW_TOKENS = 100_000_000
 MAX_PRICE_PER_MTOK = 100_000.0
 MAX_SLO_WINDOW_S = 30 * 86_400.0
@@ -232,39 +229,12 @@ class SloSpec(_Strict):
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """A model table entry as matched: which glob, the window, the prices (or None)."""
-
-    pattern: str
-    context_window: int
-    input_per_mtok: float | None
-    output_per_mtok: float | None
-
-    @property
-    def priced(self) -> bool:
-        return self.input_per_mtok is not None and self.output_per_mtok is not None
-
-    def cost_usd(self, input_tokens: int, output_tokens: int) -> float | None:
-        """USD for one call's tokens; None when the model has no price."""
-        if self.input_per_mtok is None or self.output_per_mtok is None:
-            return None
-        return (input_tokens * self.input_per_mtok + output_tokens * self.output_per_mtok) / 1e6
-
-
 @functools.cache
 def builtin_models() -> tuple[tuple[str, ModelInfoSpec], ...]:
     """The packaged table's entries, in order (read and validated once)."""
     text = resources.files("policies").joinpath(MODEL_TABLE_FILE).read_text(encoding="utf-8")
     spec = ModelTableFile.model_validate(parse(text, MODEL_TABLE_SOURCE).data)
     return tuple(spec.models.items())
-
-
-def _tokens(value: int | None) -> int:
-    """A reported token count made safe: None and negatives are 0, absurd figures clamped."""
-    if value is None or isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return 0
-    return min(value, MAX_TOKENS_PER_CALL)
 
 
 def _candidates(model: str) -> tuple[str, ...]:
@@ -369,7 +339,7 @@ class ModelTable:
         info = self.lookup(model)
         if info is None:
             return None
-        return info.cost_usd(_tokens(input_tokens), _tokens(output_tokens))
+        return info.cost_usd(clamp_tokens(input_tokens), clamp_tokens(output_tokens))
 
 
 def context_pressure(
@@ -383,7 +353,7 @@ def context_pressure(
     """
     if not (isinstance(share, (int, float)) and 0 < share <= 1):
         raise ValueError(f"share must be more than 0 and at most 1, got {share!r}")
-    tokens = _tokens(input_tokens)
+    tokens = clamp_tokens(input_tokens)
     if tokens == 0:
         return None
     info = table.lookup(model)
@@ -398,123 +368,6 @@ def context_pressure(
 # ---------------------------------------------------------------------------
 # Run budgets
 # ---------------------------------------------------------------------------
-
-
-class RunSpend:
-    """One run's spend so far: tokens, cost, and which budget kinds were reported.
-
-    ``add`` is called for each LLM span of the run with its model and token
-    usage. Tokens always count; cost counts only when the table prices the
-    model, and a call with tokens but no price makes the cost ``partial`` (a
-    lower bound). ``crossed`` says which budget kind the spend went above since
-    the last time it was asked, so each kind is reported once per run.
-    """
-
-    __slots__ = (
-        "_reported",
-        "calls",
-        "cost_usd",
-        "input_tokens",
-        "output_tokens",
-        "unpriced_calls",
-        "unpriced_models",
-    )
-
-    #: At most this many distinct unpriced model names are kept, for the message.
-    MAX_UNPRICED_NAMES = 8
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.input_tokens = 0
-        self.output_tokens = 0
-        self.cost_usd = 0.0
-        #: Calls with tokens whose model has no price (unknown, or listed without one).
-        self.unpriced_calls = 0
-        self.unpriced_models: list[str] = []
-        self._reported: set[str] = set()
-
-    @property
-    def tokens(self) -> int:
-        return self.input_tokens + self.output_tokens
-
-    @property
-    def partial(self) -> bool:
-        """Some tokens had no price: ``cost_usd`` is a lower bound."""
-        return self.unpriced_calls > 0
-
-    def add(
-        self, model: str, input_tokens: int | None, output_tokens: int | None, table: ModelTable
-    ) -> float | None:
-        """Count one call; its cost in USD, or None when its model has no price.
-
-        A call without token usage (both counts absent or 0) counts nothing.
-        """
-        tokens_in = _tokens(input_tokens)
-        tokens_out = _tokens(output_tokens)
-        if tokens_in == 0 and tokens_out == 0:
-            return 0.0
-        return self.add_known(model, table.lookup(model), tokens_in, tokens_out)
-
-    def add_known(
-        self, model: str, info: ModelInfo | None, tokens_in: int, tokens_out: int
-    ) -> float | None:
-        """:meth:`add` for a caller that looked the model up already (and checked the counts)."""
-        self.calls += 1
-        self.input_tokens += tokens_in
-        self.output_tokens += tokens_out
-        cost = None if info is None else info.cost_usd(tokens_in, tokens_out)
-        if cost is None:
-            self.unpriced_calls += 1
-            name = model[:MAX_MODEL_NAME] if isinstance(model, str) else ""
-            names = self.unpriced_models
-            if name not in names and len(names) < self.MAX_UNPRICED_NAMES:
-                names.append(name)
-            return None
-        self.cost_usd += cost
-        return cost
-
-    def over(self, budget: RunBudgetSpec) -> tuple[str, ...]:
-        """Every budget kind the spend is above now, reported or not."""
-        found: list[str] = []
-        if budget.max_tokens is not None and self.tokens > budget.max_tokens:
-            found.append("max_tokens")
-        if budget.max_cost_usd is not None and self.cost_usd > budget.max_cost_usd:
-            found.append("max_cost_usd")
-        return tuple(found)
-
-    def crossed(self, budget: RunBudgetSpec) -> str | None:
-        """The budget kinds newly crossed: ``"max_tokens"``, ``"max_cost_usd"``, or both
-        joined by ``"+"``; None when nothing new was crossed. Each kind is reported once."""
-        new = [kind for kind in self.over(budget) if kind not in self._reported]
-        if not new:
-            return None
-        self._reported.update(new)
-        return "+".join(new)
-
-    def describe(self, budget: RunBudgetSpec | None = None) -> str:
-        """One line for a failure message: spend against the budget's limits."""
-        tokens = f"{self.tokens:,} tokens"
-        if budget is not None and budget.max_tokens is not None:
-            tokens += f" (max_tokens {budget.max_tokens:,})"
-        cost = f"${self.cost_usd:.4f}"
-        if budget is not None and budget.max_cost_usd is not None:
-            cost += f" (max_cost_usd ${budget.max_cost_usd:g})"
-        text = f"run spent {tokens} and {cost} over {self.calls} LLM calls"
-        if self.partial:
-            names = ", ".join(self.unpriced_models) or "?"
-            text += f"; cost partial: {self.unpriced_calls} calls of unpriced models ({names})"
-        return text
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "calls": self.calls,
-            "input_tokens": self.input_tokens,
-            "output_tokens": self.output_tokens,
-            "tokens": self.tokens,
-            "cost_usd": round(self.cost_usd, 6),
-            "cost_partial": self.partial,
-            "unpriced_calls": self.unpriced_calls,
-        }
 
 
 class RunLedger:

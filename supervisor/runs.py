@@ -339,8 +339,10 @@ class RunTracker:
         self._sessions: OrderedDict[bytes, bytes] = OrderedDict()
         self.evicted = 0
         self.expired = 0
-        #: The run of the last span observed (consecutive spans share a trace).
-        self._last: _Run | None = None
+        #: trace -> run, for the spans of the batch being observed: a batch holds
+        #: the interleaved spans of a few dozen traces, and this spares each span
+        #: the LRU's bookkeeping. Emptied when the batch settles or a run leaves.
+        self._batch: dict[bytes, _Run] = {}
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -380,17 +382,11 @@ class RunTracker:
         span, _, service, present = item
         encoded = span.attributes
         trace: bytes = span.trace_id
-        last = self._last
-        if (
-            last is not None
-            and last.trace == trace
-            and (last.key != trace or _SESSION_SET.isdisjoint(present))
-            and last.key in self._runs
-        ):
-            run = last  # the same trace as the span before: most spans of a batch
-        else:
-            run = self._run_for(trace, encoded, present, service=service, now=now)
-            self._last = run
+        batch = self._batch
+        run = batch.get(trace)
+        if run is None or (run.key == trace and not _SESSION_SET.isdisjoint(present)):
+            # The trace's first span in the batch, or one that may name its session.
+            run = batch[trace] = self._run_for(trace, encoded, present, service=service, now=now)
         run.last_seen = now
         run.spans += 1
         run.stalled = False
@@ -616,6 +612,7 @@ class RunTracker:
             while len(runs) >= self.max_runs:
                 runs.popitem(last=False)
                 self.evicted += 1
+                self._batch.clear()  # it may hold the evicted run
             run = runs[key] = _Run(key, service, trace, now)
         else:
             runs.move_to_end(key)
@@ -626,6 +623,7 @@ class RunTracker:
 
     def settle(self, now: float | None = None) -> None:
         """The batch is judged: runs that ended in it count in their service's SLO."""
+        self._batch.clear()
         ending, self._ending = self._ending, []
         slo = self.slo
         if slo is None:
@@ -687,6 +685,7 @@ class RunTracker:
             idle = now - run.last_seen
             if idle >= self.max_idle_s:
                 del self._runs[run.key]
+                self._batch.clear()
                 self.expired += 1
                 continue
             if run.stalled or not run.open:
