@@ -92,6 +92,7 @@ BUILTIN_KINDS: tuple[str, ...] = (
     "verification_failed",
     "budget_exceeded",
     "goal_drift",
+    "approval_required",
     "tool_error",
     "unknown",
 )

@@ -15,6 +15,7 @@ import aiohttp
 import anthropic
 import httpx
 import httpx2
+import langgraph.errors
 import openai
 import pydantic
 import pytest
@@ -355,6 +356,16 @@ CASES: list[Any] = [
         record(from_exception(openai.ContentFilterFinishReasonError())),
         (M, "content_policy", "builtin.openai.content_filter_finish"),
         id="openai-ContentFilterFinishReasonError",
+    ),
+    pytest.param(
+        # interrupt() inside a LangGraph node: recorded on an OK span, the graph waits.
+        record(
+            from_exception(langgraph.errors.GraphInterrupt(()), swallowed=True),
+            Role.TOOL,
+            "tool:issue_refund",
+        ),
+        ("semantic", "approval_required", "builtin.langgraph.interrupt"),
+        id="langgraph-GraphInterrupt",
     ),
     pytest.param(
         record(from_exception(openai.LengthFinishReasonError(completion=_LEN))),

@@ -37,11 +37,13 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.types import Command as GraphCommand
 from langgraph.types import interrupt
 from openinference.instrumentation.langchain import LangChainInstrumentor
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from typing_extensions import TypedDict
 
+from policies import load_policy
 from supervisor.client.langgraph import (
     NOTE_NAME,
     Directive,
@@ -49,6 +51,7 @@ from supervisor.client.langgraph import (
     supervision,
 )
 from supervisor.client.pull import Command, CommandPuller
+from supervisor.pipeline import Pipeline
 from supervisor.testing.fake_provider import FakeProvider, Reply
 
 PRIMARY = "gpt-4o"
@@ -834,3 +837,28 @@ def test_serve_does_not_spin_while_the_sidecar_is_down(rig: Rig) -> None:
     # A refused connection fails at once; the loop paused between the polls.
     assert len(attempts) == 3
     assert attempts[2] - attempts[0] >= 0.35
+
+
+def test_the_built_in_policy_asks_a_person_for_an_interrupt_once(
+    rig: Rig, spans: InMemorySpanExporter
+) -> None:
+    """LangGraph's interrupt() on real OpenInference spans: one approval_required, escalated.
+
+    The instrumentation records GraphInterrupt as an exception on the tool's
+    span and on the spans it propagates through; the sidecar must ask a
+    person once, at the tool, not report the graph as broken.
+    """
+    rig.provider.script(Reply.tool_call("issue_refund", {"order": "C-3", "amount": 70}))
+    out = rig.adapter.invoke("t", ask("Refund order C-3."))
+    assert out["__interrupt__"]
+    payload = encode_spans(spans.get_finished_spans()).SerializeToString()
+
+    outcomes = Pipeline(load_policy(None)).process_payload(payload, received_ns=time.time_ns())
+
+    found = [
+        (o.failure.failure_class, o.failure.kind, o.failure.dependency, o.decision.action.value)
+        for o in outcomes
+    ]
+    assert found == [("semantic", "approval_required", "tool:issue_refund", "escalate")]
+    assert outcomes[0].failure.rule == "builtin.langgraph.interrupt"
+    assert outcomes[0].failure.run_id == "t"  # the thread: approval_result reaches it

@@ -135,7 +135,7 @@ def test_vocabulary() -> None:
         "none",
     ]
     assert [r.value for r in records.Role] == ["llm", "tool", "agent", "chain", "http", "other"]
-    assert len(records.BUILTIN_KINDS) == 21  # goal_drift: re-anchoring long runs
+    assert len(records.BUILTIN_KINDS) == 22  # approval_required: an agent asks a person
 
 
 def test_replay_jsonl_keys() -> None:
