@@ -13,7 +13,13 @@ only propagate it are attributed to it instead of being reported again:
   it fails in the same batch) by walking failing parents up from each
   failing span;
 * across requests through a bounded map from a parent's ids to a small
-  signature of the origin already reported, for parents that end in a later batch.
+  signature of the origin already reported, for parents that end in a later batch;
+* through spans that did not fail: a framework often puts an OK span between
+  the call that failed and the agent span that fails with it (the OpenAI
+  Agents SDK's ``turn``), and those spans are never normalized. A failing
+  span whose time range contains an origin's in the same trace, and that
+  shows nothing beyond its error, propagates it; the closest such origin is
+  taken, within the request and from a few origins remembered per trace.
 
 When the origin is a plain HTTP or unlabelled span under an LLM or tool span
 that propagated it, the failure keeps the origin's span but takes the
@@ -41,6 +47,7 @@ from supervisor.normalize import (
     shows_failure_signal,
     wire_spans,
 )
+from supervisor.normalize.screen import SESSION_KEYS
 from supervisor.records import (
     Classification,
     Decision,
@@ -62,6 +69,7 @@ OWN_SERVICE = "spanvisor"
 _STATUS_ERROR = 2  # OTLP Status.STATUS_CODE_ERROR
 _MESSAGE_LIMIT = 300
 _SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
+_SESSION_SET = frozenset(SESSION_KEYS)
 #: Characters of an origin's message kept to recognise it in a parent's.
 _SIGNATURE_TEXT = 120
 
@@ -124,6 +132,18 @@ class _Signature(NamedTuple):
     text: str
 
 
+class _Reported(NamedTuple):
+    """An origin reported in a trace, for ancestors that end in a later request."""
+
+    start_ns: int
+    end_ns: int
+    sig: _Signature
+
+
+#: Origins remembered per trace for attribution through spans that did not fail.
+_ORIGINS_PER_TRACE = 8
+
+
 @dataclass(frozen=True, slots=True)
 class Remainder:
     """The spans of a batch left after :meth:`Pipeline.first_pass`."""
@@ -166,6 +186,8 @@ class Pipeline:
         self._seen: BoundedMap[str, bool] = BoundedMap(seen_capacity)
         # trace + span id of a parent → the signature of the origin below it.
         self._origin_below: BoundedMap[str, _Signature] = BoundedMap(seen_capacity)
+        # trace id → the last origins reported in it, for ancestors above OK spans.
+        self._origins_in: BoundedMap[str, list[_Reported]] = BoundedMap(runs_capacity)
         # (run, dependency) → failures since its last success in the run: a step's
         # attempts (the retry of a step is another call of the same dependency).
         self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
@@ -222,12 +244,13 @@ class Pipeline:
         verifying = len(verifiers) > 0
         verify: list[WireSpan] = []
         detected: list[Detection] = []
+        attempted = bool(self._attempted)
         for item in spans:
             if shows_failure_signal(item):
                 first.append(item)
             elif may_fail_quietly(item):
                 later.append(item)
-            elif counting or runs is not None or verifying:
+            elif counting or runs is not None or verifying or attempted or recovering:
                 dependency = dependency_of(item)  # a success, for breakers, budgets and runs
                 if runs is not None:
                     runs.observe(item, dependency, now_s, detected)
@@ -237,10 +260,16 @@ class Pipeline:
                     span = item[0]
                     if counting:
                         calls.append((span.end_time_unix_nano, dependency, True))
-                    if dependency in self._attempted:  # a run without a session: its trace
-                        self._attempts.pop((span.trace_id.hex(), dependency))
+                    if dependency in self._attempted:
+                        self._attempts.pop((_run_of(item), dependency))
                     if dependency in recovering and recovery is not None:
-                        recovery.succeeded(span.trace_id.hex(), dependency, span.span_id.hex())
+                        trace_id, span_id = span.trace_id.hex(), span.span_id.hex()
+                        recovery.succeeded(trace_id, dependency, span_id)
+                        run_id = _run_of(item)
+                        if run_id != trace_id:
+                            recovery.succeeded(run_id, dependency, span_id)
+        if self._attempted and later:
+            self._reset_attempts_early(later)
         if runs is not None:  # the spans judged below count in their runs too
             for item in first + later:
                 # A failed call tried again is a retry, not a loop; a span with only
@@ -252,6 +281,20 @@ class Pipeline:
         if detected:
             outcomes += self.judge_detected([detected_failure(d, received_ns) for d in detected])
         return outcomes, Remainder(later + verify, received_ns)
+
+    def _reset_attempts_early(self, later: list[WireSpan]) -> None:
+        """Successes among the spans left for later reset their attempts now.
+
+        A step's retry that succeeded with a tool call (a span the quiet
+        screen keeps for later) must reset the step's attempts before the
+        batch's failures are counted, or the next failure of the run counts
+        as the step's next attempt. Only dependencies with attempts counted
+        are normalized here (and again later).
+        """
+        for item in later:
+            dependency = dependency_of(item)
+            if dependency in self._attempted and normalize_wire(item).error is None:
+                self._attempts.pop((_run_of(item), dependency))
 
     def _with_slo(self, failure: Failure) -> Failure:
         """The failure as policies see it: whether its service's SLO is burning fast."""
@@ -327,6 +370,7 @@ class Pipeline:
             own_spans_skipped=self._own,
             evictions=self._seen.evictions
             + self._origin_below.evictions
+            + self._origins_in.evictions
             + self._attempts.evictions,
         )
 
@@ -370,20 +414,23 @@ class Pipeline:
                 and _propagates(parent, cand.sig)
             ):
                 parent.attributed_to = cand
+        if len(candidates) > 1:
+            _attribute_through_ok_spans(candidates)
 
         outcomes: list[Outcome] = []
         for key, cand in candidates.items():
             if cand.attributed_to is not None:
                 self._attributed += 1
                 continue
-            earlier = self._origin_below.get(key)
+            earlier = self._origin_below.get(key) or self._origin_within(cand)
             if earlier is not None and _propagates(cand, earlier):
-                # A child failed in an earlier request with the same error.
+                # A descendant failed in an earlier request with the same error.
                 self._attributed += 1
                 self._remember_origin(cand.record, earlier)
                 continue
             failure = self._failure(cand, candidates, received_ns)
             self._remember_origin(_topmost(cand, candidates).record, cand.sig)
+            self._remember_in_trace(cand)
             attempt_key = (failure.run_id, failure.dependency)
             attempt = (self._attempts.get(attempt_key) or 0) + 1
             self._attempts.set(attempt_key, attempt)
@@ -434,6 +481,32 @@ class Pipeline:
         if record.parent_span_id:
             self._origin_below.set(record.trace_id + record.parent_span_id, sig)
 
+    def _remember_in_trace(self, origin: _Candidate) -> None:
+        rec = origin.record
+        reported = self._origins_in.get(rec.trace_id)
+        if reported is None:
+            reported = []
+            self._origins_in.set(rec.trace_id, reported)
+        if len(reported) >= _ORIGINS_PER_TRACE:
+            del reported[0]
+        reported.append(_Reported(rec.start_ns, rec.end_ns, origin.sig))
+
+    def _origin_within(self, cand: _Candidate) -> _Signature | None:
+        """The closest origin reported earlier in the trace within the span's time."""
+        reported = self._origins_in.get(cand.record.trace_id)
+        if not reported:
+            return None
+        rec = cand.record
+        inside = [
+            r
+            for r in reported
+            if _contains(rec.start_ns, rec.end_ns, r.start_ns, r.end_ns)
+            and _propagates(cand, r.sig)
+        ]
+        if not inside:
+            return None
+        return min(inside, key=lambda r: r.end_ns - r.start_ns).sig
+
     def _failure(
         self,
         origin: _Candidate,
@@ -469,19 +542,81 @@ class Pipeline:
         )
 
 
+def _run_of(item: WireSpan) -> str:
+    """A successful span's run id, as its record would say: its session, else its trace.
+
+    Only spans of dependencies with attempts counted or remediations waiting
+    get here, so a span that names a session is normalized to read it the
+    one way records do.
+    """
+    span, _, _, present = item
+    if _SESSION_SET.isdisjoint(present):
+        return str(span.trace_id.hex())
+    return normalize_wire(item).run_id
+
+
 def _ancestors_attributed_to(
     origin: _Candidate, candidates: dict[str, _Candidate]
 ) -> list[_Candidate]:
+    """The candidates attributed to ``origin``, nearest first (a parent, or a container)."""
     chain: list[_Candidate] = []
     current = origin
     for _ in range(64):  # spans nest deeply only in pathological traces
         rec = current.record
         parent = candidates.get(rec.trace_id + rec.parent_span_id) if rec.parent_span_id else None
         if parent is None or parent.attributed_to is not current:
+            parent = next((c for c in candidates.values() if c.attributed_to is current), None)
+        if parent is None:
             break
         chain.append(parent)
         current = parent
     return chain
+
+
+def _contains(start: int, end: int, inner_start: int, inner_end: int) -> bool:
+    """Whether [start, end] holds [inner_start, inner_end] and is longer."""
+    return start <= inner_start and inner_end <= end and end - start > inner_end - inner_start
+
+
+def _attribute_through_ok_spans(candidates: dict[str, _Candidate]) -> None:
+    """Attribute failing ancestors whose failing descendant sits below a span that did not fail.
+
+    A candidate not attributed yet that contains others of its trace in time
+    and propagates their error is attributed to the closest of them. Durations
+    strictly shrink along these links, and a candidate is never attributed to
+    one whose own chain already leads back to it, so no cycle can form.
+    """
+    by_trace: dict[str, list[_Candidate]] = {}
+    for cand in candidates.values():
+        by_trace.setdefault(cand.record.trace_id, []).append(cand)
+    for group in by_trace.values():
+        if len(group) < 2:
+            continue
+        for outer in group:
+            if outer.attributed_to is not None:
+                continue
+            o = outer.record
+            inside = [
+                c
+                for c in group
+                if c is not outer
+                and _contains(o.start_ns, o.end_ns, c.record.start_ns, c.record.end_ns)
+                and _propagates(outer, c.sig)
+                and not _leads_to(c, outer)
+            ]
+            if inside:
+                outer.attributed_to = min(inside, key=lambda c: c.record.end_ns - c.record.start_ns)
+
+
+def _leads_to(cand: _Candidate, target: _Candidate) -> bool:
+    current = cand.attributed_to
+    for _ in range(64):
+        if current is None:
+            return False
+        if current is target:
+            return True
+        current = current.attributed_to
+    return True  # a chain this long: refuse the link rather than risk a cycle
 
 
 def _observed(decision: Decision) -> Decision:

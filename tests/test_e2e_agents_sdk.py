@@ -24,8 +24,9 @@ this process, a fake OpenAI-compatible provider behind a
 
 The last tests need no processes: spans captured from the real SDK and
 instrumentation (in memory) go through :func:`supervisor.normalize` and the
-pipeline, pinning what the sidecar makes of them; two strict xfails name the
-sidecar gaps found on the way.
+pipeline, pinning what the sidecar makes of them: one failure per failed model
+call (the agent span above an OK ``turn`` span is attributed to it), and a
+success in a later attempt of the session resets the step's attempts.
 """
 
 from __future__ import annotations
@@ -479,9 +480,11 @@ def test_the_sidecar_classified_the_failures_and_every_command_was_acknowledged(
         agent = agents[scenario]
         with explained(stack, agent):
             service = SERVICES[scenario]
-            # The model calls' own failures (the LLM spans); see the xfail below for
-            # the agent span that repeats each of them today.
-            llm = [i for i in incidents if i["service"] == service and i["role"] == "llm"]
+            # Only the model calls' own failures: the agent span that repeats each
+            # (above an OK turn span) is attributed to it.
+            mine = [i for i in incidents if i["service"] == service]
+            llm = [i for i in mine if i["role"] == "llm"]
+            assert len(llm) == len(mine), mine
             assert sorted((i["class"], i["kind"], i["dependency"], i["action"]) for i in llm) == (
                 expected
             )
@@ -649,13 +652,6 @@ def _outcomes(captured: Captured) -> list[Outcome]:
     return outcomes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sidecar gap: the SDK also marks the agent span ERROR ('Error in agent run: ...')"
-    " and an OK 'turn' span sits between it and the failed generation, so the pipeline's"
-    " attribution (direct failing parent only) reports the agent span as a second failure"
-    " (role agent, no dependency) with a decision and a command of its own",
-)
 def test_a_failed_model_call_is_one_failure_not_two() -> None:
     captured = _capture(Reply.server_error(503), runs=1)
 
@@ -664,13 +660,6 @@ def test_a_failed_model_call_is_one_failure_not_two() -> None:
     assert [(o.failure.span_name, o.failure.role) for o in outcomes] == [("generation", Role.LLM)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sidecar gap: attempts are counted per (run id, dependency) and a run id is the"
-    " session when there is one, but Pipeline.first_pass resets them on a success by"
-    " (trace id, dependency): a success in a later attempt (a new trace) of the same"
-    " session resets nothing",
-)
 def test_a_success_in_a_later_attempt_of_the_session_resets_the_retry_count() -> None:
     # Attempt 1 fails at once (503). Attempt 2, a new SDK trace in the same session,
     # gets one answer (the tool call), then a 429: the 429 is the first failure since

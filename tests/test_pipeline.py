@@ -37,6 +37,8 @@ def span(
     dependency: str = "",
     service: str = "agent",
     name: str = "",
+    start_ns: int = 0,
+    end_ns: int = 0,
 ) -> SpanRecord:
     sid = span_id or f"{next(_ids):016x}"
     return SpanRecord(
@@ -46,8 +48,8 @@ def span(
         name=name or f"{role.value} span",
         service=service,
         kind=0,
-        start_ns=0,
-        end_ns=0,
+        start_ns=start_ns,
+        end_ns=end_ns,
         role=role,
         dependency=dependency,
         error=error,
@@ -131,6 +133,66 @@ def test_parent_in_a_later_batch_is_attributed_to_the_earlier_origin(pipeline: P
     assert second == []
     assert third == []
     assert pipeline.stats().attributed == 2
+
+
+def test_an_ancestor_above_a_span_that_did_not_fail_is_attributed(pipeline: Pipeline) -> None:
+    # The OpenAI Agents SDK: agent (ERROR) > turn (OK, never judged) > generation (ERROR).
+    llm = span(
+        Role.LLM,
+        RATE_LIMIT,
+        parent="00000000000000f1",
+        dependency="openai:gpt-4o",
+        start_ns=10,
+        end_ns=20,
+    )
+    agent = span(Role.AGENT, RATE_LIMIT, span_id="00000000000000f2", start_ns=0, end_ns=30)
+
+    outcomes = pipeline.process_records([agent, llm], received_ns=1)
+
+    assert [o.failure.span_id for o in outcomes] == [llm.span_id]
+    assert outcomes[0].failure.attributed == (agent.span_id,)
+
+
+def test_an_ancestor_above_an_ok_span_in_a_later_batch_is_attributed(pipeline: Pipeline) -> None:
+    llm = span(
+        Role.LLM,
+        RATE_LIMIT,
+        parent="00000000000000f3",
+        dependency="openai:gpt-4o",
+        start_ns=10,
+        end_ns=20,
+    )
+    agent = span(Role.AGENT, RATE_LIMIT, span_id="00000000000000f4", start_ns=0, end_ns=30)
+    elsewhere = span(
+        Role.AGENT, RATE_LIMIT, trace="1" * 32, span_id="00000000000000f5", start_ns=0, end_ns=30
+    )
+
+    assert len(pipeline.process_records([llm], received_ns=1)) == 1
+    assert pipeline.process_records([agent], received_ns=2) == []
+    # The same error in another trace is that trace's own failure.
+    assert [o.failure.span_id for o in pipeline.process_records([elsewhere], received_ns=3)] == [
+        elsewhere.span_id
+    ]
+
+
+def test_a_container_failing_for_its_own_reason_is_reported(pipeline: Pipeline) -> None:
+    llm = span(
+        Role.LLM,
+        RATE_LIMIT,
+        parent="00000000000000f6",
+        dependency="openai:gpt-4o",
+        start_ns=10,
+        end_ns=20,
+    )
+    timeout = ErrorEvidence(status_error=True, exception_type="TimeoutError", exception_message="")
+    agent = span(Role.AGENT, timeout, span_id="00000000000000f7", start_ns=0, end_ns=30)
+
+    outcomes = pipeline.process_records([llm, agent], received_ns=1)
+
+    assert [(o.failure.span_id, o.failure.kind) for o in outcomes] == [
+        (llm.span_id, "rate_limit"),
+        (agent.span_id, "timeout"),
+    ]
 
 
 def test_a_resent_batch_reports_nothing_new(pipeline: Pipeline) -> None:
