@@ -17,9 +17,10 @@ only propagate it are attributed to it instead of being reported again:
 * through spans that did not fail: a framework often puts an OK span between
   the call that failed and the agent span that fails with it (the OpenAI
   Agents SDK's ``turn``), and those spans are never normalized. A failing
-  span whose time range contains an origin's in the same trace, and that
-  shows nothing beyond its error, propagates it; the closest such origin is
-  taken, within the request and from a few origins remembered per trace.
+  agent or chain span whose time range contains an origin's in the same
+  trace, and that shows nothing beyond its error, propagates it; the closest
+  such origin is taken, within the request and from a few origins remembered
+  per trace. (Calls are not containers: parallel siblings overlap in time.)
 
 When the origin is a plain HTTP or unlabelled span under an LLM or tool span
 that propagated it, the failure keeps the origin's span but takes the
@@ -70,6 +71,10 @@ _STATUS_ERROR = 2  # OTLP Status.STATUS_CODE_ERROR
 _MESSAGE_LIMIT = 300
 _SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
 _SESSION_SET = frozenset(SESSION_KEYS)
+#: Spans that may propagate a failure from below an OK span: the ones that run
+#: others. Calls (LLM, tool, HTTP) overlap in time as parallel siblings, and two
+#: parallel calls timing out are two failures, not one propagating the other.
+_CONTAINER_ROLES = (Role.AGENT, Role.CHAIN)
 #: Characters of an origin's message kept to recognise it in a parent's.
 _SIGNATURE_TEXT = 120
 
@@ -494,7 +499,7 @@ class Pipeline:
     def _origin_within(self, cand: _Candidate) -> _Signature | None:
         """The closest origin reported earlier in the trace within the span's time."""
         reported = self._origins_in.get(cand.record.trace_id)
-        if not reported:
+        if not reported or cand.record.role not in _CONTAINER_ROLES:
             return None
         rec = cand.record
         inside = [
@@ -593,7 +598,7 @@ def _attribute_through_ok_spans(candidates: dict[str, _Candidate]) -> None:
         if len(group) < 2:
             continue
         for outer in group:
-            if outer.attributed_to is not None:
+            if outer.attributed_to is not None or outer.record.role not in _CONTAINER_ROLES:
                 continue
             o = outer.record
             inside = [
