@@ -173,7 +173,12 @@ class Control:
         return delivery.pull
 
     async def pull(self, service: str, *, wait_s: float, limit: int) -> list[dict[str, Any]]:
-        """Lease due commands of ``service``, waiting up to ``wait_s`` for one (long poll)."""
+        """Lease due commands of ``service``, waiting up to ``wait_s`` for one (long poll).
+
+        The wait ends early when a command for ``service`` is stored (notified) or
+        one of its own commands comes due or has its lease run out (timed); other
+        services' commands never wake it, so an idle poll is a few store calls.
+        """
         if not service:
             raise ControlError("service is required")
         settings = self._pull_settings(service)
@@ -188,10 +193,11 @@ class Control:
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
-            # Commands delayed (not_before) become due without a notification: poll too.
-            next_due = self.store.next_due_at(("pull",))
-            if next_due is not None:
-                left = min(left, max(0.01, next_due - self.clock()))
+            # A delayed command (not_before) becoming due and a lease running out are not
+            # announced: sleep until the first of these for this service's own commands.
+            next_at = self.store.next_lease_at(service)
+            if next_at is not None:
+                left = min(left, max(0.01, next_at - self.clock()))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout=left)
 

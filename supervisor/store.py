@@ -86,6 +86,15 @@ CREATE TABLE IF NOT EXISTS commands (
 );
 CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at);
 CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status);
+-- A long poll of one service finds its next pull command in O(log n), however many
+-- other services' commands wait. Partial: only live pull rows, so push commands pay
+-- nothing. status/channel repeat in the columns because the planner does not count a
+-- partial index's WHERE as equality terms and would otherwise pick commands_due.
+CREATE INDEX IF NOT EXISTS commands_pull_pending
+    ON commands (service, status, channel, next_attempt_at)
+    WHERE status = 'pending' AND channel = 'pull';
+CREATE INDEX IF NOT EXISTS commands_pull_leased
+    ON commands (service, status, lease_until) WHERE status = 'leased';
 CREATE TABLE IF NOT EXISTS approvals (
     id TEXT PRIMARY KEY,
     incident_key TEXT NOT NULL UNIQUE,
@@ -613,6 +622,25 @@ class Store:
                 [(now + visibility_s, i) for i in ids],
             )
         return [_command_from(r) for r in rows]
+
+    def next_lease_at(self, service: str) -> float | None:
+        """When :meth:`lease` can next hand out a pull command of ``service``, or None.
+
+        The earliest of its pending commands' due times and its leases' ends:
+        neither is announced, so a long poll sleeps until then. Other services'
+        commands are left out, or one due command nobody fetches would wake
+        every other service's long poll at once, over and over.
+        """
+        with self._lock:
+            row = self._db.execute(
+                "SELECT (SELECT MIN(next_attempt_at) FROM commands WHERE service = ?"
+                " AND status = 'pending' AND channel = 'pull'),"
+                " (SELECT MIN(lease_until) FROM commands WHERE service = ?"
+                " AND status = 'leased' AND channel = 'pull')",
+                (service, service),
+            ).fetchone()
+        found = [float(t) for t in row if t is not None]
+        return min(found) if found else None
 
     def ack(self, command_id: str, service: str, now: float) -> bool:
         """Acknowledge a leased pull command; False when it is unknown or not leased to it."""

@@ -51,6 +51,8 @@ from supervisor.store import NewIncident, Store, StoredCommand
 
 TOKEN = "pull-test-token-0123456789"
 SERVICE = "pull-agent"
+#: A second pull service, polling while SERVICE's commands wait.
+OTHER = "other-agent"
 #: Short, so redelivery is seen within a test; long enough for a lease-then-ack on a busy box.
 VISIBILITY_S = 0.3
 T = TypeVar("T")
@@ -181,8 +183,8 @@ def decided(
     return Outcome(failure, Decision(action=action, policy="test", params=params or {}))
 
 
-def retry() -> Outcome:
-    return decided(Action.RETRY, params={"attempt": 1, "delay_s": 0})
+def retry(service: str = SERVICE) -> Outcome:
+    return decided(Action.RETRY, service=service, params={"attempt": 1, "delay_s": 0})
 
 
 # -- lease and ack ------------------------------------------------------------------------
@@ -283,12 +285,6 @@ def test_an_unacknowledged_command_is_handed_out_again_after_the_visibility_time
     assert sidecar.status(leased.id) == "delivered"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sidecar gap: Control.pull sleeps until its wait ends or a new command is"
-    " announced; a lease running out wakes no long poll (next_due_at counts pending"
-    " commands only), so a redelivery waits for the poller's whole wait",
-)
 def test_a_long_poll_is_answered_when_a_lease_runs_out(
     sidecar: Sidecar, puller: CommandPuller
 ) -> None:
@@ -300,6 +296,50 @@ def test_a_long_poll_is_answered_when_a_lease_runs_out(
 
     assert again.id == leased.id
     assert time.monotonic() - started < VISIBILITY_S * 3
+
+
+def test_a_long_poll_sleeps_while_another_service_has_a_command_nobody_fetches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SERVICE's command is due and nobody fetches it; OTHER's long poll must not
+    # wake for it (it used to lease every 10 ms, ~100 times a second), yet must
+    # still be answered when its own lease runs out.
+    sidecar = Sidecar(services=(SERVICE, OTHER))
+    try:
+        [unfetched] = sidecar.add(retry())
+        sidecar.add(retry(OTHER))
+        leases: list[str] = []
+        lease = sidecar.store.lease
+
+        def counted(service: str, now: float, visibility_s: float, limit: int) -> Any:
+            leases.append(service)
+            return lease(service, now, visibility_s, limit)
+
+        monkeypatch.setattr(sidecar.store, "lease", counted)
+        with CommandPuller(OTHER, sidecar.url, TOKEN) as other:
+            [mine] = other.poll(wait_s=0)
+            assert other.ack(mine) is True
+
+            leases.clear()
+            started = time.monotonic()
+            assert other.poll(wait_s=1.0) == []
+            waited = time.monotonic() - started
+            idle_leases = list(leases)
+
+            [held] = sidecar.add(retry(OTHER))
+            assert [c.id for c in other.poll(wait_s=0)] == [held.command.id]
+            leases.clear()
+            [again] = other.poll(wait_s=VISIBILITY_S * 5)  # answered when the lease runs out
+
+        assert 0.9 <= waited < 3.0
+        # A look, asleep for the whole wait, a last look (one more if woken a hair early).
+        assert set(idle_leases) == {OTHER} and len(idle_leases) <= 3
+        assert again.id == held.command.id
+        # Asleep until the lease ran out, then the lease (one more if woken a hair early).
+        assert set(leases) == {OTHER} and len(leases) <= 3
+        assert sidecar.status(unfetched.command.id) == "pending"
+    finally:
+        sidecar.stop()
 
 
 def test_an_ack_after_the_lease_ran_out_is_still_taken(

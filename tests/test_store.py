@@ -6,6 +6,8 @@ explicit times (``now``), as the dispatcher, the actor and the pull API do.
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -369,6 +371,61 @@ def test_lease_hands_out_only_due_pull_commands_of_the_service(store: Store) -> 
     assert ids(store.lease("agent", T0 + 60, 300.0, 10)) == [later.id]
     assert ids(store.lease("other-agent", T0, 300.0, 10)) == [other.id]
     assert status_of(store, pushed) == "pending"
+
+
+def test_next_lease_at_is_the_first_due_time_or_lease_end_of_the_service_s_own_pull_commands(
+    store: Store,
+) -> None:
+    held = make_command(span(1))
+    later = make_command(span(2), not_before=T0 + 60)
+    other = make_command(span(3), service="other-agent")
+    pushed = make_command(span(4), not_before=T0 - 5)
+    store.record(
+        [
+            make_incident(span(1), [held], channel="pull"),
+            make_incident(span(2), [later], channel="pull"),
+            make_incident(span(3), [other], channel="pull", service="other-agent"),
+            make_incident(span(4), [pushed], channel="webhook"),
+        ],
+        T0,
+    )
+    assert store.next_lease_at("agent") == T0  # due now: ``held``
+    assert store.next_lease_at("nobody") is None
+
+    store.lease("agent", T0, 30.0, 10)
+    # ``held`` is leased until T0 + 30; ``later`` is due at T0 + 60; the other
+    # service's due command and the push command do not count.
+    assert store.next_lease_at("agent") == T0 + 30
+    assert ids(store.lease("agent", T0 + 30, 30.0, 10)) == [held.id]  # the lease ran out
+    assert store.next_lease_at("agent") == T0 + 60
+    assert store.ack(held.id, "agent", T0 + 31)
+    store.dead(later.id, "gone", T0 + 31)
+    assert store.next_lease_at("agent") is None
+    assert store.next_lease_at("other-agent") == T0
+
+
+def test_a_store_made_before_the_pull_indexes_gets_them_when_opened(path: Path) -> None:
+    Store.open(path).close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("DROP INDEX commands_pull_pending")
+        db.execute("DROP INDEX commands_pull_leased")
+        db.commit()
+
+    Store.open(path).close()
+
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        # What a long poll asks runs on them, not on a scan of other services' commands.
+        plan = " ".join(
+            r[3]
+            for r in db.execute(
+                "EXPLAIN QUERY PLAN SELECT MIN(next_attempt_at) FROM commands WHERE service = ?"
+                " AND status = 'pending' AND channel = 'pull'",
+                ("agent",),
+            )
+        )
+    assert {"commands_pull_pending", "commands_pull_leased"} <= names
+    assert "commands_pull_pending" in plan
 
 
 def test_ack_marks_the_command_delivered_only_for_its_own_service(store: Store) -> None:

@@ -217,10 +217,13 @@ class CommandPuller:
     def ack(self, command: Command | str) -> bool:
         """Acknowledge a command, so the sidecar does not hand it out again.
 
-        Returns False when the sidecar no longer waits for this ack (it was
-        acknowledged already, or its lease expired and it went to another
-        poller) or cannot be reached; the command may then come again, and the
-        agent's idempotency check is what drops it.
+        The sidecar takes an ack while the command is leased or pending, even
+        after its lease ran out (it may have been handed out again meanwhile;
+        once acknowledged, it is not handed out after). Returns False when the
+        sidecar no longer waits for this ack (acknowledged already, by this or
+        another poller, or dead-lettered), does not know the command for this
+        service, or cannot be reached; in that last case the command may come
+        again, and the agent's idempotency check is what drops it.
         """
         command_id = command if isinstance(command, str) else command.id
         try:
