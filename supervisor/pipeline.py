@@ -48,7 +48,9 @@ from supervisor.normalize import (
     shows_failure_signal,
     wire_spans,
 )
+from supervisor.normalize.attributes import as_str
 from supervisor.normalize.screen import SESSION_KEYS
+from supervisor.normalize.wire import value_of
 from supervisor.records import (
     Classification,
     Decision,
@@ -298,8 +300,11 @@ class Pipeline:
         """
         for item in later:
             dependency = dependency_of(item)
-            if dependency in self._attempted and normalize_wire(item).error is None:
-                self._attempts.pop((_run_of(item), dependency))
+            if dependency not in self._attempted:
+                continue
+            key = (_run_of(item), dependency)
+            if self._attempts.get(key) and normalize_wire(item).error is None:
+                self._attempts.pop(key)
 
     def _with_slo(self, failure: Failure) -> Failure:
         """The failure as policies see it: whether its service's SLO is burning fast."""
@@ -551,13 +556,18 @@ def _run_of(item: WireSpan) -> str:
     """A successful span's run id, as its record would say: its session, else its trace.
 
     Only spans of dependencies with attempts counted or remediations waiting
-    get here, so a span that names a session is normalized to read it the
-    one way records do.
+    get here. The session is read raw, the first of the conventions' keys
+    present, as the adapters read it (a string, or a number as text).
     """
     span, _, _, present = item
-    if _SESSION_SET.isdisjoint(present):
-        return str(span.trace_id.hex())
-    return normalize_wire(item).run_id
+    if not _SESSION_SET.isdisjoint(present):
+        encoded = span.attributes
+        for key in SESSION_KEYS:
+            if key in present:
+                session = as_str(value_of(encoded.get(key) or b""))
+                if session:
+                    return session
+    return str(span.trace_id.hex())
 
 
 def _ancestors_attributed_to(

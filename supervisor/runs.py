@@ -142,6 +142,8 @@ CASCADE_RULE: Final = "builtin.detect.cascade"
 REANCHOR_RULE: Final = "builtin.detect.reanchor"
 #: Longest objective carried in a re-anchoring command (characters).
 _MAX_OBJECTIVE: Final = 2000
+#: Dependencies whose model table entry is remembered (then forgotten at once).
+_MAX_MODELS_MEMO: Final = 4096
 #: How many times one looping call is reported in a run (guidance, rewind, abort).
 MAX_LOOP_REPORTS: Final = 3
 _SAME_CALL: Final = "the same tool call"
@@ -324,6 +326,9 @@ class RunTracker:
         self._settings = settings
         #: Context windows and prices (None: no context pressure, no budgets, no cost).
         self.models = models
+        #: (the table, dependency -> its entry): the table's own lookup takes a lock
+        #: and tries several spellings, once per run otherwise.
+        self._model_memo: tuple[ModelTable | None, dict[str, ModelInfo | None]] = (models, {})
         #: Run outcomes per service, against the policy's SLO (None: no SLOs).
         self.slo = SloTracker(slo, clock=clock) if slo is not None else None
         #: Runs whose root span ended in this batch: judged (errors counted) first.
@@ -525,7 +530,17 @@ class RunTracker:
         if dependency == run.model:
             info = run.model_info  # a run calls the same model, most of the time
         else:
-            info = models.lookup(dependency.partition(":")[2])
+            memo = self._model_memo
+            if memo[0] is not models:  # a reloaded policy's table
+                memo = self._model_memo = (models, {})
+            known = memo[1]
+            if dependency in known:
+                info = known[dependency]  # every new run of a known model
+            else:
+                info = models.lookup(dependency.partition(":")[2])
+                if len(known) >= _MAX_MODELS_MEMO:
+                    known.clear()
+                known[dependency] = info
             run.model, run.model_info = dependency, info
         share = settings.pressure_share
         if (
