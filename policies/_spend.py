@@ -84,8 +84,9 @@ class RunSpend:
         self.cost_usd = 0.0
         #: Calls with tokens whose model has no price (unknown, or listed without one).
         self.unpriced_calls = 0
-        self.unpriced_models: list[str] = []
-        self._reported: set[str] = set()
+        # Made when first needed: most runs are priced and within budget.
+        self.unpriced_models: list[str] | None = None
+        self._reported: set[str] | None = None
 
     @property
     def tokens(self) -> int:
@@ -121,6 +122,8 @@ class RunSpend:
             self.unpriced_calls += 1
             name = model[:MAX_MODEL_NAME] if isinstance(model, str) else ""
             names = self.unpriced_models
+            if names is None:
+                names = self.unpriced_models = []
             if name not in names and len(names) < self.MAX_UNPRICED_NAMES:
                 names.append(name)
             return None
@@ -144,10 +147,13 @@ class RunSpend:
             max_cost is None or self.cost_usd <= max_cost
         ):
             return None  # under the budget: what every call but one finds
-        new = [kind for kind in self.over(budget) if kind not in self._reported]
+        reported = self._reported
+        if reported is None:
+            reported = self._reported = set()
+        new = [kind for kind in self.over(budget) if kind not in reported]
         if not new:
             return None
-        self._reported.update(new)
+        reported.update(new)
         return "+".join(new)
 
     def describe(self, budget: RunBudgetSpec | None = None) -> str:
@@ -160,7 +166,7 @@ class RunSpend:
             cost += f" (max_cost_usd ${budget.max_cost_usd:g})"
         text = f"run spent {tokens} and {cost} over {self.calls} LLM calls"
         if self.partial:
-            names = ", ".join(self.unpriced_models) or "?"
+            names = ", ".join(self.unpriced_models or ()) or "?"
             text += f"; cost partial: {self.unpriced_calls} calls of unpriced models ({names})"
         return text
 

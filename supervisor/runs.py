@@ -186,7 +186,8 @@ class _Repeats:
     def __init__(self, window: int) -> None:
         self.window = window
         self.seq = 0
-        self.seen: dict[int, list[Any]] = {}
+        #: digest -> (first repeat, seq, instance, ...): a tuple until the call repeats
+        self.seen: dict[int, list[Any] | tuple[Any, ...]] = {}
         self.reported: dict[int, int] | None = None
 
     def add(
@@ -200,15 +201,20 @@ class _Repeats:
         """
         self.seq += 1
         seq = self.seq
-        entry = self.seen.get(digest)
-        if entry is None:  # the usual case: a call not made lately
+        found = self.seen.get(digest)
+        if found is None:  # the usual case: a call not made lately
             if len(self.seen) >= 4 * self.window:
                 self._prune(seq - self.window)
-            self.seen[digest] = [None, seq, instance]
+            # A tuple of plain values: the garbage collector stops tracking it.
+            self.seen[digest] = (None, seq, instance)
             return None
-        if instance in entry:
+        if instance in found:
             self.seq -= 1  # the same call again (a re-sent span): nothing changes
             return None
+        if isinstance(found, list):
+            entry: list[Any] = found
+        else:
+            entry = self.seen[digest] = list(found)  # repeated: counted in place from now on
         oldest = seq - self.window
         while len(entry) > 1 and entry[1] <= oldest:
             del entry[1:3]
@@ -232,7 +238,7 @@ class _Repeats:
             return None
         reported[digest] = occurrence
         # Count again from here: a loop that goes on is reported after as many repeats.
-        self.seen[digest] = [None, seq, instance]
+        self.seen[digest] = (None, seq, instance)
         return first[0], first[1], occurrence
 
     def _prune(self, oldest: int) -> None:
@@ -428,7 +434,8 @@ class RunTracker:
                 if REQUEST_MARKERS.isdisjoint(present)
                 else _requested_raw(encoded, present, messages)
             )
-            run.tools_since_llm = []
+            if run.tools_since_llm:
+                run.tools_since_llm.clear()  # reused: one list per run, not per LLM call
             raw = _first_present(encoded, present, _LLM_TEXT_KEYS) or messages
             if not settings.loops or not repeats or not raw:
                 return  # no output recorded: nothing to compare
