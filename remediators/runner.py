@@ -677,7 +677,7 @@ class DurableRunner:
                 attributes={
                     "spanvisor.remediation.id": str(request["id"]),
                     "spanvisor.remediator": str(request["remediator"]),
-                    "spanvisor.remediator.use": str(request["use"]),
+                    "spanvisor.remediator_use": str(request["use"]),
                     "spanvisor.remediation.tools": list(request["tools"]),
                     "spanvisor.service": str(trigger.get("service", "")),
                     "spanvisor.run_id": str(trigger.get("run_id", "")),

@@ -234,8 +234,11 @@ def decision_attributes(failure: Failure, decision: Decision) -> dict[str, Attri
 
 
 def flatten_params(params: Mapping[str, AttrValue]) -> dict[str, AttributeValue]:
-    """``spanvisor.action.<name>`` for each scalar parameter.
+    """``spanvisor.decision.<name>`` for each scalar parameter.
 
+    Not ``spanvisor.action.<name>``: ``spanvisor.action`` is an attribute
+    itself, and a name that is also a namespace cannot be searched in viewers
+    that store attributes as a tree (Phoenix), as OTel's naming rules warn.
     Scalars are str, bool, int and float; a sequence of scalars of one type
     (a fallback chain) is kept as an OTel array attribute. Mappings, bytes,
     None and mixed sequences are left out: they are not attribute values.
@@ -244,7 +247,7 @@ def flatten_params(params: Mapping[str, AttrValue]) -> dict[str, AttributeValue]
     for name, value in params.items():
         converted = _attribute_value(value)
         if converted is not None:
-            flat[f"spanvisor.action.{name}"] = converted
+            flat[f"spanvisor.decision.{name}"] = converted
     return flat
 
 

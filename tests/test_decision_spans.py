@@ -69,10 +69,10 @@ EXPECTED_ATTRIBUTES: dict[str, Any] = {
     "spanvisor.service": "travel-agent",
     "spanvisor.observe_only": False,
     "spanvisor.reason": "rate limited; retry after the provider's delay",
-    "spanvisor.action.attempt": 1,
-    "spanvisor.action.max_attempts": 3,
-    "spanvisor.action.delay_s": 2.5,
-    "spanvisor.action.jitter": True,
+    "spanvisor.decision.attempt": 1,
+    "spanvisor.decision.max_attempts": 3,
+    "spanvisor.decision.delay_s": 2.5,
+    "spanvisor.decision.jitter": True,
 }
 
 
@@ -193,7 +193,7 @@ def test_observe_only_and_long_messages_are_bounded(make_tracer: MakeTracer) -> 
         attributes["spanvisor.failure.message"],
         attributes["spanvisor.reason"],
     ) == (True, "é" * 1024, "r" * 1024)
-    assert not [key for key in attributes if key.startswith("spanvisor.action.")]
+    assert not [key for key in attributes if key.startswith("spanvisor.decision.")]
 
 
 @pytest.mark.parametrize(
@@ -202,20 +202,20 @@ def test_observe_only_and_long_messages_are_bounded(make_tracer: MakeTracer) -> 
         ({}, {}),
         (
             {"chain": ("openai:gpt-4o-mini", "anthropic:claude")},
-            {"spanvisor.action.chain": ["openai:gpt-4o-mini", "anthropic:claude"]},
+            {"spanvisor.decision.chain": ["openai:gpt-4o-mini", "anthropic:claude"]},
         ),
-        ({"codes": (429, 503)}, {"spanvisor.action.codes": [429, 503]}),
-        ({"weights": (0.5, 1.5)}, {"spanvisor.action.weights": [0.5, 1.5]}),
-        ({"flags": (True, False)}, {"spanvisor.action.flags": [True, False]}),
+        ({"codes": (429, 503)}, {"spanvisor.decision.codes": [429, 503]}),
+        ({"weights": (0.5, 1.5)}, {"spanvisor.decision.weights": [0.5, 1.5]}),
+        ({"flags": (True, False)}, {"spanvisor.decision.flags": [True, False]}),
         ({"mixed": (1, "a")}, {}),
         ({"empty": ()}, {}),
         ({"nested": {"a": 1}}, {}),
         ({"raw": b"\x00"}, {}),
         ({"none": None}, {}),
         ({"zero": 0, "no": False, "neg": -1.5}, {
-            "spanvisor.action.zero": 0,
-            "spanvisor.action.no": False,
-            "spanvisor.action.neg": -1.5,
+            "spanvisor.decision.zero": 0,
+            "spanvisor.decision.no": False,
+            "spanvisor.decision.neg": -1.5,
         }),
     ],
 )

@@ -550,7 +550,13 @@ def test_phoenix_has_the_decide_span_under_the_failing_span(scenario: Scenario) 
             return scenario.phoenix.spans(
                 name="spanvisor.decide",
                 trace_id=trace_id,
-                attribute=['spanvisor.action:"remediate"', 'spanvisor.failure.kind:"unavailable"'],
+                attribute=[
+                    'spanvisor.action:"remediate"',
+                    'spanvisor.failure.kind:"unavailable"',
+                    # A decision's parameters are searchable too: no attribute name
+                    # is also a namespace (Phoenix keeps attributes as a tree).
+                    f'spanvisor.decision.remediator:"{REMEDIATOR}"',
+                ],
             )
 
         [decide] = wait_until(decided, ARRIVAL_S, "the spanvisor.decide span in the agent's trace")
