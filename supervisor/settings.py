@@ -12,6 +12,8 @@ the CLI only.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from supervisor.errors import ConfigError
+
+log = logging.getLogger("spanvisor.settings")
 
 LOOPBACK = "127.0.0.1"
 
@@ -241,6 +245,11 @@ def load_settings(
             raise ConfigError(f"{path}: the settings file must be a mapping of keys to values")
         file_values = loaded
     env_values = _env_values()
+    for key, value in env_values.items():
+        # SPANVISOR_DOWNSTREAM__ENDPOINT overrides one key of the file's downstream.
+        from_file = file_values.get(key)
+        if isinstance(value, dict) and isinstance(from_file, dict):
+            env_values[key] = {**from_file, **value}
     merged = {
         **file_values,
         **env_values,
@@ -258,14 +267,58 @@ def load_settings(
         raise ConfigError(f"{origin}invalid settings: {problems}") from exc
 
 
+#: ``SPANVISOR_*`` names that are not settings: read by one component, or set by
+#: the command actuator for the commands it runs.
+_NOT_SETTINGS = frozenset(
+    {
+        "LLM_API_KEY",
+        "COMPILE",
+        "COMMAND",
+        "COMMAND_ID",
+        "COMMAND_TYPE",
+        "IDEMPOTENCY_KEY",
+        "RUN_ID",
+        "SERVICE",
+        "PHOENIX_PYTHON",
+    }
+)
+
+
 def _env_values() -> dict[str, Any]:
-    """``SPANVISOR_*`` variables as settings keys (``SPANVISOR_API_PORT`` → ``api_port``)."""
+    """``SPANVISOR_*`` variables as settings keys (``SPANVISOR_API_PORT`` → ``api_port``).
+
+    A value that starts with ``{`` or ``[`` is JSON (``SPANVISOR_AGENTS``);
+    ``SPANVISOR_DOWNSTREAM__ENDPOINT`` sets one key of a nested setting. A
+    ``SPANVISOR_*`` name that is no setting is logged: a misspelt variable
+    would otherwise change nothing, silently.
+    """
     known = set(Settings.model_fields)
     values: dict[str, Any] = {}
-    for name, value in os.environ.items():
+    unknown: list[str] = []
+    for name, raw in sorted(os.environ.items()):
         if not name.startswith("SPANVISOR_"):
             continue
-        key = name[len("SPANVISOR_") :].lower()
-        if key in known and key != "downstream":
+        suffix = name[len("SPANVISOR_") :]
+        key, _, nested = suffix.lower().partition("__")
+        if key not in known:
+            if suffix not in _NOT_SETTINGS:
+                unknown.append(name)
+            continue
+        value: Any = raw
+        if raw.lstrip().startswith(("{", "[")):
+            try:
+                value = json.loads(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{name}: not valid JSON: {exc}") from None
+        if nested:
+            into = values.setdefault(key, {})
+            if isinstance(into, dict):
+                into[nested] = value
+        else:
             values[key] = value
+    if unknown:
+        log.warning(
+            "ignoring environment variables that name no setting: %s (see spanvisor run --help)",
+            ", ".join(unknown),
+        )
     return values
