@@ -324,6 +324,29 @@ def test_retry_step_continues_a_failed_thread_from_its_last_checkpoint(rig: Rig)
     assert [m["role"] for m in last] == ["user", "assistant", "tool"]
 
 
+def test_a_retry_that_arrives_while_the_failed_step_unwinds_is_not_lost(rig: Rig) -> None:
+    # The sidecar can answer before the failing invocation has returned (its spans
+    # are exported as they end): the command must run when the invocation ends.
+    directives = []
+
+    def sidecar_answers_early(_: int) -> None:
+        directives.append(rig.adapter.apply(command("retry_step", "t")))
+
+    rig.world.on_search = sidecar_answers_early
+    rig.provider.script(
+        Reply.tool_call("search", {"query": "runbook"}),
+        Reply.rate_limited(retry_after_s=0.1),
+        Reply.text("Nothing in the runbook."),
+    )
+
+    out = rig.adapter.invoke("t", ask("Look it up."))
+
+    [early] = directives
+    assert (early.action, early.deferred) == ("none", True)
+    assert out["messages"][-1].content == "Nothing in the runbook."
+    assert rig.world.searches == 1  # continued from the checkpoint, not replayed
+
+
 def test_resume_run_after_a_crash_checks_the_unverified_effect_instead_of_repeating_it(
     rig: Rig,
 ) -> None:
@@ -359,6 +382,26 @@ def test_resume_run_after_a_crash_checks_the_unverified_effect_instead_of_repeat
     assert view is not None
     assert (view.unverified, view.pending_notes) == ((), 0)  # the thread went past them
     assert sum(1 for m in out["messages"] if m.name == NOTE_NAME) == 1
+
+
+def test_resume_run_lists_the_checkpoints_unanswered_calls_the_sidecar_did_not_see(
+    rig: Rig,
+) -> None:
+    # The tool's span reached the sidecar, so it lists nothing; the checkpoint was
+    # written before the tool's result: the call is unverified all the same.
+    rig.world.crash_after_send = True
+    rig.provider.script(send_email_reply())
+    with pytest.raises(Crash):
+        rig.adapter.invoke("t", ask("Tell the on-call team."))
+    adapter = rig.restart()
+
+    directive = adapter.apply(command("resume_run", "t", {"unverified": []}))
+
+    expected = f"send_email({json.dumps(EMAIL, sort_keys=True)})"
+    assert adapter.view("t").unverified == (expected,)  # type: ignore[union-attr]
+    rig.provider.script(Reply.text("Told them (once)."))
+    adapter.proceed(directive)
+    assert len(rig.world.outbox) == 1
 
 
 def test_a_command_for_a_thread_without_checkpoints_asks_for_nothing(rig: Rig) -> None:

@@ -383,6 +383,37 @@ def _session(thread_id: str) -> AbstractContextManager[Any]:
 # -- the adapter -------------------------------------------------------------------------------
 
 
+def _unanswered_calls(messages: list[BaseMessage]) -> list[str]:
+    """``name(arguments)`` of the last model turn's tool calls that no tool message answers."""
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        calls = getattr(message, "tool_calls", None)
+        if isinstance(message, AIMessage) and calls:
+            answered = {getattr(m, "tool_call_id", None) for m in messages[index + 1 :]}
+            return [
+                f"{call.get('name', '')}({json.dumps(call.get('args', {}), sort_keys=True)})"
+                for call in calls
+                if call.get("id") not in answered
+            ]
+    return []
+
+
+def _canonical_call(call: str) -> str:
+    """``name(arguments)`` with its JSON arguments' keys sorted, to compare two spellings."""
+    name, paren, rest = call.partition("(")
+    if not paren or not rest.endswith(")"):
+        return call
+    try:
+        arguments = json.loads(rest[:-1])
+    except ValueError:
+        return call
+    return f"{name}({json.dumps(arguments, sort_keys=True)})"
+
+
+#: Commands that edit the thread's checkpoints before it goes on.
+_EDITING = frozenset({"rewind_run", "compact_context"})
+
+
 class LangGraphAdapter:
     """Maps spanvisor's commands onto a compiled LangGraph graph with a checkpointer.
 
@@ -680,7 +711,14 @@ class LangGraphAdapter:
 
     def _resume(self, command: Command, thread: _Thread) -> Directive:
         found = command.params.get("unverified")
-        calls = found if isinstance(found, (list, tuple)) else ()
+        calls = list(found) if isinstance(found, (list, tuple)) else []
+        # The sidecar lists what no tool span answered; a tool span can be exported
+        # before the checkpoint records its result, so the checkpoint's own unanswered
+        # calls are unverified too.
+        snapshot = self._snapshot(thread.thread_id)
+        if snapshot is not None:
+            known = {_canonical_call(str(c)) for c in calls}
+            calls += [c for c in _unanswered_calls(self._messages(snapshot)) if c not in known]
         unverified = tuple(str(call)[:_MAX_CALL_CHARS] for call in calls[:_MAX_UNVERIFIED])
         with self._lock:
             thread.unverified = unverified
@@ -712,8 +750,8 @@ class LangGraphAdapter:
         who = answer["answered_by"] or "a person"
         if self._stopped(thread):
             return self._directive(thread, command, "stop", "the thread was aborted")
-        if self._running(thread):
-            return self._directive(thread, command, "none", "the thread is running: nothing waits")
+        if self._defer(command, thread):
+            return self._deferred(command, thread)  # answered when the invocation ends
         snapshot = self._snapshot(thread.thread_id)
         if snapshot is None:
             return self._directive(thread, command, "none", "no checkpoint for this thread")
@@ -761,10 +799,6 @@ class LangGraphAdapter:
                 _as_data(guidance.strip(), self.max_note_chars),
             ),
         )
-        if self._running(thread):
-            return self._directive(
-                thread, command, "none", "the thread is running: its next model call gets it"
-            )
         return self._onward(command, thread, why="guidance added")
 
     def _compact(self, command: Command, thread: _Thread) -> Directive:
@@ -831,10 +865,10 @@ class LangGraphAdapter:
         prefix = f"{why}; " if why else ""
         if self._stopped(thread):
             return self._directive(thread, command, "stop", f"{prefix}the thread was aborted")
-        if self._running(thread):
-            return self._directive(
-                thread, command, "none", f"{prefix}the thread is running: it applies there"
-            )
+        if self._defer(command, thread):
+            # The failed step may still be unwinding when its command arrives: the
+            # command's continuation runs when that invocation ends, not never.
+            return self._deferred(command, thread)
         if snapshot is None:
             snapshot = self._snapshot(thread.thread_id)
         if snapshot is None:
@@ -848,7 +882,7 @@ class LangGraphAdapter:
                 "wait",
                 f"{prefix}the thread waits in an interrupt for approval_result",
             )
-        if not snapshot.next:
+        if not snapshot.next and not snapshot.tasks:
             return self._directive(
                 thread, command, "none", f"{prefix}the thread has finished: nothing to continue"
             )
@@ -888,11 +922,20 @@ class LangGraphAdapter:
         return directive
 
     def _defer(self, command: Command, thread: _Thread) -> bool:
-        """Keep a checkpoint-editing command for when the running invocation ends."""
+        """Keep a command for when the running invocation ends; False when none runs.
+
+        One command is kept per thread. The latest wins (it knows the most),
+        except that a plain continuation never replaces a command that edits
+        the checkpoints (a rewind, a compaction): that one continues the
+        thread too once it has edited it, and the continuation's own effect
+        (a model switch, a note) is already applied.
+        """
         with self._lock:
             if thread.running == 0:
                 return False
-            thread.deferred = command  # the latest wins: it knows the most
+            kept = thread.deferred
+            if kept is None or command.type in _EDITING or kept.type not in _EDITING:
+                thread.deferred = command
             self._counts["deferred"] += 1
             return True
 
