@@ -145,11 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verbs.add_parser("schema", help="print the policy file's JSON Schema (for editors)")
 
-    demo = verbs.add_parser(
-        "demo", help="run the sidecar, an instrumented example agent and a faulty fake provider"
-    )
-    demo.add_argument("--runs", type=int, default=3, help="agent runs to make (default 3)")
-    demo.add_argument("--seed", type=int, default=7, help="seed of the injected faults")
+    _add_demo(verbs)
 
     remote = argparse.ArgumentParser(add_help=False)
     remote.add_argument(
@@ -194,6 +190,44 @@ def build_parser() -> argparse.ArgumentParser:
         "reload", parents=[remote], help="make a running sidecar reload its policy file"
     )
     return parser
+
+
+def _add_demo(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The demo verb: its description says what the story shows, so --help is the tour."""
+    demo = verbs.add_parser(
+        "demo",
+        help="watch the sidecar supervise two LangGraph agents against a faulty fake provider",
+        description="Runs, on loopback and on free ports: the sidecar (in this process), two\n"
+        "LangGraph example agents and a fake LLM provider whose faults tell a story: 429s\n"
+        "and 503s, an outage of the primary model, a reasoning loop, an agent killed and\n"
+        "resumed, a refund an operator approves, a 401. Shows it live (a line per event\n"
+        "when not on a terminal), then a summary. Exits 0 when every part of the story\n"
+        "happened, 1 with what did not; everything is stopped and removed at the end.",
+        epilog="to see the same in Jaeger (OTLP/HTTP on 4318, UI on 16686):\n"
+        "  OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 spanvisor demo\n"
+        "the demo's sidecar forwards every span there, and sends its own.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument(
+        "--runs",
+        type=int,
+        default=6,
+        help="agent runs in all (6 to 20, default 6: the story's; more add runs to the ops"
+        " agent, with seeded transient faults)",
+    )
+    demo.add_argument(
+        "--seed", type=int, default=7, help="seed of the faults in the runs beyond the story's"
+    )
+    demo.add_argument(
+        "--no-live",
+        action="store_false",
+        dest="live",
+        default=None,
+        help="print each event as a line, no live screen (the default when not on a terminal)",
+    )
+    demo.add_argument(
+        "--keep", action="store_true", help="keep the demo's state directory (logs, ledgers)"
+    )
 
 
 def _add_remediations(
@@ -343,7 +377,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if verb == "demo":
         from supervisor.demo import run_demo  # the demo pulls in the example agent's needs
 
-        return run_demo(runs=args.runs, seed=args.seed)
+        return run_demo(runs=args.runs, seed=args.seed, live=args.live, keep=args.keep)
     if verb == "incidents":
         return _incidents(args)
     if verb == "approvals":

@@ -212,11 +212,14 @@ def test_observe_only_and_long_messages_are_bounded(make_tracer: MakeTracer) -> 
         ({"nested": {"a": 1}}, {}),
         ({"raw": b"\x00"}, {}),
         ({"none": None}, {}),
-        ({"zero": 0, "no": False, "neg": -1.5}, {
-            "spanvisor.decision.zero": 0,
-            "spanvisor.decision.no": False,
-            "spanvisor.decision.neg": -1.5,
-        }),
+        (
+            {"zero": 0, "no": False, "neg": -1.5},
+            {
+                "spanvisor.decision.zero": 0,
+                "spanvisor.decision.no": False,
+                "spanvisor.decision.neg": -1.5,
+            },
+        ),
     ],
 )
 def test_params_are_flattened_as_scalars(

@@ -165,17 +165,17 @@ def test_http_json_is_sent_as_protobuf_with_a_warning(caplog: pytest.LogCaptureF
         got = downstream_from_env({E: "http://c", P: "http/json"})
     assert got is not None
     assert got.protocol == "http/protobuf"
-    assert [
-        r.getMessage().split(":")[0] for r in caplog.records
-    ] == ["http/json is sent as http/protobuf"]
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "http/json is sent as http/protobuf"
+    ]
 
 
 def test_unsupported_tls_files_are_reported(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="spanvisor.downstream"):
         downstream_from_env({E: "https://c", "OTEL_EXPORTER_OTLP_CERTIFICATE": "/ca.pem"})
-    assert [
-        getattr(r, "variable", None) for r in caplog.records
-    ] == ["OTEL_EXPORTER_OTLP_CERTIFICATE"]
+    assert [getattr(r, "variable", None) for r in caplog.records] == [
+        "OTEL_EXPORTER_OTLP_CERTIFICATE"
+    ]
 
 
 @pytest.mark.parametrize(
