@@ -45,6 +45,12 @@ _CORRECTIVE = (Action.RETRY, Action.FALLBACK)
 #: What an open breaker turns into a fallback or fail_fast: every decision about its
 #: dependency but ``none`` (an outage must not become a queue of approval requests).
 _DIVERTED = (Action.RETRY, Action.FALLBACK, Action.FAIL_FAST, Action.ESCALATE, Action.REMEDIATE)
+#: Failures of a run, not calls of its dependency: an open breaker on the run's
+#: last model says nothing about them (a stall's resume_run must keep its list of
+#: unverified work, a person must still be asked about an interrupt).
+RUN_KINDS = frozenset(
+    {"stall", "reasoning_loop", "goal_drift", "budget_exceeded", "approval_required"}
+)
 
 
 class Governor:
@@ -189,7 +195,7 @@ class Governor:
         dependency = failure.dependency
         action = decision.action
         state = self.breaker_state(dependency)
-        if state in _BLOCKED and action in _DIVERTED:
+        if state in _BLOCKED and action in _DIVERTED and failure.kind not in RUN_KINDS:
             decision = self._around_open(failure, decision, state)
         elif action is Action.FALLBACK:
             decision = self._next_open_alternative(failure, decision)

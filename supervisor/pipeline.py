@@ -38,6 +38,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from policies import Policy
 from policies._cascade import Cascade
+from policies._governor import RUN_KINDS
 from policies._verifiers import VerificationFailure, VerifierSet
 from supervisor.bounded import BoundedMap
 from supervisor.normalize import (
@@ -52,6 +53,7 @@ from supervisor.normalize.attributes import as_str
 from supervisor.normalize.screen import SESSION_KEYS
 from supervisor.normalize.wire import value_of
 from supervisor.records import (
+    Action,
     Classification,
     Decision,
     ErrorEvidence,
@@ -73,6 +75,8 @@ _STATUS_ERROR = 2  # OTLP Status.STATUS_CODE_ERROR
 _MESSAGE_LIMIT = 300
 _SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
 _SESSION_SET = frozenset(SESSION_KEYS)
+#: Decisions after which the run is expected to go on (a silence is then a stall).
+_GOES_ON = (Action.RETRY, Action.FALLBACK, Action.REMEDIATE)
 #: Spans that may propagate a failure from below an OK span: the ones that run
 #: others. Calls (LLM, tool, HTTP) overlap in time as parallel siblings, and two
 #: parallel calls timing out are two failures, not one propagating the other.
@@ -420,6 +424,7 @@ class Pipeline:
             parent = candidates.get(rec.trace_id + rec.parent_span_id)
             if (
                 parent is not None
+                and parent is not cand  # a malformed span that names itself its parent
                 and parent.attributed_to is None
                 and _propagates(parent, cand.sig)
             ):
@@ -449,7 +454,8 @@ class Pipeline:
             self._failures += 1
             failure = self._with_slo(failure)
             decision = self.policy.decide(failure, attempt=attempt)
-            if failure.dependency and self.governor is not None:
+            if failure.dependency and self.governor is not None and failure.kind not in RUN_KINDS:
+                # A run waiting for a person is no failed call: breakers do not count it.
                 calls.append((cand.record.end_ns, failure.dependency, False))
             outcomes.append(Outcome(failure, decision))
             if self.runs is not None:
@@ -478,6 +484,12 @@ class Pipeline:
                 o if o.decision.observe_only else replace(o, decision=_observed(o.decision))
                 for o in outcomes
             ]
+        runs = self.runs
+        if runs is not None:
+            for o in outcomes:
+                after = _goes_on_after(o)
+                if after is not None:
+                    runs.expect_more(o.failure.run_id, after)
         return outcomes
 
     @staticmethod
@@ -550,6 +562,22 @@ class Pipeline:
             received_ns=received_ns,
             attributed=tuple(attributed),
         )
+
+
+def _goes_on_after(outcome: Outcome) -> float | None:
+    """When a decision tells the run to go on (Unix seconds); None when it does not."""
+    decision = outcome.decision
+    if decision.observe_only:
+        return None
+    params = decision.params
+    if decision.action in _GOES_ON:
+        wait = params.get("delay_s")
+    elif decision.action is Action.FAIL_FAST and "breaker_reopens_in_s" in params:
+        wait = params.get("breaker_reopens_in_s")  # paused, resumed when it may half-open
+    else:
+        return None
+    delay = float(wait) if isinstance(wait, (int, float)) and not isinstance(wait, bool) else 0.0
+    return outcome.failure.received_ns / 1e9 + max(0.0, delay)
 
 
 def _run_of(item: WireSpan) -> str:

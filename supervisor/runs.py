@@ -188,17 +188,34 @@ class _Repeats:
         self.seq = 0
         #: digest -> (first repeat, seq, instance, ...): a tuple until the call repeats
         self.seen: dict[int, list[Any] | tuple[Any, ...]] = {}
-        self.reported: dict[int, int] | None = None
+        #: digest -> (times reported, when last: Unix ns)
+        self.reported: dict[int, tuple[int, int]] | None = None
 
     def add(
-        self, digest: int, instance: bytes, span_id: bytes, name: str, repeats: int
+        self,
+        digest: int,
+        instance: bytes,
+        span_id: bytes,
+        name: str,
+        repeats: int,
+        *,
+        span: Any,
+        now_ns: int,
     ) -> tuple[bytes, str, int] | None:
         """Count one call; (where its first repeat was, occurrence) at ``repeats``, else None.
 
         ``instance`` tells calls apart: the span id (a span re-sent by an
         exporter is not a repeat), or for an LLM call its prompt's size (the
-        same prompt answered again is a retry, not a loop).
+        same prompt answered again is a retry, not a loop). After a report,
+        only calls that started after it count towards the next: calls made
+        before the agent could be told (a backlog exported at once) are not
+        evidence that it ignored what it was told.
         """
+        reported = self.reported
+        if reported is not None:
+            last = reported.get(digest)
+            if last is not None and span.start_time_unix_nano < last[1]:
+                return None
         self.seq += 1
         seq = self.seq
         found = self.seen.get(digest)
@@ -230,13 +247,13 @@ class _Repeats:
         first: tuple[bytes, str] | None = entry[0]
         if count < repeats or first is None:
             return None
-        reported = self.reported
         if reported is None:
             reported = self.reported = {}
-        occurrence = reported.get(digest, 0) + 1
+        previous = reported.get(digest)
+        occurrence = 1 if previous is None else previous[0] + 1
         if occurrence > MAX_LOOP_REPORTS or (occurrence == 1 and len(reported) >= 256):
             return None
-        reported[digest] = occurrence
+        reported[digest] = (occurrence, now_ns)
         # Count again from here: a loop that goes on is reported after as many repeats.
         self.seen[digest] = (None, seq, instance)
         return first[0], first[1], occurrence
@@ -447,7 +464,13 @@ class RunTracker:
             instance = prompt.to_bytes(8, "little") if prompt else span_id
             what = _SAME_OUTPUT
         first = seen.add(
-            _digest(raw) ^ hash(dependency), instance, span_id, name, settings.loop_repeats
+            _digest(raw) ^ hash(dependency),
+            instance,
+            span_id,
+            name,
+            settings.loop_repeats,
+            span=span,
+            now_ns=int(now * 1e9),
         )
         if first is not None:
             found.append(_loop(run, dependency, first, repeats=settings.loop_repeats, what=what))
@@ -688,6 +711,20 @@ class RunTracker:
         run = self._runs.get(_key_of(run_id))
         if run is not None:
             run.errors += 1
+
+    def expect_more(self, run_id: str, after: float) -> None:
+        """The sidecar tells ``run_id`` to go on at ``after``: silence from then is a stall.
+
+        A run whose turn ended in a failure has its root span ended, so it
+        would never stall; but an agent killed after it was told to retry
+        leaves exactly that run behind, half done. Its idle time counts from
+        when the command may be delivered, so a long backoff is no stall.
+        """
+        run = self._runs.get(_key_of(run_id))
+        if run is not None:
+            run.open = True
+            run.stalled = False
+            run.last_seen = max(run.last_seen, after)
 
     def _remember_session(self, trace: bytes, session: bytes) -> None:
         sessions = self._sessions

@@ -142,7 +142,10 @@ class Settings(BaseSettings):
     policy: Path | None = Field(default=None, description="Policy file; unset: the built-in one.")
     observe_only: bool = Field(default=False, description="Compute and trace decisions only.")
 
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    # 64 MiB: LangGraph's spans carry the graph's whole state, and an exporter's
+    # backlog after a sidecar restart (512 such spans) passed 16 MiB; OTLP
+    # exporters do not retry a 413, so a batch over the limit is lost.
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     ingest_queue_batches: int = Field(default=2048, ge=1, le=1_000_000)
     ingest_queue_spans: int = Field(default=500_000, ge=1, le=50_000_000)
     retry_after_s: float = Field(default=1.0, gt=0, le=60)

@@ -206,6 +206,16 @@ def test_an_outage_asks_no_person_escalations_become_fallbacks(governor: Governo
     assert (decision.action, decision.params["to"]) == (Action.FALLBACK, "openai:gpt-4o-mini")
 
 
+@pytest.mark.parametrize("kind", ["stall", "approval_required", "reasoning_loop"])
+def test_an_open_breaker_leaves_a_failure_of_the_run_alone(governor: Governor, kind: str) -> None:
+    # A stalled run's last model is down: the run still needs resume_run and its list
+    # of unverified work, and an interrupt still needs a person, not a fallback.
+    fail(governor, "openai:gpt-4o", 3)
+    remediate = Decision(action=Action.REMEDIATE, policy="p", reason="", params={"x": 1})
+
+    assert governor.review(failure(kind=kind), remediate) is remediate
+
+
 def test_watched_breakers_are_bounded_by_the_board() -> None:
     from policies._breakers import BreakerBoard
 

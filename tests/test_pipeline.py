@@ -195,6 +195,20 @@ def test_a_container_failing_for_its_own_reason_is_reported(pipeline: Pipeline) 
     ]
 
 
+def test_a_span_that_names_itself_its_parent_is_still_reported(pipeline: Pipeline) -> None:
+    looped = span(
+        Role.LLM,
+        RATE_LIMIT,
+        span_id="00000000000000f8",
+        parent="00000000000000f8",
+        dependency="openai:gpt-4o",
+    )
+
+    assert [o.failure.span_id for o in pipeline.process_records([looped], received_ns=1)] == [
+        looped.span_id
+    ]
+
+
 def test_a_resent_batch_reports_nothing_new(pipeline: Pipeline) -> None:
     llm = span(Role.LLM, RATE_LIMIT, dependency="openai:gpt-4o")
 

@@ -130,7 +130,11 @@ def test_the_same_tool_call_three_times_is_one_loop_at_the_first_repeat() -> Non
 def test_a_loop_that_goes_on_is_reported_again_three_times_at_most() -> None:
     tracker = RunTracker()
     calls = [tool("search", {"q": "weather"}) for _ in range(12)]
-    found = feed(tracker, payload(*calls))
+    found: list[Detection] = []
+    for second, call in enumerate(calls):  # one call a second, each in its own batch
+        now = 1000.0 + second
+        call.start_time_unix_nano = int(now * 1e9) - 500_000_000
+        found += feed(tracker, payload(call), now=now)
     # Reported at the 3rd call, then at the 5th and the 7th (2 more calls each), never
     # again; each report is placed at the first call after the previous one.
     assert [(d.span_id, d.details["occurrence"]) for d in found] == [
@@ -139,6 +143,21 @@ def test_a_loop_that_goes_on_is_reported_again_three_times_at_most() -> None:
         (calls[5].span_id.hex(), 3),
     ]
     assert "still looping, report 3" in found[2].message
+
+
+def test_calls_made_before_a_loop_was_reported_do_not_report_it_again() -> None:
+    # A backlog (the agent's exporter after a sidecar restart) brings the whole loop
+    # at once: the agent could not have been told yet, so it is one report, not three.
+    tracker = RunTracker()
+    calls = [tool("search", {"q": "weather"}) for _ in range(12)]
+    (loop,) = feed(tracker, payload(*calls), now=1000.0)
+    assert loop.details["occurrence"] == 1
+
+    later = [tool("search", {"q": "weather"}) for _ in range(3)]
+    for call in later:
+        call.start_time_unix_nano = 1001 * 10**9
+    (again,) = feed(tracker, payload(*later), now=1002.0)
+    assert again.details["occurrence"] == 2
 
 
 def test_a_loop_needs_its_repeats_within_the_window() -> None:
@@ -195,6 +214,34 @@ def test_a_run_whose_root_ended_does_not_stall() -> None:
     feed(tracker, payload(llm("a"), span("agent run", {}, parent=False)), now=1000.0)
     assert tracker.stalled(now=5000.0) == []
     assert tracker.snapshot(now=5000.0)[0].status == "ended"
+
+
+def test_a_run_told_to_retry_that_then_goes_silent_stalls() -> None:
+    # The turn failed (its root span ended with the error) and the sidecar decided a
+    # retry: an agent killed before acting on it leaves the run half done.
+    policy = load_policy(text="version: 1\ndetectors:\n  stalls: {idle_seconds: 60}\n")
+    pipeline = Pipeline(policy)
+    tracker = pipeline.runs = RunTracker(
+        settings=policy.detectors.for_service, models=policy.detectors.models
+    )
+    failed = llm(**{"error.type": "openai.RateLimitError"})
+    failed.status.code = 2
+    failed.status.message = (
+        "Error code: 429 - {'error': {'code': 'rate_limit_exceeded', 'message':"
+        " 'Rate limit reached. Please try again in 20s.'}}"
+    )
+    root = span("invoke_agent", {"gen_ai.operation.name": "invoke_agent"}, parent=False)
+    root.start_time_unix_nano, root.end_time_unix_nano = 0, 3  # around the LLM call
+    root.status.code = 2
+    (outcome,) = pipeline.process_payload(payload(failed, root), received_ns=1000 * 10**9)
+    assert outcome.decision.action.value == "retry"
+    delay = outcome.decision.params["delay_s"]
+    assert delay >= 20  # the provider's own delay, honoured
+
+    # Idle time counts from when the retry may be delivered, not from the failure.
+    assert tracker.stalled(now=1000.0 + delay + 59) == []
+    (stall,) = tracker.stalled(now=1000.0 + delay + 61)
+    assert stall.kind == "stall"
 
 
 def test_runs_are_bounded_and_what_goes_is_counted() -> None:
