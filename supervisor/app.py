@@ -196,6 +196,7 @@ class Sidecar:
         self._gc_task: asyncio.Task[None] | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._run_watch: asyncio.Task[None] | None = None
+        self._remediations_up: asyncio.Task[None] | None = None
         self._decisions = 0
         self._errors = 0
         self._ready = False
@@ -237,8 +238,12 @@ class Sidecar:
         self.dispatcher.start()
         self.remediations.bind(asyncio.get_running_loop())
         if self.remediations.needed():
-            # DBOS launches on the runner's own thread; remediations left pending resume.
-            await asyncio.to_thread(self.remediations.start)
+            # Remediations left pending resume once DBOS has launched (seconds on a
+            # small machine); ingest, decisions and the control API do not wait for it.
+            self._remediations_up = asyncio.create_task(
+                asyncio.to_thread(self.remediations.start_in_background),
+                name="spanvisor-remediations",
+            )
         self.writer.start(asyncio.get_running_loop())
         self._worker = asyncio.create_task(self._work(), name="spanvisor-pipeline")
         self._gc_task = asyncio.create_task(self._collect_periodically(), name="spanvisor-gc")
@@ -293,6 +298,12 @@ class Sidecar:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await asyncio.to_thread(self.writer.close, max(0.1, min(5.0, deadline - time.monotonic())))
+        if self._remediations_up is not None:  # a stop right after start: let it finish
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    asyncio.shield(self._remediations_up),
+                    max(0.1, deadline - time.monotonic()),
+                )
         await asyncio.to_thread(
             self.remediations.close, max(0.1, min(5.0, deadline - time.monotonic()))
         )

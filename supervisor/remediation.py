@@ -357,6 +357,7 @@ class Remediations:
         #: Remediate decisions not dispatched: no database, unknown remediator.
         self.undispatched = 0
         self._lock = threading.Lock()
+        self._starting = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failed = False
 
@@ -382,7 +383,24 @@ class Remediations:
     def start(
         self, loop: asyncio.AbstractEventLoop | None = None, *, redispatch: bool = True
     ) -> None:
-        """Launch the runner (blocking: call it off the loop); raises ConfigError."""
+        """Launch the runner (blocking: call it off the loop); raises ConfigError.
+
+        Safe from several threads: the sidecar starts it in the background at
+        start-up while the store writer may start it for a first decision;
+        the second caller waits for the first.
+        """
+        with self._starting:
+            self._start_locked(loop, redispatch=redispatch)
+
+    def start_in_background(self) -> None:
+        """:meth:`start` for a background thread: a failure is logged and remembered."""
+        try:
+            self.start()
+        except Exception as exc:  # the sidecar goes on; remediate decisions are counted
+            self._failed = True  # not retried for every decision; a restart retries
+            log.error("cannot start remediations: %s", exc)
+
+    def _start_locked(self, loop: asyncio.AbstractEventLoop | None, *, redispatch: bool) -> None:
         loop = loop or self._loop
         if self.database_url is None or self.runner is not None or loop is None:
             return
