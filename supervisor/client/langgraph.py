@@ -1161,11 +1161,19 @@ class LangGraphAdapter:
         if tool is not None:
             first = _loop_start(head, tool)
             if first is None:
-                log.info("rewind: the thread's last model turn did not call %s", tool)
-                return None
-            start = next(
-                (i for i, s in enumerate(branch) if not self._holds(s, first)), len(branch)
-            )
+                answered = (
+                    bool(head) and isinstance(head[-1], AIMessage) and not (head[-1].tool_calls)
+                )
+                if answered:  # the thread moved on and answered: nothing to rewind
+                    log.info("rewind: the thread's last model turn did not call %s", tool)
+                    return None
+                # A deferred rewind halted the model turn, which ended the graph with
+                # no answer: step back one checkpoint, or the run ends unanswered.
+                start = 1
+            else:
+                start = next(
+                    (i for i, s in enumerate(branch) if not self._holds(s, first)), len(branch)
+                )
         elif steps_back is not None and steps_back > 0:
             start = min(steps_back, len(branch) - 1)
         else:
