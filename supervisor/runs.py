@@ -266,6 +266,7 @@ class _Run:
     __slots__ = (
         "anchored",
         "errors",
+        "go_on_at",
         "input_tokens",
         "key",
         "last_dependency",
@@ -309,6 +310,9 @@ class _Run:
         self.output_tokens = 0
         self.open = True
         self.stalled = False
+        #: When the sidecar's command telling the run to go on after a failure may be
+        #: delivered (0: none): a failed root keeps the run open, idle time counts from it.
+        self.go_on_at = 0.0
         self.pressured = False
         #: The run's first input (encoded), for re-anchoring; steps when last re-anchored.
         self.objective: bytes | None = None
@@ -420,7 +424,7 @@ class RunTracker:
         run.stalled = False
         span_id: bytes = span.span_id
         run.last_span = span_id
-        self._turn(run, bool(span.parent_span_id), encoded, present)
+        self._turn(run, bool(span.parent_span_id), encoded, present, failed=not repeats)
         if not dependency or dependency.startswith("http:"):
             return
         name: str = span.name
@@ -624,10 +628,21 @@ class RunTracker:
                 )
             )
 
-    def _turn(self, run: _Run, child: bool, encoded: Any, present: frozenset[str]) -> None:
-        """Whether the run's turn ended (its root span arrived), and its objective."""
-        if run.open and not child and self.slo is not None and len(self._ending) < 10_000:
-            self._ending.append(run)  # for the SLO, once this batch's failures are counted
+    def _turn(
+        self, run: _Run, child: bool, encoded: Any, present: frozenset[str], *, failed: bool
+    ) -> None:
+        """Whether the run's turn ended (its root span arrived), and its objective.
+
+        A root span that failed does not end a run the sidecar has told to go
+        on: its spans may arrive after the decision (a later batch).
+        """
+        if not child:
+            if failed and run.go_on_at:
+                child = True  # still open: the agent was told to retry, resume...
+            else:
+                run.go_on_at = 0.0
+                if run.open and self.slo is not None and len(self._ending) < 10_000:
+                    self._ending.append(run)  # for the SLO, once the batch is judged
         run.open = child  # a root span ends its run's turn
         if run.objective is None and not _OBJECTIVE_SET.isdisjoint(present):
             run.objective = _first_present(encoded, present, OBJECTIVE_KEYS)
@@ -724,7 +739,7 @@ class RunTracker:
         if run is not None:
             run.open = True
             run.stalled = False
-            run.last_seen = max(run.last_seen, after)
+            run.go_on_at = max(run.go_on_at, after)
 
     def _remember_session(self, trace: bytes, session: bytes) -> None:
         sessions = self._sessions
@@ -749,6 +764,8 @@ class RunTracker:
                 continue
             if run.stalled or not run.open:
                 continue
+            if run.go_on_at > run.last_seen:  # silent since it was told to go on
+                idle = now - run.go_on_at
             settings = self.settings_for(run.service)
             if not settings.stalls or idle < settings.idle_seconds:
                 continue

@@ -244,6 +244,25 @@ def test_a_run_told_to_retry_that_then_goes_silent_stalls() -> None:
     assert stall.kind == "stall"
 
 
+def test_a_failed_root_that_arrives_after_the_retry_was_decided_keeps_the_run_open() -> None:
+    tracker = RunTracker(settings=lambda s: DetectorSettings(idle_seconds=60))
+    feed(tracker, payload(llm("a")), now=1000.0)
+    run_id = tracker.snapshot(now=1000.0)[0].run_id
+    tracker.expect_more(run_id, after=1001.0)  # the LLM call failed: retry in 1 s
+    root = span("agent run", {}, parent=False)
+    root.status.code = 2
+    found: list[Detection] = []
+    for item in wire_spans(payload(root)):  # the failed turn's root, in a later batch
+        tracker.observe(item, dependency_of(item), 1000.5, found, repeats=False)
+
+    (stall,) = tracker.stalled(now=1001.0 + 61)
+    assert stall.run_id == run_id
+
+    done = span("agent run", {}, parent=False)  # the retried turn ends well: run ended
+    feed(tracker, payload(llm("b"), done), now=1100.0)
+    assert tracker.stalled(now=5000.0) == []
+
+
 def test_runs_are_bounded_and_what_goes_is_counted() -> None:
     tracker = RunTracker(max_runs=3, max_idle_s=100)
     for n in range(5):
