@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -401,24 +401,24 @@ def _sidecar_command(command_id: str, **changes: Any) -> SidecarCommand:
 def test_malformed_commands_are_counted_logged_acknowledged_and_the_rest_delivered(
     sidecar: Sidecar, puller: CommandPuller, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # What the sidecar's own typed records can hold; a numeric run id cannot be stored
+    # (the compiled build checks types), so from_json's own test covers it.
     _stored_as_is(sidecar, _sidecar_command("cmd_no_key", idempotency_key=""))
-    _stored_as_is(sidecar, _sidecar_command("cmd_numeric_run", run_id=cast(str, 7)))
     [good] = sidecar.add(retry())
 
     with caplog.at_level(logging.WARNING, logger="spanvisor.client"):
         commands = puller.poll(wait_s=0)
 
     assert [c.id for c in commands] == [good.command.id]
-    assert puller.malformed == 2
+    assert puller.malformed == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2
+    assert len(warnings) == 1
     assert "cmd_no_key" in warnings[0] and "'idempotency_key'" in warnings[0]
-    assert "cmd_numeric_run" in warnings[1] and "'run_id'" in warnings[1]
-    # Acknowledged on the spot, so they do not come back after the visibility timeout.
-    assert sidecar.status("cmd_no_key") == sidecar.status("cmd_numeric_run") == "delivered"
+    # Acknowledged on the spot, so it does not come back after the visibility timeout.
+    assert sidecar.status("cmd_no_key") == "delivered"
     assert puller.ack(commands[0]) is True
     assert puller.poll(wait_s=VISIBILITY_S * 1.5) == []
-    assert puller.malformed == 2
+    assert puller.malformed == 1
 
 
 @pytest.mark.parametrize(
@@ -428,6 +428,7 @@ def test_malformed_commands_are_counted_logged_acknowledged_and_the_rest_deliver
         ({}, "'id'"),
         ({"id": "c", "idempotency_key": "k", "type": "retry_step"}, "'service'"),
         ({"id": "c", "idempotency_key": "k", "type": 3, "service": "s"}, "'type'"),
+        ({"id": "c", "idempotency_key": "k", "type": "t", "service": "s", "run_id": 7}, "'run_id'"),
         (
             {"id": "c", "idempotency_key": "k", "type": "t", "service": "s", "params": []},
             "'params'",
