@@ -8,6 +8,7 @@ is always one of the vocabulary's actions and never "nothing matched".
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Protocol
 
@@ -91,9 +92,15 @@ class Remediate:
 
 
 class Fallback:
-    """Switch to the alternative after the failed dependency in its chain."""
+    """Switch to the alternative after the failed dependency in its chain.
 
-    __slots__ = ("action", "chains", "on_exhausted")
+    A fallback with no chain of its own (``chain: {}``, as the built-in
+    retries end in) follows the chain the policy gives for the dependency
+    elsewhere (``shared``, set by the policy once compiled), so a chain is
+    written once, not in every entry that may fall back.
+    """
+
+    __slots__ = ("action", "chains", "on_exhausted", "shared")
 
     def __init__(
         self, chains: list[tuple[GlobSet, tuple[str, ...]]], on_exhausted: CompiledAction
@@ -101,17 +108,24 @@ class Fallback:
         self.action = Action.FALLBACK
         self.chains = tuple(chains)
         self.on_exhausted = on_exhausted
+        #: The policy's chain for a dependency, for a fallback without chains.
+        self.shared: Callable[[str], tuple[str, ...] | None] | None = None
 
     def next_in_chain(self, dependency: str) -> tuple[str, tuple[str, ...]] | None:
         """The alternative to ``dependency`` and its whole chain, or None when there is none."""
-        for globs, chain in self.chains:
-            if not globs(dependency):
-                continue
-            start = chain.index(dependency) + 1 if dependency in chain else 0
-            for candidate in chain[start:]:
-                if candidate != dependency:
-                    return candidate, chain
+        chain: tuple[str, ...] | None = None
+        for globs, candidate_chain in self.chains:
+            if globs(dependency):
+                chain = candidate_chain
+                break
+        if chain is None and not self.chains and self.shared is not None:
+            chain = self.shared(dependency)
+        if chain is None:
             return None
+        start = chain.index(dependency) + 1 if dependency in chain else 0
+        for candidate in chain[start:]:
+            if candidate != dependency:
+                return candidate, chain
         return None
 
     def decide(

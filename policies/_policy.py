@@ -9,7 +9,7 @@ every failure gets a decision.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -80,6 +80,8 @@ class Policy:
             raise ValueError("the last decision entry must be a catch-all")
         self._rules = rules
         self._entries = entries
+        for entry in entries:  # fallbacks without a chain follow the policy's chains
+            _share_chains(entry.action, self.fallback_chain)
         #: Rule names, in the order they are tried.
         self.rules: tuple[str, ...] = tuple(r.name for r in rules)
         #: Decision entry names, in the order they are tried.
@@ -178,6 +180,18 @@ def _chain_in(action: CompiledAction, dependency: str) -> tuple[str, ...] | None
         current = getattr(current, "on_exhausted", None)
         seen += 1
     return None
+
+
+def _share_chains(
+    action: CompiledAction, lookup: Callable[[str], tuple[str, ...] | None]
+) -> None:
+    current: CompiledAction | None = action
+    for _ in range(8):  # on_exhausted nests a few levels at most
+        if current is None:
+            return
+        if isinstance(current, Fallback) and not current.chains:
+            current.shared = lookup
+        current = getattr(current, "on_exhausted", None)
 
 
 def _remediators_in(action: CompiledAction) -> list[str]:

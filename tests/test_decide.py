@@ -436,3 +436,27 @@ def test_top_level_observe_covers_the_builtin_entries_too() -> None:
 
     assert [d.observe_only for d in decisions] == [True] * 4
     assert BUILTIN.decide(failure(), attempt=1).observe_only is False
+
+
+def test_a_retry_that_runs_out_falls_back_along_the_chain_the_policy_gives() -> None:
+    # The built-in retries end in a fallback with no chain of their own: one chain,
+    # written once for the outage entry, serves the rate limits too.
+    p = policy(
+        """
+        version: 1
+        policies:
+          - name: primary_down
+            match: {kind: unavailable, dependency: "openai:gpt-4o"}
+            action: fallback
+            chain:
+              "openai:gpt-4o": ["openai:gpt-4o-mini"]
+        """
+    )
+
+    exhausted = p.decide(failure(T, "rate_limit"), attempt=6)
+
+    assert (exhausted.action, exhausted.policy) == (Action.FALLBACK, "builtin.rate_limit")
+    assert exhausted.params["to"] == "openai:gpt-4o-mini"
+    # A dependency no chain covers still ends where it did: a person.
+    elsewhere = p.decide(failure(T, "rate_limit", dependency="anthropic:claude"), attempt=6)
+    assert elsewhere.action is Action.ESCALATE
