@@ -34,16 +34,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -54,6 +52,13 @@ from supervisor.testing.fault_schedule import (
     Matcher,
     ProviderRequest,
     tool_then_text,
+)
+from supervisor.testing.sidecar_process import (
+    SidecarProcess,
+    free_port,
+    stop_process,
+    tail,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -102,63 +107,10 @@ restart_intensity: {{max_actions: 10, period_s: 60}}
 detectors: {{loops: {{enabled: false}}}}
 """
 
-T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll ``predicate`` until it returns something truthy; AssertionError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"({path}: {exc.strerror})"
-
-
 # -- the sidecar and the fake provider ----------------------------------------------------
 
 
-@dataclass
-class Sidecar:
-    process: subprocess.Popen[bytes]
-    api: str
-    http_port: int
-    log_path: Path
-
-    def get(self, path: str, **params: Any) -> Any:
-        response = httpx.get(
-            f"{self.api}{path}",
-            params=params,
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=5,
-            trust_env=False,
-        )
-        response.raise_for_status()
-        return response.json()
-
-    def log_events(self) -> list[dict[str, Any]]:
-        """The sidecar's JSON log lines (stderr), parsed."""
-        events = []
-        for line in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                events.append(json.loads(line))
-        return events
-
+class Sidecar(SidecarProcess):
     def breaker_changes(self, dependency: str) -> list[dict[str, Any]]:
         return [
             e
@@ -188,16 +140,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("e2e-agent")
     fake = FaultSchedule(answer=tool_then_text("send_email", _email, _answer_text)).start()
     ports = {name: free_port() for name in SERVICES}
-    grpc_port, http_port, api_port = free_port(), free_port(), free_port()
-    (tmp / "policy.yaml").write_text(POLICY, encoding="utf-8")
     settings = {
-        "otlp_grpc_port": grpc_port,
-        "otlp_http_port": http_port,
-        "api_port": api_port,
         "api_token": TOKEN,
-        "token_file": str(tmp / "token"),
-        "state_path": str(tmp / "state.db"),
-        "policy": str(tmp / "policy.yaml"),
         "drain_timeout_s": 5,
         "agents": {
             service: {
@@ -211,39 +155,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             for name, service in SERVICES.items()
         },
     }
-    (tmp / "spanvisor.json").write_text(json.dumps(settings), encoding="utf-8")  # JSON is YAML
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPANVISOR_", "OTEL_"))}
-    log_path = tmp / "sidecar.log"
-    log_file = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "run", "--config", str(tmp / "spanvisor.json")],
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    sidecar = Sidecar(process, f"http://127.0.0.1:{api_port}", http_port, log_path)
-
-    def healthy() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"the sidecar exited at start:\n{tail(log_path)}")
-        try:
-            answer = httpx.get(f"{sidecar.api}/healthz", timeout=1, trust_env=False)
-        except httpx.HTTPError:
-            return False
-        return answer.status_code == 200
-
     try:
-        wait_until(healthy, 20, "the sidecar to be healthy")
-        yield Stack(fake, sidecar, tmp, ports)
+        with Sidecar(settings, tmp, policy=POLICY) as sidecar:
+            yield Stack(fake, sidecar, tmp, ports)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-        log_file.close()
         fake.stop()
 
 
@@ -291,15 +206,9 @@ class AgentRun:
 
     def stop(self) -> None:
         """SIGTERM (the agent writes its summary on the way out), then kill; bounded."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        code = stop_process(self.process, 5)
         if self.returncode is None:
-            self.returncode = self.process.returncode
+            self.returncode = code
 
     def runs(self) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = self.summary.get("runs", [])
@@ -322,7 +231,7 @@ def start_agent(
         **{k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENAI_"))},
         "OPENAI_BASE_URL": stack.fake.base_url,
         "OPENAI_API_KEY": "sk-fake",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{stack.sidecar.http_port}",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": stack.sidecar.otlp_endpoint,
         "OTEL_SERVICE_NAME": SERVICES[scenario],
         "AGENT_WEBHOOK_SECRET": SECRET,
     }

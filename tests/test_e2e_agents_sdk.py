@@ -35,18 +35,15 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import httpx
 import openai
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -62,6 +59,7 @@ from supervisor.records import Role, SpanRecord
 from supervisor.testing import FakeProvider
 from supervisor.testing.fake_provider import Reply
 from supervisor.testing.fault_schedule import FaultSchedule, Matcher, ProviderRequest, Served
+from supervisor.testing.sidecar_process import SidecarProcess, stop_process, tail
 
 pytestmark = pytest.mark.slow
 
@@ -98,34 +96,6 @@ policies:
 detectors: {loops: {enabled: false}}
 """
 
-T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll ``predicate`` until it returns something truthy; AssertionError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"({path}: {exc.strerror})"
-
-
 # -- the fake provider and the sidecar --------------------------------------------------------
 
 
@@ -141,28 +111,9 @@ def _model_answer(request: ProviderRequest) -> Reply:
 
 
 @dataclass
-class Sidecar:
-    process: subprocess.Popen[bytes]
-    api: str
-    http_port: int
-    log_path: Path
-
-    def get(self, path: str, **params: Any) -> Any:
-        response = httpx.get(
-            f"{self.api}{path}",
-            params=params,
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=5,
-            trust_env=False,
-        )
-        response.raise_for_status()
-        return response.json()
-
-
-@dataclass
 class Stack:
     fake: FaultSchedule
-    sidecar: Sidecar
+    sidecar: SidecarProcess
     tmp: Path
 
 
@@ -170,52 +121,15 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("e2e-agents-sdk")
     fake = FaultSchedule(answer=_model_answer).start()
-    grpc_port, http_port, api_port = free_port(), free_port(), free_port()
-    (tmp / "policy.yaml").write_text(POLICY, encoding="utf-8")
     settings = {
-        "otlp_grpc_port": grpc_port,
-        "otlp_http_port": http_port,
-        "api_port": api_port,
         "api_token": TOKEN,
-        "token_file": str(tmp / "token"),
-        "state_path": str(tmp / "state.db"),
-        "policy": str(tmp / "policy.yaml"),
         "drain_timeout_s": 5,
         "agents": {service: {"pull": {"visibility_s": 10}} for service in SERVICES.values()},
     }
-    (tmp / "spanvisor.json").write_text(json.dumps(settings), encoding="utf-8")  # JSON is YAML
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPANVISOR_", "OTEL_"))}
-    log_path = tmp / "sidecar.log"
-    log_file = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "run", "--config", str(tmp / "spanvisor.json")],
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    sidecar = Sidecar(process, f"http://127.0.0.1:{api_port}", http_port, log_path)
-
-    def healthy() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"the sidecar exited at start:\n{tail(log_path)}")
-        try:
-            answer = httpx.get(f"{sidecar.api}/healthz", timeout=1, trust_env=False)
-        except httpx.HTTPError:
-            return False
-        return answer.status_code == 200
-
     try:
-        wait_until(healthy, 20, "the sidecar to be healthy")
-        yield Stack(fake, sidecar, tmp)
+        with SidecarProcess(settings, tmp, policy=POLICY) as sidecar:
+            yield Stack(fake, sidecar, tmp)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-        log_file.close()
         fake.stop()
 
 
@@ -240,13 +154,8 @@ class AgentRun:
         try:
             self.returncode = self.process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.process.send_signal(signal.SIGTERM)  # it writes its summary on the way out
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-            self.returncode = self.process.returncode
+            # It writes its summary on the way out.
+            self.returncode = stop_process(self.process, 5)
         if self.summary_path.exists():
             self.summary = json.loads(self.summary_path.read_text(encoding="utf-8"))
         if self.effects_path.exists():
@@ -269,7 +178,7 @@ def start_agent(stack: Stack, scenario: str, *extra: str) -> AgentRun:
         **{k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENAI_"))},
         "OPENAI_BASE_URL": stack.fake.base_url,
         "OPENAI_API_KEY": "sk-fake",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{stack.sidecar.http_port}",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": stack.sidecar.otlp_endpoint,
         "OTEL_SERVICE_NAME": SERVICES[scenario],
         "SPANVISOR_API_TOKEN": TOKEN,
     }

@@ -39,21 +39,19 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import httpx
 import pytest
 
 from supervisor.testing.fake_provider import Reply
 from supervisor.testing.fault_schedule import FaultSchedule, Matcher, ProviderRequest
+from supervisor.testing.sidecar_process import SidecarProcess, stop_process, tail, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -121,34 +119,6 @@ detectors:
     "{SERVICES["crash"]}": {{stalls: {{enabled: true, idle_seconds: {STALL_S}}}}}
 """
 
-T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll ``predicate`` until it returns something truthy; AssertionError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"({path}: {exc.strerror})"
-
-
 # -- the fake model ---------------------------------------------------------------------------
 
 
@@ -187,24 +157,7 @@ def in_step(scenario: str, step: int, last_role: str) -> Matcher:
 # -- the sidecar ------------------------------------------------------------------------------
 
 
-@dataclass
-class Sidecar:
-    process: subprocess.Popen[bytes]
-    api: str
-    http_port: int
-    log_path: Path
-
-    def get(self, path: str, **params: Any) -> Any:
-        response = httpx.get(
-            f"{self.api}{path}",
-            params=params,
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=5,
-            trust_env=False,
-        )
-        response.raise_for_status()
-        return response.json()
-
+class Sidecar(SidecarProcess):
     def commands(self, scenario: str) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = self.get(
             "/v1/commands/log", service=SERVICES[scenario], limit=1000
@@ -227,52 +180,15 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("e2e-langgraph")
     fake = FaultSchedule(answer=answer).start()
-    grpc_port, http_port, api_port = free_port(), free_port(), free_port()
-    (tmp / "policy.yaml").write_text(POLICY, encoding="utf-8")
     settings = {
-        "otlp_grpc_port": grpc_port,
-        "otlp_http_port": http_port,
-        "api_port": api_port,
         "api_token": TOKEN,
-        "token_file": str(tmp / "token"),
-        "state_path": str(tmp / "state.db"),
-        "policy": str(tmp / "policy.yaml"),
         "drain_timeout_s": 5,
         "agents": {service: {"pull": {"visibility_s": 10}} for service in SERVICES.values()},
     }
-    (tmp / "spanvisor.json").write_text(json.dumps(settings), encoding="utf-8")  # JSON is YAML
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPANVISOR_", "OTEL_"))}
-    log_path = tmp / "sidecar.log"
-    log_file = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "run", "--config", str(tmp / "spanvisor.json")],
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    sidecar = Sidecar(process, f"http://127.0.0.1:{api_port}", http_port, log_path)
-
-    def healthy() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"the sidecar exited at start:\n{tail(log_path)}")
-        try:
-            reply = httpx.get(f"{sidecar.api}/healthz", timeout=1, trust_env=False)
-        except httpx.HTTPError:
-            return False
-        return reply.status_code == 200
-
     try:
-        wait_until(healthy, 20, "the sidecar to be healthy")
-        yield Stack(fake, sidecar, tmp)
+        with Sidecar(settings, tmp, policy=POLICY) as sidecar:
+            yield Stack(fake, sidecar, tmp)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-        log_file.close()
         fake.stop()
 
 
@@ -314,15 +230,9 @@ class AgentRun:
         return self
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        code = stop_process(self.process, 5)
         if self.returncode is None:
-            self.returncode = self.process.returncode
+            self.returncode = code
 
     def thread(self) -> dict[str, Any]:
         [found] = self.summary.get("threads", [{}])
@@ -348,7 +258,7 @@ def start_agent(
         },
         "OPENAI_BASE_URL": stack.fake.base_url,
         "OPENAI_API_KEY": "sk-fake",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{stack.sidecar.http_port}",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": stack.sidecar.otlp_endpoint,
         "OTEL_SERVICE_NAME": SERVICES[scenario],
         "SPANVISOR_API_TOKEN": TOKEN,
     }

@@ -45,11 +45,8 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +57,8 @@ import pytest
 
 from supervisor.testing.fake_provider import Reply
 from supervisor.testing.fault_schedule import FaultSchedule, ProviderRequest, tool_then_text
+from supervisor.testing.sidecar_process import SidecarProcess, free_port, stop_process, tail
+from supervisor.testing.sidecar_process import wait_until as poll_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,6 +112,8 @@ PROJECT = "spanvisor-e2e"
 MODEL = "gpt-4o-mini"
 REMEDIATOR = "retry_unavailable"
 RUN_PREFIX = "phx"
+#: What no child inherits: nothing in this environment may steer it elsewhere.
+DROPPED_ENV = ("OTEL_", "SPANVISOR_", "PHOENIX_", "OPENAI_")
 
 # Only the remediation decides: no breaker, budget or intensity gets in the way.
 POLICY = f"""\
@@ -135,46 +136,14 @@ policies:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_until(predicate: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll ``predicate`` until it returns something truthy; AssertionError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.25)
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"({path}: {exc.strerror})"
-
-
-def stop(process: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM, then SIGKILL after ``grace_s``; bounded."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+    """:func:`~supervisor.testing.sidecar_process.wait_until`, asking Phoenix 4 times a second."""
+    return poll_until(predicate, timeout_s, what, interval_s=0.25)
 
 
 def clean_env() -> dict[str, str]:
     """This process's environment without anything that would steer a child elsewhere."""
-    prefixes = ("OTEL_", "SPANVISOR_", "PHOENIX_", "OPENAI_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    return {k: v for k, v in os.environ.items() if not k.startswith(DROPPED_ENV)}
 
 
 # -- Phoenix ----------------------------------------------------------------------------------
@@ -263,29 +232,10 @@ def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
             raise AssertionError(f"{exc}\n--- Phoenix log\n{tail(log_path)}") from None
         yield server
     finally:
-        stop(process, 15)
+        stop_process(process, 15)
 
 
 # -- the sidecar, the fake provider, the agent --------------------------------------------------
-
-
-@dataclass
-class Sidecar:
-    process: subprocess.Popen[bytes]
-    api: str
-    http_port: int
-    log_path: Path
-
-    def get(self, path: str, **params: Any) -> Any:
-        response = httpx.get(
-            f"{self.api}{path}",
-            params=params,
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            timeout=5,
-            trust_env=False,
-        )
-        response.raise_for_status()
-        return response.json()
 
 
 @dataclass
@@ -293,7 +243,7 @@ class Scenario:
     """What ran, and what the processes left behind."""
 
     phoenix: Phoenix
-    sidecar: Sidecar
+    sidecar: SidecarProcess
     fake: FaultSchedule
     agent_log: Path
     agent_returncode: int | None
@@ -354,16 +304,8 @@ def scenario(phoenix: Phoenix, tmp_path_factory: pytest.TempPathFactory) -> Iter
         answer=tool_then_text("send_email", _email, "Told the on-call team.")
     ).start()
     webhook_port = free_port()
-    grpc_port, http_port, api_port = free_port(), free_port(), free_port()
-    (tmp / "policy.yaml").write_text(POLICY, encoding="utf-8")
     settings = {
-        "otlp_grpc_port": grpc_port,
-        "otlp_http_port": http_port,
-        "api_port": api_port,
         "api_token": TOKEN,
-        "token_file": str(tmp / "token"),
-        "state_path": str(tmp / "state.db"),
-        "policy": str(tmp / "policy.yaml"),
         "drain_timeout_s": 5,
         "agents": {
             SERVICE: {
@@ -375,44 +317,20 @@ def scenario(phoenix: Phoenix, tmp_path_factory: pytest.TempPathFactory) -> Iter
             }
         },
     }
-    (tmp / "spanvisor.json").write_text(json.dumps(settings), encoding="utf-8")  # JSON is YAML
     project = f"openinference.project.name={PROJECT}"
-    sidecar_env = {
-        **clean_env(),
+    sidecar = SidecarProcess(
+        settings,
+        tmp,
+        policy=POLICY,
         # The standard variables: forwarded and own spans go to Phoenix's OTLP/HTTP
         # receiver (the sidecar appends /v1/traces), under the agent's project.
-        "OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url,
-        "OTEL_RESOURCE_ATTRIBUTES": project,
-    }
-    log_path = tmp / "sidecar.log"
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "supervisor.cli",
-                "run",
-                "--config",
-                str(tmp / "spanvisor.json"),
-            ],
-            env=sidecar_env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    sidecar = Sidecar(process, f"http://127.0.0.1:{api_port}", http_port, log_path)
-
-    def healthy() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"the sidecar exited at start:\n{tail(log_path)}")
-        try:
-            answer = httpx.get(f"{sidecar.api}/healthz", timeout=1, trust_env=False)
-        except httpx.HTTPError:
-            return False
-        return answer.status_code == 200
-
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url, "OTEL_RESOURCE_ATTRIBUTES": project},
+        drop_env_prefixes=DROPPED_ENV,
+        startup_timeout_s=30,
+    )
     agent: subprocess.Popen[bytes] | None = None
     try:
-        wait_until(healthy, 30, "the sidecar to be healthy")
+        sidecar.start()
         # The run's first model call (step 0, the user's turn) fails with a 503.
         fake.burst(
             Reply.server_error(503),
@@ -425,7 +343,7 @@ def scenario(phoenix: Phoenix, tmp_path_factory: pytest.TempPathFactory) -> Iter
             **clean_env(),
             "OPENAI_BASE_URL": fake.base_url,
             "OPENAI_API_KEY": "sk-fake",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{http_port}",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sidecar.otlp_endpoint,
             "OTEL_SERVICE_NAME": SERVICE,
             "OTEL_RESOURCE_ATTRIBUTES": project,
             "AGENT_WEBHOOK_SECRET": SECRET,
@@ -453,7 +371,7 @@ def scenario(phoenix: Phoenix, tmp_path_factory: pytest.TempPathFactory) -> Iter
         try:
             returncode = agent.wait(45)
         except subprocess.TimeoutExpired:
-            stop(agent, 5)  # the agent writes its summary on SIGTERM
+            stop_process(agent, 5)  # the agent writes its summary on SIGTERM
             returncode = None
         summary = (
             json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else {}
@@ -461,8 +379,8 @@ def scenario(phoenix: Phoenix, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield Scenario(phoenix, sidecar, fake, agent_log, returncode, summary)
     finally:
         if agent is not None:
-            stop(agent, 5)
-        stop(process, 15)
+            stop_process(agent, 5)
+        sidecar.stop(15)
         fake.stop()
 
 

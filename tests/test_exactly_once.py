@@ -18,26 +18,19 @@ after a restart.
 
 from __future__ import annotations
 
-import os
 import secrets
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from bench.spans import make_requests
 from supervisor import signing
 from supervisor.records import command_key
+from supervisor.testing.sidecar_process import SidecarProcess, wait_until
 from tests.test_dispatch import Answer, Delivery, WebhookReceiver
 
 pytestmark = pytest.mark.slow
@@ -62,46 +55,12 @@ policies:
 FAILURES = 20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.02)
-
-
-@dataclass
-class Sidecar:
-    process: subprocess.Popen[bytes]
-    http_port: int
-    api: str
-    token: str
-    log: Path
-
-    def get(self, path: str, **params: Any) -> Any:
-        response = httpx.get(
-            f"{self.api}{path}",
-            params=params,
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=5,
-        )
-        response.raise_for_status()
-        return response.json()
-
+class Sidecar(SidecarProcess):
     def send(self, payloads: list[bytes]) -> None:
         """POST each request as the OTLP/HTTP exporter does."""
         for payload in payloads:
             response = httpx.post(
-                f"http://127.0.0.1:{self.http_port}/v1/traces",
+                f"{self.otlp_endpoint}/v1/traces",
                 content=payload,
                 headers={"Content-Type": "application/x-protobuf"},
                 timeout=5,
@@ -128,68 +87,40 @@ class Sidecars:
 
     def __init__(self, tmp_path: Path, webhook_url: str) -> None:
         self.tmp_path = tmp_path
-        self.webhook_url = webhook_url
-        self.token = secrets.token_urlsafe(16)
-        self.state = tmp_path / "state.db"
-        self.policy = tmp_path / "policy.yaml"
-        self.policy.write_text(POLICY, encoding="utf-8")
-        self.started: list[Sidecar] = []
-
-    def start(self) -> Sidecar:
-        n = len(self.started)
-        http_port, api_port = free_port(), free_port()
-        settings = {
+        self.settings = {
             "host": "127.0.0.1",
-            "otlp_grpc_port": free_port(),
-            "otlp_http_port": http_port,
-            "api_port": api_port,
-            "api_token": self.token,
-            "token_file": str(self.tmp_path / "api-token"),
-            "state_path": str(self.state),
-            "policy": str(self.policy),
+            "api_token": secrets.token_urlsafe(16),
+            "token_file": str(tmp_path / "api-token"),
+            "state_path": str(tmp_path / "state.db"),
             "policy_poll_s": 0,
             "seen_failure_spans": 1,
             "agents": {
                 "*": {
                     # Long enough that an attempt the receiver holds is still in
                     # flight when the process is killed.
-                    "webhook": {"url": self.webhook_url, "secret": SECRET, "timeout_s": 10},
+                    "webhook": {"url": webhook_url, "secret": SECRET, "timeout_s": 10},
                     "max_attempts": 20,
                 }
             },
         }
-        config = self.tmp_path / f"spanvisor-{n}.yaml"
-        config.write_text(yaml.safe_dump(settings), encoding="utf-8")
-        # The settings file alone decides: no SPANVISOR_* variable (conftest sets
-        # some) overrides it, and no OTEL_* variable sends spans anywhere.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SPANVISOR_", "OTEL_"))}
-        log = self.tmp_path / f"spanvisor-{n}.log"
-        with log.open("wb") as sink:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.cli", "run", "--config", str(config)],
-                env=env,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-            )
-        sidecar = Sidecar(process, http_port, f"http://127.0.0.1:{api_port}", self.token, log)
+        self.started: list[Sidecar] = []
+
+    def start(self) -> Sidecar:
+        """A new process (new ports) on the same state file, once healthy."""
+        sidecar = Sidecar(
+            self.settings,
+            self.tmp_path,
+            policy=POLICY,
+            name=f"spanvisor-{len(self.started)}",
+            startup_timeout_s=10,
+        )
         self.started.append(sidecar)
-
-        def healthy() -> bool:
-            if process.poll() is not None:
-                raise AssertionError(f"sidecar exited: {log.read_text(errors='replace')}")
-            try:
-                return httpx.get(f"{sidecar.api}/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, "the sidecar to be healthy")
+        sidecar.start()
         return sidecar
 
     def close(self) -> None:
         for sidecar in self.started:
-            if sidecar.process.poll() is None:
-                sidecar.process.kill()
-            sidecar.process.wait(10)
+            sidecar.kill()
 
 
 @pytest.fixture
@@ -220,14 +151,15 @@ def test_an_exporter_resending_the_same_spans_gets_each_command_delivered_once(
         try:
             sidecar = sidecars.start()
             sidecar.send(payloads)
-            wait_until(lambda: settled(sidecar, FAILURES), "every command delivered")
+            wait_until(lambda: settled(sidecar, FAILURES), 10, "every command delivered")
 
             sidecar.send(payloads)  # the exporter did not see our answer and sends again
             wait_until(
                 lambda: sidecar.stats()["delivery"]["duplicate_incidents"] == FAILURES,
+                10,
                 "the re-sent failures refused as duplicates",
             )
-            wait_until(lambda: settled(sidecar, FAILURES), "nothing left to deliver")
+            wait_until(lambda: settled(sidecar, FAILURES), 10, "nothing left to deliver")
             incidents = sidecar.incidents()
             commands = sidecar.commands()
             stats = sidecar.stats()
@@ -293,34 +225,37 @@ def test_after_kill_9_mid_delivery_a_restart_delivers_what_was_not_acknowledged_
         try:
             first = sidecars.start()
             first.send(payloads)
-            wait_until(lambda: script.all_in_flight(FAILURES), "an attempt of every command")
+            wait_until(lambda: script.all_in_flight(FAILURES), 10, "an attempt of every command")
             # The acknowledged ones are recorded delivered before the kill: what
             # the receiver acknowledged is exactly what the store says is done.
             wait_until(
                 lambda: (
                     len(receiver.acknowledged()) == len(first.commands("delivered")) == script.ok
                 ),
+                10,
                 "the acknowledged ones recorded delivered",
             )
             acknowledged = receiver.acknowledged()
             delivered_ids = {c["id"] for c in first.commands("delivered")}
             incidents = first.incidents()
             pending_before = len(first.commands("pending"))
-            os.kill(first.process.pid, signal.SIGKILL)
-            assert first.process.wait(10) == -signal.SIGKILL
+            assert first.kill() == -signal.SIGKILL
             script.killed = True
             seen_before_kill = len(receiver.seen())
 
             second = sidecars.start()
-            wait_until(lambda: settled(second, FAILURES), "every command delivered after restart")
+            wait_until(
+                lambda: settled(second, FAILURES), 10, "every command delivered after restart"
+            )
             after_restart = len(receiver.seen())
 
             second.send(payloads)  # the exporter re-sends to the new process
             wait_until(
                 lambda: second.stats()["delivery"]["duplicate_incidents"] == FAILURES,
+                10,
                 "the re-sent failures refused as duplicates",
             )
-            wait_until(lambda: settled(second, FAILURES), "nothing left to deliver")
+            wait_until(lambda: settled(second, FAILURES), 10, "nothing left to deliver")
             incidents_after = second.incidents()
             commands_after = second.commands()
         finally:

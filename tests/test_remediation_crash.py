@@ -23,34 +23,28 @@ Both tests read one scenario (a module fixture): a crash costs one run.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import httpx
 import pytest
-import yaml
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from supervisor import signing
 from supervisor.testing.otlp_recorder import OtlpRecorder
+from supervisor.testing.sidecar_process import wait_until
 from tests.test_dispatch import Delivery, WebhookReceiver
-from tests.test_exactly_once import Sidecar, free_port
+from tests.test_exactly_once import Sidecar
 
 pytestmark = pytest.mark.slow
-
-T = TypeVar("T")
 
 SECRET = "remediation-crash-webhook-secret"
 TRIGGER_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -102,18 +96,6 @@ def llm_request(span_id: str, *, failed: bool) -> bytes:
     )
     resource.scope_spans.add().spans.append(span)
     return bytes(request.SerializeToString())
-
-
-def poll(predicate: Callable[[], T | None], what: str, timeout_s: float = 60.0) -> T:
-    """``predicate()`` once it is truthy; fails after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.05)
 
 
 # -- the remediation database (DBOS's system tables) ------------------------------
@@ -178,12 +160,15 @@ class Sidecars:
 
     def __init__(self, tmp: Path, webhook_url: str, downstream: str) -> None:
         self.tmp = tmp
-        self.webhook_url = webhook_url
-        self.downstream = downstream
-        self.token = secrets.token_urlsafe(16)
-        self.state = tmp / "state.db"
-        self.policy = tmp / "policy.yaml"
-        self.policy.write_text(POLICY, encoding="utf-8")
+        self.settings = {
+            "host": "127.0.0.1",
+            "api_token": secrets.token_urlsafe(16),
+            "token_file": str(tmp / "api-token"),
+            "state_path": str(tmp / "state.db"),
+            "policy_poll_s": 0,
+            "agents": {"*": {"webhook": {"url": webhook_url, "secret": SECRET, "timeout_s": 10}}},
+            "downstream": {"endpoint": downstream, "protocol": "http/protobuf", "timeout_s": 5},
+        }
         self.started: list[Sidecar] = []
 
     @property
@@ -192,59 +177,21 @@ class Sidecars:
         return self.tmp / "remediations.sqlite"
 
     def start(self) -> Sidecar:
-        n = len(self.started)
-        http_port, api_port = free_port(), free_port()
-        settings = {
-            "host": "127.0.0.1",
-            "otlp_grpc_port": free_port(),
-            "otlp_http_port": http_port,
-            "api_port": api_port,
-            "api_token": self.token,
-            "token_file": str(self.tmp / "api-token"),
-            "state_path": str(self.state),
-            "policy": str(self.policy),
-            "policy_poll_s": 0,
-            "agents": {
-                "*": {"webhook": {"url": self.webhook_url, "secret": SECRET, "timeout_s": 10}}
-            },
-            "downstream": {
-                "endpoint": self.downstream,
-                "protocol": "http/protobuf",
-                "timeout_s": 5,
-            },
-        }
-        config = self.tmp / f"spanvisor-{n}.yaml"
-        config.write_text(yaml.safe_dump(settings), encoding="utf-8")
-        # The settings file alone decides: no SPANVISOR_* variable (conftest sets
-        # some) overrides it, and no OTEL_* variable sends spans elsewhere.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SPANVISOR_", "OTEL_"))}
-        log = self.tmp / f"spanvisor-{n}.log"
-        with log.open("wb") as sink:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.cli", "run", "--config", str(config)],
-                env=env,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-            )
-        sidecar = Sidecar(process, http_port, f"http://127.0.0.1:{api_port}", self.token, log)
+        """A new process (new ports) on the same state file, once healthy."""
+        sidecar = Sidecar(
+            self.settings,
+            self.tmp,
+            policy=POLICY,
+            name=f"spanvisor-{len(self.started)}",
+            startup_timeout_s=60,
+        )
         self.started.append(sidecar)
-
-        def healthy() -> bool:
-            if process.poll() is not None:
-                raise AssertionError(f"sidecar exited: {log.read_text(errors='replace')}")
-            try:
-                return httpx.get(f"{sidecar.api}/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        poll(healthy, "the sidecar to be healthy")
+        sidecar.start()
         return sidecar
 
     def close(self) -> None:
         for sidecar in self.started:
-            if sidecar.process.poll() is None:
-                sidecar.process.kill()
-            sidecar.process.wait(10)
+            sidecar.kill()
 
 
 def remediations(sidecar: Sidecar) -> list[dict[str, Any]]:
@@ -320,7 +267,7 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
                 pending = [w for w, status in db.workflows() if status == "PENDING"]
                 return pending[0] if pending and "DBOS.sleep" in db.steps(pending[0]) else None
 
-            rid = seen.remediation_id = poll(sleeping, "the remediation's durable sleep")
+            rid = seen.remediation_id = wait_until(sleeping, 60, "the remediation's durable sleep")
             # The decision span is exported (every second) before the process dies...
             recorder.wait_for_spans(
                 lambda got: any(s.name == "spanvisor.decide" for s in got), timeout_s=30
@@ -328,14 +275,14 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             seen.sleep_deadline = db.sleep_deadline(rid)
             # ...and the kill comes well inside the sleep, so that a sleep started
             # again by the next process would end visibly later than this one.
-            poll(
+            wait_until(
                 lambda: time.time() >= seen.sleep_deadline - DELAY_S + 1.5,
+                60,
                 "the sleep to be well under way",
             )
             seen.statuses_before_kill = db.workflows()
             seen.steps_before_kill = db.steps(rid)
-            os.kill(first.process.pid, signal.SIGKILL)
-            seen.exit_code = first.process.wait(10)
+            seen.exit_code = first.kill()
             seen.killed_at = time.time()
             seen.delivered_before_kill = receiver.seen()
 
@@ -343,18 +290,21 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             second = sidecars.start()
             seen.ready_at = time.time()
 
-            retried = poll(
-                lambda: retry_commands(receiver.seen(), rid), "the retry_step command", 60
+            retried = wait_until(
+                lambda: retry_commands(receiver.seen(), rid), 60, "the retry_step command"
             )
             seen.retry_arrived_at = retried[0].at + wall
-            poll(lambda: "tool:retry_step" in db.steps(rid), "the retry_step step recorded")
+            wait_until(
+                lambda: "tool:retry_step" in db.steps(rid), 60, "the retry_step step recorded"
+            )
             seen.workflows_after_retry = db.workflows()
             seen.steps_after_retry = db.steps(rid)
 
             # The exporter sends the failing span again, now to the new process.
             second.send([llm_request(TRIGGER_SPAN, failed=True)])
-            poll(
+            wait_until(
                 lambda: second.stats()["remediations"].get("duplicates", 0) >= 1,
+                60,
                 "the re-sent failure handed to remediations",
             )
             seen.resent_stats = second.stats()
@@ -364,8 +314,9 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
 
             # The run's next call to the same model succeeds: the remediation is verified.
             second.send([llm_request(RECOVERED_SPAN, failed=False)])
-            poll(
+            wait_until(
                 lambda: [r for r in remediations(second) if r.get("outcome")],
+                60,
                 "the remediation's outcome",
             )
             seen.listed = remediations(second)
