@@ -279,13 +279,12 @@ class Pipeline:
                         run_id = _run_of(item)
                         if run_id != trace_id:
                             recovery.succeeded(run_id, dependency, span_id)
-        if self._attempted and later:
-            self._reset_attempts_early(later)
+        reset = bool(self._attempted) and bool(later)
+        later_deps = [dependency_of(item) for item in later] if reset or runs is not None else []
+        if reset:
+            self._reset_attempts_early(later, later_deps)
         if runs is not None:  # the spans judged below count in their runs too
-            for item in first + later:
-                # A failed call tried again is a retry, not a loop; a span with only
-                # harmless events (a streamed answer's first-token event) still counts.
-                runs.observe(item, dependency_of(item), now_s, detected, repeats=not _failed(item))
+            _observe_judged(runs, first, later, later_deps, now_s=now_s, detected=detected)
         outcomes = self._judge_wire(first, received_ns, calls)
         if runs is not None:
             runs.settle()
@@ -293,7 +292,7 @@ class Pipeline:
             outcomes += self.judge_detected([detected_failure(d, received_ns) for d in detected])
         return outcomes, Remainder(later + verify, received_ns)
 
-    def _reset_attempts_early(self, later: list[WireSpan]) -> None:
+    def _reset_attempts_early(self, later: list[WireSpan], dependencies: list[str]) -> None:
         """Successes among the spans left for later reset their attempts now.
 
         A step's retry that succeeded with a tool call (a span the quiet
@@ -302,8 +301,7 @@ class Pipeline:
         as the step's next attempt. Only dependencies with attempts counted
         are normalized here (and again later).
         """
-        for item in later:
-            dependency = dependency_of(item)
+        for item, dependency in zip(later, dependencies, strict=True):
             if dependency not in self._attempted:
                 continue
             key = (_run_of(item), dependency)
@@ -562,6 +560,26 @@ class Pipeline:
             received_ns=received_ns,
             attributed=tuple(attributed),
         )
+
+
+def _observe_judged(
+    runs: RunTracker,
+    first: list[WireSpan],
+    later: list[WireSpan],
+    later_deps: list[str],
+    *,
+    now_s: float,
+    detected: list[Detection],
+) -> None:
+    """The spans that may be failures, counted in their runs like the rest.
+
+    A failed call tried again is a retry, not a loop; a span with only
+    harmless events (a streamed answer's first-token event) still counts.
+    """
+    for item in first:
+        runs.observe(item, dependency_of(item), now_s, detected, repeats=not _failed(item))
+    for item, dependency in zip(later, later_deps, strict=True):
+        runs.observe(item, dependency, now_s, detected, repeats=not _failed(item))
 
 
 def _goes_on_after(outcome: Outcome) -> float | None:
