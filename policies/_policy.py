@@ -182,9 +182,7 @@ def _chain_in(action: CompiledAction, dependency: str) -> tuple[str, ...] | None
     return None
 
 
-def _share_chains(
-    action: CompiledAction, lookup: Callable[[str], tuple[str, ...] | None]
-) -> None:
+def _share_chains(action: CompiledAction, lookup: Callable[[str], tuple[str, ...] | None]) -> None:
     current: CompiledAction | None = action
     for _ in range(8):  # on_exhausted nests a few levels at most
         if current is None:

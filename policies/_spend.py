@@ -52,8 +52,6 @@ class ModelInfo:
         return (input_tokens * self.input_per_mtok + output_tokens * self.output_per_mtok) / 1e6
 
 
-
-
 class RunSpend:
     """One run's spend so far: tokens, cost, and which budget kinds were reported.
 

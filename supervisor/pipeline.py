@@ -157,10 +157,17 @@ _ORIGINS_PER_TRACE = 8
 
 @dataclass(frozen=True, slots=True)
 class Remainder:
-    """The spans of a batch left after :meth:`Pipeline.first_pass`."""
+    """The spans of a batch left after :meth:`Pipeline.first_pass`.
+
+    The first ``quiet`` of ``spans`` are the ones that may fail quietly: the
+    run tracker has not seen them yet, and counts them once they are
+    normalized (their records name their dependency). The rest succeeded and
+    were counted; they are normalized for a verifier.
+    """
 
     spans: list[WireSpan]
     received_ns: int
+    quiet: int = 0
 
 
 @dataclass(slots=True)
@@ -241,6 +248,8 @@ class Pipeline:
         attribution within the batch is unaffected.
         """
         spans = wire_spans(payload)
+        if self.runs is not None:
+            self.runs.begin_batch()
         self._batches += 1
         self._spans += len(spans)
         first: list[WireSpan] = []
@@ -279,20 +288,19 @@ class Pipeline:
                         run_id = _run_of(item)
                         if run_id != trace_id:
                             recovery.succeeded(run_id, dependency, span_id)
-        reset = bool(self._attempted) and bool(later)
-        later_deps = [dependency_of(item) for item in later] if reset or runs is not None else []
-        if reset:
-            self._reset_attempts_early(later, later_deps)
+        if self._attempted and later:
+            self._reset_attempts_early(later)
+        records = [normalize_wire(item) for item in first]
         if runs is not None:  # the spans judged below count in their runs too
-            _observe_judged(runs, first, later, later_deps, now_s=now_s, detected=detected)
-        outcomes = self._judge_wire(first, received_ns, calls)
-        if runs is not None:
-            runs.settle()
+            for item, record in zip(first, records, strict=True):
+                repeats = not _failed(item)
+                runs.observe(item, record.dependency, now_s, detected, repeats=repeats)
+        outcomes = self._judge_wire(first, received_ns, calls, records)
         if detected:
             outcomes += self.judge_detected([detected_failure(d, received_ns) for d in detected])
-        return outcomes, Remainder(later + verify, received_ns)
+        return outcomes, Remainder(later + verify, received_ns, quiet=len(later))
 
-    def _reset_attempts_early(self, later: list[WireSpan], dependencies: list[str]) -> None:
+    def _reset_attempts_early(self, later: list[WireSpan]) -> None:
         """Successes among the spans left for later reset their attempts now.
 
         A step's retry that succeeded with a tool call (a span the quiet
@@ -301,7 +309,8 @@ class Pipeline:
         as the step's next attempt. Only dependencies with attempts counted
         are normalized here (and again later).
         """
-        for item, dependency in zip(later, dependencies, strict=True):
+        for item in later:
+            dependency = dependency_of(item)
             if dependency not in self._attempted:
                 continue
             key = (_run_of(item), dependency)
@@ -331,13 +340,32 @@ class Pipeline:
         return self._finish(outcomes, [], cascades=False)
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:
-        """Judge the spans a :meth:`first_pass` left."""
-        return self._judge_wire(rest.spans, rest.received_ns, [])
+        """Judge the spans a :meth:`first_pass` left; the batch is then settled."""
+        runs = self.runs
+        if runs is None:
+            return self._judge_wire(rest.spans, rest.received_ns, [])
+        records = [normalize_wire(item) for item in rest.spans]
+        detected: list[Detection] = []
+        now_s = rest.received_ns / 1e9
+        for item, record in zip(rest.spans[: rest.quiet], records, strict=False):
+            # Quiet spans show no error signal: a loop of them is a loop, not retries.
+            runs.observe(item, record.dependency, now_s, detected)
+        outcomes = self._judge_wire(rest.spans, rest.received_ns, [], records)
+        runs.settle()
+        if detected:
+            outcomes += self.judge_detected(
+                [detected_failure(d, rest.received_ns) for d in detected]
+            )
+        return outcomes
 
     def _judge_wire(
-        self, spans: list[WireSpan], received_ns: int, calls: list[tuple[int, str, bool]]
+        self,
+        spans: list[WireSpan],
+        received_ns: int,
+        calls: list[tuple[int, str, bool]],
+        normalized: list[SpanRecord] | None = None,
     ) -> list[Outcome]:
-        records = [normalize_wire(item) for item in spans]
+        records = [normalize_wire(item) for item in spans] if normalized is None else normalized
         failing = [r for r in records if r.error is not None]
         verifiers = self.policy.verifiers
         unverified: list[Failure] = []
@@ -562,26 +590,6 @@ class Pipeline:
         )
 
 
-def _observe_judged(
-    runs: RunTracker,
-    first: list[WireSpan],
-    later: list[WireSpan],
-    later_deps: list[str],
-    *,
-    now_s: float,
-    detected: list[Detection],
-) -> None:
-    """The spans that may be failures, counted in their runs like the rest.
-
-    A failed call tried again is a retry, not a loop; a span with only
-    harmless events (a streamed answer's first-token event) still counts.
-    """
-    for item in first:
-        runs.observe(item, dependency_of(item), now_s, detected, repeats=not _failed(item))
-    for item, dependency in zip(later, later_deps, strict=True):
-        runs.observe(item, dependency, now_s, detected, repeats=not _failed(item))
-
-
 def _goes_on_after(outcome: Outcome) -> float | None:
     """When a decision tells the run to go on (Unix seconds); None when it does not."""
     decision = outcome.decision
@@ -605,12 +613,11 @@ def _run_of(item: WireSpan) -> str:
     get here. The session is read raw, the first of the conventions' keys
     present, as the adapters read it (a string, or a number as text).
     """
-    span, _, _, present = item
+    span, _, _, present, encoded = item
     if not _SESSION_SET.isdisjoint(present):
-        encoded = span.attributes
         for key in SESSION_KEYS:
             if key in present:
-                session = as_str(value_of(encoded.get(key) or b""))
+                session = as_str(value_of(encoded[key]))
                 if session:
                     return session
     return str(span.trace_id.hex())
@@ -776,7 +783,7 @@ _UNNAMED_ROLES = (Role.AGENT, Role.CHAIN, Role.OTHER)
 
 def _verified(verifiers: VerifierSet, item: WireSpan, dependency: str) -> bool:
     """Whether some verifier looks at this successful span (it is then normalized)."""
-    span, _, service, _ = item
+    span, _, service, _, _ = item
     name: str = span.name
     if dependency.startswith("tool:"):
         return verifiers.wants(service, Role.TOOL, name)
@@ -831,8 +838,12 @@ def _cascade_failure(found: Cascade) -> Failure:
 
 
 def _failed(item: WireSpan) -> bool:
-    """Whether a screened span failed for sure: an ERROR status, or an exception event."""
-    span, _, _, present = item
+    """Whether a screened span failed for sure: an ERROR status, or an exception event.
+
+    A failed call tried again is a retry, not a loop; a span with only
+    harmless events (a streamed answer's first-token event) still counts.
+    """
+    span, _, _, present, _ = item
     if span.status.code == _STATUS_ERROR or "error.type" in present:
         return True
     return any(event.name == "exception" for event in span.events)
@@ -842,5 +853,5 @@ def _only_calls_tools(item: WireSpan, record: SpanRecord) -> bool:
     """An LLM turn with no text that asked for tool calls: not an answer to verify."""
     if record.role is not Role.LLM or record.output_text:
         return False
-    span, _, _, present = item
-    return bool(requested_calls(span.attributes, present))
+    _, _, _, present, encoded = item
+    return bool(requested_calls(encoded, present))

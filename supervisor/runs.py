@@ -53,7 +53,7 @@ from supervisor.normalize.screen import (
     TOOL_ARGUMENT_KEYS,
     WireSpan,
 )
-from supervisor.normalize.wire import RawAttributes, value_of
+from supervisor.normalize.wire import RawAttributes, raw_value, value_of
 
 __all__ = [
     "Detection",
@@ -175,13 +175,14 @@ class _Repeats:
     """Per (dependency, digest): where it was seen among a run's last ``window`` calls.
 
     One entry per distinct call. A call seen once (the usual case) is one
-    integer, its sequence number and its 8-byte instance packed together: no
+    integer, its sequence number and its 64-bit instance packed together: no
     container for the garbage collector to count, and collections ran a
     third more often with the tracker on before. A call that repeats becomes
     a flat list ``[first repeat or None, seq, instance, seq, instance...]`` of
-    its last ``repeats - 1`` occurrences; a new occurrence counts those still
-    in the window. O(1) per call; entries out of the window are pruned when
-    the dictionary grows past a few windows' worth.
+    its last ``repeats - 1`` occurrences, each instance tagged above 64 bits
+    so that it never equals a sequence number; a new occurrence counts those
+    still in the window. O(1) per call; entries out of the window are pruned
+    when the dictionary grows past a few windows' worth.
     """
 
     __slots__ = ("reported", "seen", "seq", "window")
@@ -197,7 +198,7 @@ class _Repeats:
     def add(
         self,
         digest: int,
-        instance: bytes,
+        instance: int,
         span_id: bytes,
         name: str,
         repeats: int,
@@ -207,9 +208,10 @@ class _Repeats:
     ) -> tuple[bytes, str, int] | None:
         """Count one call; (where its first repeat was, occurrence) at ``repeats``, else None.
 
-        ``instance`` tells calls apart: the span id (a span re-sent by an
-        exporter is not a repeat), or for an LLM call its prompt's size (the
-        same prompt answered again is a retry, not a loop). After a report,
+        ``instance`` (64 bits) tells calls apart: the span id's hash (a span
+        re-sent by an exporter is not a repeat), or for an LLM call its
+        prompt's size (the same prompt answered again is a retry, not a
+        loop). After a report,
         only calls that started after it count towards the next: calls made
         before the agent could be told (a backlog exported at once) are not
         evidence that it ignored what it was told.
@@ -225,22 +227,21 @@ class _Repeats:
         if found is None:  # the usual case: a call not made lately
             if len(self.seen) >= 4 * self.window:
                 self._prune(seq - self.window)
-            self.seen[digest] = _packed(seq, instance)
+            self.seen[digest] = (seq << 64) | instance
             return None
+        tagged = instance | _TAG
         if isinstance(found, int):
-            if found & _INSTANCE_MASK == _instance_int(instance):
+            if found & _INSTANCE_MASK == instance:
                 self.seq -= 1  # the same call again (a re-sent span): nothing changes
                 return None
             # Repeated: counted in place from now on.
-            first_instance = (found & _INSTANCE_MASK).to_bytes(8, "little")
-            entry: list[Any] = [None, found >> 64, first_instance]
+            entry: list[Any] = [None, found >> 64, (found & _INSTANCE_MASK) | _TAG]
             self.seen[digest] = entry
         else:
             entry = found
-            if _instance_bytes(instance) in entry:
+            if tagged in entry:
                 self.seq -= 1
                 return None
-        instance = _instance_bytes(instance)
         oldest = seq - self.window
         while len(entry) > 1 and entry[1] <= oldest:
             del entry[1:3]
@@ -249,7 +250,7 @@ class _Repeats:
         elif entry[0] is None:
             entry[0] = (span_id, name)  # this call is the first repeat
         entry.append(seq)
-        entry.append(instance)
+        entry.append(tagged)
         count = (len(entry) - 1) // 2
         if count > repeats - 1 and count > 1:
             del entry[1:3]
@@ -264,7 +265,7 @@ class _Repeats:
             return None
         reported[digest] = (occurrence, now_ns)
         # Count again from here: a loop that goes on is reported after as many repeats.
-        self.seen[digest] = _packed(seq, instance)
+        self.seen[digest] = (seq << 64) | instance
         return first[0], first[1], occurrence
 
     def _prune(self, oldest: int) -> None:
@@ -272,19 +273,9 @@ class _Repeats:
 
 
 _INSTANCE_MASK: Final = (1 << 64) - 1
-
-
-def _instance_bytes(instance: bytes) -> bytes:
-    """An instance as the 8 bytes it is compared by (span ids are 8 bytes already)."""
-    return instance if len(instance) == 8 else instance[:8].ljust(8, b"\0")
-
-
-def _instance_int(instance: bytes) -> int:
-    return int.from_bytes(_instance_bytes(instance), "little")
-
-
-def _packed(seq: int, instance: bytes) -> int:
-    return (seq << 64) | _instance_int(instance)
+#: Set on the instances of a repeated call's list: above any 64-bit value, so an
+#: instance is never taken for one of the sequence numbers beside it.
+_TAG: Final = 1 << 64
 
 
 def _last_seq(entry: int | list[Any]) -> int:
@@ -443,8 +434,7 @@ class RunTracker:
         reported), values are read raw and decoded only for sessions and
         token counts (memoized by their encoding).
         """
-        span, _, service, present = item
-        encoded = span.attributes
+        span, _, service, present, encoded = item
         trace: bytes = span.trace_id
         batch = self._batch
         run = batch.get(trace)
@@ -475,13 +465,13 @@ class RunTracker:
             if seen is None:
                 seen = run.tools = _Repeats(settings.loop_window)
             raw = _first_present(encoded, present, TOOL_ARGUMENT_KEYS)
-            instance = span_id
+            instance = hash(span_id) & _INSTANCE_MASK
             what = _SAME_CALL
         else:
             prompt = self._llm_call(
                 run, encoded, present, dependency, settings=settings, span_id=span_id, found=found
             )
-            messages = encoded.get(_MESSAGES) if _MESSAGES in present else None
+            messages = encoded[_MESSAGES] if _MESSAGES in present else None
             run.last_llm = (
                 None
                 if REQUEST_MARKERS.isdisjoint(present)
@@ -497,7 +487,7 @@ class RunTracker:
                 seen = run.llm_outputs = _Repeats(settings.loop_window)
             # The same answer to the same prompt (as long: its token count) is a call
             # tried again; a loop answers the same to a context that keeps growing.
-            instance = prompt.to_bytes(8, "little") if prompt else span_id
+            instance = prompt if prompt else hash(span_id) & _INSTANCE_MASK
             what = _SAME_OUTPUT
         first = seen.add(
             _digest(raw) ^ hash(dependency),
@@ -689,7 +679,7 @@ class RunTracker:
             key = known  # a trace never changes session: its spans need not be read again
         elif not _SESSION_SET.isdisjoint(present):
             for name in SESSION_KEYS:
-                raw_session: bytes | None = encoded.get(name)
+                raw_session = raw_value(encoded, name)
                 if raw_session is not None and 2 < len(raw_session) <= _MAX_SESSION_BYTES:
                     # The encoded value, marked, is the key: no decoding per span
                     # (run_id decodes it). A trace id is 16 bytes and never ends so.
@@ -712,6 +702,10 @@ class RunTracker:
             _fold(early, into=run)
         run.trace = trace
         return run
+
+    def begin_batch(self) -> None:
+        """A batch's spans follow (its runs are looked up afresh, whatever the last one left)."""
+        self._batch.clear()
 
     def settle(self, now: float | None = None) -> None:
         """The batch is judged: runs that ended in it count in their service's SLO."""
@@ -895,20 +889,21 @@ def _requested_raw(
     """
     kept: dict[str, bytes] | None = None
     if messages is None and "gen_ai.output.messages" in present:
-        messages = encoded.get("gen_ai.output.messages")
+        messages = encoded["gen_ai.output.messages"]
     if messages is not None and b"tool_call" in messages and len(messages) <= _MAX_KEPT_BYTES:
         kept = {"gen_ai.output.messages": messages}
     if FIRST_TOOL_CALL not in present:
         return kept
     for message in _OI_KEYS:  # a response is one message
         for name_key, args_key in message:
-            found = encoded.get(name_key)
+            found = raw_value(encoded, name_key)
             if found is None:
                 break
             if kept is None:
-                kept = {_OI_ROLE: encoded.get(_OI_ROLE)}  # the adapter needs the role
+                role = raw_value(encoded, _OI_ROLE)  # the adapter needs the role
+                kept = {_OI_ROLE: role} if role is not None else {}
             kept[name_key] = found
-            arguments = encoded.get(args_key)
+            arguments = raw_value(encoded, args_key)
             if arguments is not None and len(arguments) <= _MAX_KEPT_BYTES:
                 kept[args_key] = arguments
     return kept or None
@@ -929,7 +924,7 @@ def _digest(raw: bytes | None) -> int:
 def _first_present(encoded: Any, present: frozenset[str], keys: tuple[str, ...]) -> bytes | None:
     for key in keys:
         if key in present:
-            found: bytes | None = encoded.get(key)
+            found: bytes | None = encoded[key]
             return found
     return None
 
@@ -984,11 +979,13 @@ def _tokens(encoded: Any, present: frozenset[str], keys: tuple[str, ...]) -> int
     """The first of ``keys`` the span has, as a token count (0 when absent or odd)."""
     for key in keys:
         if key in present:
-            raw: bytes = encoded.get(key) or b""
-            if len(raw) > 1 and raw[0] == _INT_TAG:  # int_value: read the varint here
+            raw: bytes = encoded[key]
+            size = len(raw)
+            if size > 1 and raw[0] == _INT_TAG:  # int_value: read the varint here
                 value = 0
                 shift = 0
-                for byte in raw[1:11]:
+                for at in range(1, min(size, 11)):  # indexes: no slice copied per span
+                    byte = raw[at]
                     value |= (byte & 0x7F) << shift
                     if byte < 0x80:
                         return value if value < 1 << 40 else 0

@@ -50,7 +50,7 @@ from supervisor.normalize.screen import (
     may_fail_quietly,
     shows_failure_signal,
 )
-from supervisor.normalize.wire import LazyConverted, LiteRequest, RawAttributes
+from supervisor.normalize.wire import LazyConverted, LiteRequest, RawAttributes, raw_value
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
 __all__ = [
@@ -125,17 +125,17 @@ def wire_spans(payload: bytes) -> list[WireSpan]:
     for resource_spans in request.resource_spans:
         resource, service = _resource(resource_spans)
         for scope_spans in resource_spans.scope_spans:
-            out.extend(
-                (span, resource, service, watched(span.attributes)) for span in scope_spans.spans
-            )
+            for span in scope_spans.spans:
+                encoded = span.attributes
+                out.append((span, resource, service, watched(encoded), encoded))
     return out
 
 
 def normalize_wire(item: WireSpan) -> SpanRecord:
     """One span of :func:`wire_spans` as a record; never raises."""
-    span, resource, service, _ = item
+    span, resource, service, _, encoded = item
     try:
-        attributes = LazyConverted(RawAttributes(span.attributes))
+        attributes = LazyConverted(RawAttributes(encoded))
         return _normalize(span, resource, service, attributes)
     except Exception:  # boundary: a record with fewer fields beats a lost span
         _count_failure()
@@ -304,6 +304,10 @@ def _dependency(draft: Draft, role: Role, name: str) -> tuple[str, str]:
     return tool_name, dependency
 
 
+def _raw_values(encoded: Any, keys: tuple[str, ...]) -> tuple[bytes | None, ...]:
+    return tuple([raw_value(encoded, key) for key in keys])
+
+
 def dependency_of(item: WireSpan) -> str:
     """A span's ``dependency`` without normalizing it: what breakers count successes by.
 
@@ -311,9 +315,8 @@ def dependency_of(item: WireSpan) -> str:
     adapter functions as :func:`normalize_wire`, so both give the same key.
     Never raises (``""`` for a span that cannot be read).
     """
-    span, _, _, present = item
+    span, _, _, present, encoded = item
     try:
-        encoded = span.attributes
         server = span.kind == _SPAN_KIND_SERVER
         reads = _READS.get(present)
         if reads is not None:
@@ -322,7 +325,7 @@ def dependency_of(item: WireSpan) -> str:
                 present,
                 server,
                 keys,
-                tuple(map(encoded.get, keys)),
+                _raw_values(encoded, keys),
                 uses_name and span.name,
             )
             found = _IDENTITIES.get(memo_key)
@@ -335,7 +338,7 @@ def dependency_of(item: WireSpan) -> str:
             _READS.clear()  # bounded; rebuilt from the next spans
             _IDENTITIES.clear()
         _READS[present] = (keys, uses_name)
-        values = tuple(map(encoded.get, keys))
+        values = _raw_values(encoded, keys)
         _IDENTITIES[(present, server, keys, values, uses_name and span.name)] = dependency
         return dependency
     except Exception:  # boundary: an unreadable span counts for no dependency

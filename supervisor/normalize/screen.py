@@ -34,16 +34,18 @@ from supervisor.normalize.evidence import (
     detect_swallowed,
     failing_finish,
 )
-from supervisor.normalize.wire import LazyConverted, RawAttributes
+from supervisor.normalize.wire import LazyConverted, RawAttributes, raw_value
 from supervisor.records import AttrValue, Role
 
 __all__ = ["WATCHED_KEYS", "WireSpan", "may_fail_quietly", "shows_failure_signal"]
 
 #: A span as the wire path holds it: (lite span, resource attributes, service,
-#: which of :data:`WATCHED_KEYS` it carries). That subset is found in one pass
-#: over the attribute map (``WATCHED_KEYS.intersection``), which costs a third
-#: of building the set of all its keys, and answers every test below.
-WireSpan = tuple[Any, Mapping[str, AttrValue], str, frozenset[str]]
+#: which of :data:`WATCHED_KEYS` it carries, its encoded attribute map). That
+#: subset is found in one pass over the attribute map
+#: (``WATCHED_KEYS.intersection``), which costs a third of building the set of
+#: all its keys, and answers every test below. The map is the one that pass
+#: read: each ``span.attributes`` builds a new wrapper, and every stage reads it.
+WireSpan = tuple[Any, Mapping[str, AttrValue], str, frozenset[str], Any]
 
 _STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 
@@ -168,14 +170,13 @@ def shows_failure_signal(item: WireSpan) -> bool:
     failing finish reason. Spans without these can still fail; see
     :func:`may_fail_quietly`.
     """
-    span, _, _, present = item
+    span, _, _, present, encoded = item
     if span.status.code == _STATUS_ERROR or len(span.events):
         return True
     if _SIGNAL_KEYS.isdisjoint(present):
         return False
     if "error.type" in present:
         return True
-    encoded = span.attributes
     attrs = RawAttributes(encoded)
     for key in _HTTP_STATUS_KEYS:
         status = attrs.get(key)
@@ -188,7 +189,7 @@ def shows_failure_signal(item: WireSpan) -> bool:
         if code is not None and code not in (0, "OK", "0"):
             return True
     for key in _FINISH_KEYS:
-        raw = encoded.get(key)
+        raw = raw_value(encoded, key)
         if raw is not None and _FAILING_FINISH.search(raw):
             return True
     return False
@@ -200,11 +201,11 @@ def may_fail_quietly(item: WireSpan) -> bool:
     Where conventions disagree (a span written by two instrumentations),
     every one's reading is tested, since normalization keeps only the first.
     """
-    span, _, _, present = item
+    _, _, _, present, encoded = item
     if _QUIET_KEYS.isdisjoint(present):
         return False
     try:
-        return _quiet_failure(LazyConverted(RawAttributes(span.attributes)), present)
+        return _quiet_failure(LazyConverted(RawAttributes(encoded)), present)
     except Exception:  # boundary: what cannot be screened is normalized, never dropped
         return True
 

@@ -211,6 +211,19 @@ _SHORT_BYTES = 64
 _SHORT_ENTRIES = 4096
 
 
+def raw_value(encoded: Any, key: str) -> bytes | None:
+    """The encoded value of ``key`` in a span's attribute map, None when absent.
+
+    Twice as fast as the map's ``get`` (which parses its arguments as
+    keywords): a lookup, then a subscript only of a key known present (on a
+    protobuf map, subscripting a missing key would insert it).
+    """
+    if key in encoded:
+        found: bytes = encoded[key]
+        return found
+    return None
+
+
 def value_of(encoded: bytes) -> Any:
     """One encoded ``AnyValue`` decoded (strings bounded), as :meth:`RawAttributes.get` reads.
 
@@ -259,7 +272,7 @@ class RawAttributes(Mapping[str, AttrValue]):
         self._map = encoded
 
     def full(self, key: str) -> AttrValue:
-        encoded = self._map.get(key)
+        encoded = raw_value(self._map, key)
         if encoded is None:
             return None
         try:
@@ -269,7 +282,7 @@ class RawAttributes(Mapping[str, AttrValue]):
 
     def read(self, key: str, parse: Callable[[AttrValue], _T]) -> _T:
         """``parse(full(key))``, memoized by the encoded value (``parse`` must be pure)."""
-        encoded = self._map.get(key)
+        encoded = raw_value(self._map, key)
         if encoded is None:
             return parse(None)
         memo = (parse, encoded)
@@ -282,7 +295,7 @@ class RawAttributes(Mapping[str, AttrValue]):
         return found  # type: ignore[return-value]  # what parse returned for this value
 
     def get(self, key: str, default: Any = None) -> Any:
-        encoded = self._map.get(key)
+        encoded = raw_value(self._map, key)
         if encoded is None:
             return default
         return value_of(encoded)
