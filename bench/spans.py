@@ -54,6 +54,10 @@ AttrValue = str | int | float | bool | list[str]
 # string attribute; a chance match inside other random id bytes is ~2**-32.
 TRACE_MARK = b"\xf5\x9e\x1c\x73\xd4\x28\xab\x06"
 SPAN_MARK = b"\xf7\xa3\x5c\xe1"
+# Tail of every session and conversation id, so that copies start new runs too
+# (the sidecar keys a run by its session when the spans name one). Same length
+# as what replaces it, ``~copy-`` and 8 hex digits: the encoding stays valid.
+SESSION_MARK = b"~copy-00000000"
 MAX_FRESH_INDEX = 2**31 - 1
 
 _SPAN_KIND_INTERNAL = Span.SpanKind.SPAN_KIND_INTERNAL
@@ -447,7 +451,7 @@ def _genai_trace(b: _TraceBuilder) -> None:
     model, response_model = rng.choice(models)
     provider_key = "gen_ai.provider.name" if rng.random() < 0.5 else "gen_ai.system"
     host = "api.anthropic.com" if provider == "anthropic" else "api.openai.com"
-    conversation = f"conv_{rng.randbytes(8).hex()}"
+    conversation = f"conv_{rng.randbytes(8).hex()}{SESSION_MARK.decode()}"
     llm_scope = "opentelemetry.instrumentation." + (
         "anthropic" if provider == "anthropic" else "openai_v2"
     )
@@ -569,7 +573,7 @@ def _openinference_trace(b: _TraceBuilder) -> None:
     rng = b.rng
     service = "support-agent"
     model, _ = rng.choice(_OPENAI_MODELS)
-    session = f"sess-{rng.randbytes(6).hex()}"
+    session = f"sess-{rng.randbytes(6).hex()}{SESSION_MARK.decode()}"
     question = rng.choice(_QUESTIONS)
     metadata = json.dumps({"tenant": f"t{rng.randint(1, 40)}", "channel": "chat", "ab": "v2"})
     lc_scope = "openinference.instrumentation.langchain"
@@ -863,16 +867,24 @@ def make_requests(
 
 
 def with_fresh_ids(payload: bytes, index: int) -> bytes:
-    """The same payload with every trace and span id made distinct for ``index``.
+    """The same payload with every trace, span and session id made distinct for ``index``.
 
-    Copies with different ``index`` share no trace id and no span id with each
-    other or with the original; sizes and everything else are unchanged.
+    Copies with different ``index`` share no trace id, span id or session with
+    each other or with the original: each copy's traces are new runs, as in
+    production, not more turns of the same conversations (which would repeat
+    the same tool calls in them, and look like loops). Sizes and everything
+    else are unchanged.
     """
     if not 0 <= index <= MAX_FRESH_INDEX:
         raise ValueError(f"index must be between 0 and {MAX_FRESH_INDEX}")
     trace_suffix = b"\x01" + index.to_bytes(7, "big")
     span_suffix = (index + 1).to_bytes(4, "big")
-    return payload.replace(TRACE_MARK, trace_suffix).replace(SPAN_MARK, span_suffix)
+    session_suffix = f"~copy-{index:08x}".encode()
+    return (
+        payload.replace(TRACE_MARK, trace_suffix)
+        .replace(SPAN_MARK, span_suffix)
+        .replace(SESSION_MARK, session_suffix)
+    )
 
 
 def span_count(payload: bytes) -> int:

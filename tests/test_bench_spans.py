@@ -17,6 +17,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from bench.spans import (  # noqa: E402 - needs the path above
+    SESSION_MARK,
     SPAN_MARK,
     TRACE_MARK,
     make_requests,
@@ -164,13 +165,25 @@ def test_http_503_is_a_status_code_and_its_tool_propagates_it(payloads: list[byt
 def test_fresh_ids_change_every_id_and_nothing_else(payloads: list[bytes]) -> None:
     original = payloads[0]
     copy = with_fresh_ids(original, 41)
-    assert (len(original), False, False) == (len(copy), TRACE_MARK in copy, SPAN_MARK in copy)
+    marks = (TRACE_MARK in copy, SPAN_MARK in copy, SESSION_MARK in copy)
+    assert (len(original), False, False, False) == (len(copy), *marks)
     before, after = _spans(original), _spans(copy)
     assert [s.name for _, s in before] == [s.name for _, s in after]
     assert set() == {s.span_id for _, s in before} & {s.span_id for _, s in after}
     assert set() == {s.trace_id for _, s in before} & {s.trace_id for _, s in after}
     other = _spans(with_fresh_ids(original, 42))
     assert set() == {s.trace_id for _, s in other} & {s.trace_id for _, s in after}
+    assert _sessions(before) and set() == _sessions(before) & _sessions(after)
+    assert set() == _sessions(other) & _sessions(after)
+
+
+def _sessions(spans: list[tuple[str, Span]]) -> set[str]:
+    return {
+        kv.value.string_value
+        for _, span in spans
+        for kv in span.attributes
+        if kv.key in ("session.id", "gen_ai.conversation.id")
+    }
 
 
 def test_json_lines_use_hex_ids() -> None:
