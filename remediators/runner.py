@@ -80,8 +80,11 @@ class RunnerSettings:
     executor_id: str = "local"
     #: Remediations running at once; past it a dispatch is refused and counted.
     max_active: int = 256
-    #: How often a waiting remediation looks for its messages on SQLite.
-    poll_interval_s: float = 0.05
+    #: How often DBOS looks for a waiting remediation's messages on SQLite: one
+    #: query per waiting remediation each time (at 0.05 s, 256 remediations
+    #: waiting for approvals kept a core busy). The sidecar's own messages wake
+    #: their waiter at once (:func:`_wake_waiters`); this is the safety net.
+    poll_interval_s: float = 1.0
     start_timeout_s: float = 60.0
 
 
@@ -478,6 +481,8 @@ class DurableRunner:
             await DBOS.send_async(remediation_id, message, topic)
         except Exception as exc:  # finished or unknown: nothing is waiting
             log.debug("message to %s not delivered: %s", remediation_id, exc)
+            return
+        _wake_waiters(remediation_id, topic)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T] | None:
         loop = self._loop
@@ -750,6 +755,26 @@ class DurableRunner:
             name, context=trace.set_span_in_context(root), attributes=dict(attributes)
         )
         span.end()
+
+
+def _wake_waiters(workflow_id: str, topic: str) -> None:
+    """Wake a remediation waiting in ``recv`` for a message this process just committed.
+
+    DBOS on SQLite has no notifications: a waiting ``recv`` is woken by a
+    poller that queries the database for each waiter. The sidecar sends
+    every message itself, so it wakes the waiter as Postgres's NOTIFY would.
+    Best effort through DBOS's waiter map (not a public API): if that ever
+    changes, the poller still delivers the message, within ``poll_interval_s``.
+    """
+    try:
+        from dbos._dbos import _get_dbos_instance  # internal: imported here, guarded
+
+        waiters = _get_dbos_instance()._sys_db.notifications_map.snapshot()
+        for _key, components, signal in waiters:
+            if components[0] == workflow_id and components[1] == topic:
+                signal.set()  # the message is committed: recv reads it when it wakes
+    except Exception:  # the poller is the fallback
+        log.debug("could not wake %s's waiter; the poller will", workflow_id)
 
 
 def _summary(status: Any) -> dict[str, Any]:

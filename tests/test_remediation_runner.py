@@ -83,7 +83,10 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DurableRunne
     db = Path(tmp_path_factory.mktemp("dbos")) / "remediations.sqlite"
     runner = DurableRunner(
         gateway,
-        RunnerSettings(database_url=f"sqlite:///{db}"),
+        # DBOS's poller would find a message only after 30 s, past every wait
+        # here: recoveries and approvals arrive because the runner wakes the
+        # waiting remediation itself when it sends them.
+        RunnerSettings(database_url=f"sqlite:///{db}", poll_interval_s=30.0),
         tracer=provider.get_tracer("test"),
     )
     runner.start()
@@ -279,6 +282,29 @@ def test_an_approval_answer_reaches_the_waiting_remediation(
     _until(lambda: any(a["by"] == request["id"] for a in gateway.approvals.values()))
     runner.answer_approval(request["id"], {"approved": True})
     assert _wait(runner, request["id"])["outcome"] == "succeeded"
+
+
+def _waiting_in_recv(remediation_id: str) -> bool:
+    from dbos._dbos import _get_dbos_instance  # DBOS's waiter map, to send only once it waits
+
+    waiters = _get_dbos_instance()._sys_db.notifications_map.snapshot()
+    return any(components[0] == remediation_id for _, components, _ in waiters)
+
+
+def test_a_message_wakes_a_remediation_already_waiting(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    """Sent once the remediation waits: only the runner's own wake-up can deliver it in time."""
+    runner, _ = rig
+    gateway: Any = runner.gateway
+    request = _request(f"{__name__}:Asker", tools=frozenset({"request_approval"}))
+    runner.dispatch(request)
+    _until(lambda: _waiting_in_recv(request["id"]))
+    sent = time.monotonic()
+    runner.answer_approval(request["id"], {"approved": True})
+    assert _wait(runner, request["id"])["outcome"] == "succeeded"  # the wait is 5 s, the poll 30 s
+    assert time.monotonic() - sent < 4.0
+    assert any(a["by"] == request["id"] for a in gateway.approvals.values())
 
 
 def test_cancel_stops_a_waiting_remediation(
