@@ -272,18 +272,6 @@ def test_no_recovery_in_the_window_escalates(
     assert "no recovery within 0.3 s" in view["reason"]
 
 
-def test_an_approval_answer_reaches_the_waiting_remediation(
-    rig: tuple[DurableRunner, InMemorySpanExporter],
-) -> None:
-    runner, _ = rig
-    gateway: Any = runner.gateway
-    request = _request(f"{__name__}:Asker", tools=frozenset({"request_approval"}))
-    runner.dispatch(request)
-    _until(lambda: any(a["by"] == request["id"] for a in gateway.approvals.values()))
-    runner.answer_approval(request["id"], {"approved": True})
-    assert _wait(runner, request["id"])["outcome"] == "succeeded"
-
-
 def _waiting_in_recv(remediation_id: str) -> bool:
     from dbos._dbos import _get_dbos_instance  # DBOS's waiter map, to send only once it waits
 
@@ -291,7 +279,7 @@ def _waiting_in_recv(remediation_id: str) -> bool:
     return any(components[0] == remediation_id for _, components, _ in waiters)
 
 
-def test_a_message_wakes_a_remediation_already_waiting(
+def test_an_approval_answer_wakes_the_waiting_remediation(
     rig: tuple[DurableRunner, InMemorySpanExporter],
 ) -> None:
     """Sent once the remediation waits: only the runner's own wake-up can deliver it in time."""
