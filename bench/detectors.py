@@ -9,6 +9,10 @@ other, alternating which goes first, so a drifting machine affects both
 alike. The figure is the ratio of the medians (goal: the tracker costs at
 most 10%, i.e. on/off >= 0.90), and the median of the per-repetition ratios.
 
+With ``--together``, each repetition sends the same spans to both sidecars at
+once, from two sets of sending threads, so that both are measured over the
+same seconds of a machine whose speed drifts from one second to the next.
+
 What is measured is detection, not what the policy then does: the bench's
 spans do contain loops (a generated run may call ``web_search`` three times
 with the same query), and the built-in policy would send each one a
@@ -22,6 +26,7 @@ import argparse
 import contextlib
 import math
 import sys
+import threading
 from pathlib import Path
 from statistics import median
 
@@ -30,7 +35,7 @@ if __package__ in (None, ""):
 
 import tempfile
 
-from bench.harness import BenchError, command_line, running_sidecar, table
+from bench.harness import BenchError, Sidecar, command_line, running_sidecar, table
 from bench.ingest import Measurement, _Ids, measure
 from bench.spans import make_requests
 
@@ -55,7 +60,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pool", type=int, default=16)
     parser.add_argument("--failure-rate", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="send each repetition to both sidecars at once (default: one, then the other)",
+    )
     return parser.parse_args(argv)
+
+
+def measure_together(
+    sidecars: list[Sidecar], payloads: list[bytes], spans: int, args: argparse.Namespace
+) -> list[Measurement]:
+    """The same payloads sent to every sidecar at once; each one's CPU over that time."""
+    results: list[Measurement | BaseException | None] = [None] * len(sidecars)
+
+    def run(index: int, sidecar: Sidecar) -> None:
+        try:
+            results[index] = measure(sidecar, args.transport, payloads, spans, args)
+        except BaseException as exc:  # handed to the caller below
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=pair) for pair in enumerate(sidecars)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=args.timeout + 60)
+    measured: list[Measurement] = []
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+        if result is None:
+            raise BenchError("a sender did not finish in time")
+        measured.append(result)
+    return measured
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,12 +122,18 @@ def main(argv: list[str] | None = None) -> int:
                 warm = ids.fresh(pool, min(20, n_requests))
                 measure(sidecar, args.transport, warm, 20 * args.spans_per_request, args)
             for rep in range(args.repeat):
-                order = [(sidecar_off, off), (sidecar_on, on)]
-                if rep % 2:
-                    order.reverse()
-                for sidecar, results in order:
+                if args.together:
                     payloads = ids.fresh(pool, n_requests)
-                    results.append(measure(sidecar, args.transport, payloads, spans, args))
+                    pair = measure_together([sidecar_off, sidecar_on], payloads, spans, args)
+                    off.append(pair[0])
+                    on.append(pair[1])
+                else:
+                    order = [(sidecar_off, off), (sidecar_on, on)]
+                    if rep % 2:
+                        order.reverse()
+                    for sidecar, results in order:
+                        payloads = ids.fresh(pool, n_requests)
+                        results.append(measure(sidecar, args.transport, payloads, spans, args))
                 print(
                     f"  rep {rep + 1}/{args.repeat}: off {off[-1].per_cpu_s:,.0f},"
                     f" on {on[-1].per_cpu_s:,.0f} spans/CPU-s"
@@ -107,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = median(b.per_cpu_s / a.per_cpu_s for a, b in zip(off, on, strict=True))
     print()
     print(
-        f"{args.repeat} repetitions of {spans:,} spans over {args.transport}, alternating;"
+        f"{args.repeat} repetitions of {spans:,} spans over {args.transport},"
+        f" {'to both at once' if args.together else 'alternating'};"
         f" {args.failure_rate:.0%} failing spans"
     )
     print(

@@ -290,6 +290,7 @@ class _Run:
         "anchored",
         "errors",
         "go_on_at",
+        "gone",
         "input_tokens",
         "key",
         "last_dependency",
@@ -333,6 +334,8 @@ class _Run:
         self.output_tokens = 0
         self.open = True
         self.stalled = False
+        #: Evicted or expired: the batch's run cache may still hold it, and must not use it.
+        self.gone = False
         #: When the sidecar's command telling the run to go on after a failure may be
         #: delivered (0: none): a failed root keeps the run open, idle time counts from it.
         self.go_on_at = 0.0
@@ -438,7 +441,7 @@ class RunTracker:
         trace: bytes = span.trace_id
         batch = self._batch
         run = batch.get(trace)
-        if run is None or (run.key == trace and not _SESSION_SET.isdisjoint(present)):
+        if run is None or run.gone or (run.key == trace and not _SESSION_SET.isdisjoint(present)):
             # The trace's first span in the batch, or one that may name its session.
             run = batch[trace] = self._run_for(trace, encoded, present, service=service, now=now)
         run.last_seen = now
@@ -692,13 +695,16 @@ class RunTracker:
         run = runs.get(key)
         if run is None:
             while len(runs) >= self.max_runs:
-                runs.popitem(last=False)
+                # Marked, not looked for in the batch's cache: with a full table
+                # every new run evicts one, and clearing the cache each time
+                # made most spans look their run up again.
+                runs.popitem(last=False)[1].gone = True
                 self.evicted += 1
-                self._batch.clear()  # it may hold the evicted run
             run = runs[key] = _Run(key, service, trace, now)
         else:
             runs.move_to_end(key)
         if early is not None:
+            early.gone = True
             _fold(early, into=run)
         run.trace = trace
         return run
@@ -785,7 +791,7 @@ class RunTracker:
             idle = now - run.last_seen
             if idle >= self.max_idle_s:
                 del self._runs[run.key]
-                self._batch.clear()
+                run.gone = True
                 self.expired += 1
                 continue
             if run.stalled or not run.open:

@@ -272,6 +272,17 @@ def test_runs_are_bounded_and_what_goes_is_counted() -> None:
     assert tracker.stats() == {"tracked": 1, "evicted": 2, "expired": 2}
 
 
+def test_a_run_evicted_in_the_middle_of_a_batch_is_not_counted_into() -> None:
+    tracker = RunTracker(max_runs=2)
+    a, b, c = (bytes([n]) * 16 for n in (1, 2, 3))
+    tracker.begin_batch()
+    # a's run is evicted by c's, then a's trace goes on in the same batch: a new run.
+    feed(tracker, payload(*(span("s", {}, trace=t) for t in (a, b, c, a))))
+    views = {view.run_id: view.spans for view in tracker.snapshot(now=1001.0)}
+    assert views == {c.hex(): 1, a.hex(): 1}
+    assert tracker.evicted == 2
+
+
 def test_the_pipeline_reports_a_loop_and_the_policy_sends_the_loop_breaker() -> None:
     policy = load_policy()
     pipeline = Pipeline(policy)
