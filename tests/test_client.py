@@ -207,7 +207,7 @@ def sleeps() -> Sleeps:
 def make_client(url: str, sleeps: Sleeps | None = None, **kwargs: Any) -> SupervisorClient:
     sleeps = sleeps or Sleeps()
     kwargs.setdefault("token", TOKEN)
-    kwargs.setdefault("timeout_s", 0.3)
+    kwargs.setdefault("timeout_s", 1.0)  # 0.3 s was missed under load: a reply read as down
     kwargs.setdefault("service", "my-agent")
     kwargs.setdefault("local_policy", LocalPolicy(rng=lambda: 0.5))
     return SupervisorClient(url, sleep=sleeps, async_sleep=sleeps.asleep, **kwargs)
@@ -415,7 +415,7 @@ def test_unusable_sidecar_falls_back_to_the_local_policy(
     url = closed_port if reply is None else sidecar.url
     if reply is not None:
         sidecar.decide(reply)
-    with make_client(url) as client:
+    with make_client(url, timeout_s=0.3) as client:  # every answer is unusable: none is late
         started = time.monotonic()
         advice = client.decide(DEP, exception=rate_limit_error(), attempt=1)
         took = time.monotonic() - started
