@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from supervisor.testing.fake_provider import FakeProvider, Reply
 from supervisor.testing.otlp_recorder import OtlpRecorder
+from supervisor.testing.sidecar_process import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -51,16 +51,6 @@ class RunningSidecar:
         )
         response.raise_for_status()
         return response.json()
-
-
-def wait_until(predicate: Any, timeout_s: float = 15.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -101,7 +91,7 @@ def sidecar(recorder: OtlpRecorder, tmp_path: Any) -> Iterator[RunningSidecar]:
         except httpx.HTTPError:
             return False
 
-    wait_until(healthy, what="the sidecar to be healthy")
+    wait_until(healthy, 15.0, "the sidecar to be healthy")
     try:
         yield running
     finally:
@@ -143,7 +133,7 @@ def test_failure_is_classified_forwarded_and_decided_then_sigterm_exits_0(
         run_agent_step(sidecar, provider)
 
     failures = wait_until(
-        lambda: sidecar.get("/v1/failures")["failures"], what="a failure in /v1/failures"
+        lambda: sidecar.get("/v1/failures")["failures"], 15.0, "a failure in /v1/failures"
     )
     assert len(failures) == 1
     failure = failures[0]
