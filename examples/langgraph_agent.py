@@ -512,6 +512,7 @@ class Agent:
                 )
                 payload = self._await(report, inbox, deadline, failed_at).input
                 continue
+            self._between(report, inbox)  # what was deferred while the invocation ran
             view = self.adapter.view(report.thread_id)
             if view is not None and view.stopped:
                 raise RunEnded("aborted while running")
@@ -527,6 +528,36 @@ class Agent:
         view = self.adapter.view(thread_id)
         return (view.model if view is not None else None) or self.settings.model
 
+    def _record(
+        self,
+        report: ThreadReport,
+        directive: Directive,
+        at: float,
+        failed_at: float | None,
+        *,
+        late: bool = False,
+    ) -> Directive | None:
+        """Keep a directive; for a deferred one, also what the adapter made of it since.
+
+        A command that came while the thread's invocation ran is answered
+        "none" and applied by the adapter when that invocation ends (it then
+        goes on by itself after a ``continue``). That application never comes
+        through the inbox, so it is looked up here and returned.
+        """
+        report.commands.append(
+            {**_brief(directive, at, failed_at), **({"late": True} if late else {})}
+        )
+        if not directive.deferred:
+            return None
+        view = self.adapter.view(report.thread_id)
+        for applied in view.directives if view is not None else ():
+            if applied.command_id == directive.command_id and not applied.deferred:
+                report.commands.append(
+                    {**_brief(applied, time.monotonic(), None), "on_return": True}
+                )
+                return applied
+        return None
+
     def _between(self, report: ThreadReport, inbox: queue.Queue[tuple[Directive, float]]) -> None:
         """Directives that came while no step waited for one: kept, and obeyed if they stop."""
         while True:
@@ -534,8 +565,8 @@ class Agent:
                 directive, at = inbox.get_nowait()
             except queue.Empty:
                 return
-            report.commands.append({**_brief(directive, at, None), "late": True})
-            if directive.action == "stop":
+            applied = self._record(report, directive, at, None, late=True)
+            if directive.action == "stop" or (applied is not None and applied.action == "stop"):
                 raise RunEnded(directive.reason)
 
     def _await(
@@ -560,7 +591,13 @@ class Agent:
                 directive, at = inbox.get(timeout=min(left, 0.5))
             except queue.Empty:
                 continue
-            report.commands.append(_brief(directive, at, failed_at))
+            applied = self._record(report, directive, at, failed_at)
+            if applied is not None and applied.action == "stop":
+                raise RunEnded(f"{directive.command_type}: {applied.reason}")
+            if applied is not None and applied.action == "wait" and not paused:
+                # The adapter paused the thread when the failed invocation ended.
+                paused, limit = True, settings.pause_timeout_s
+                until = min(time.monotonic() + limit, deadline)
             _say(
                 f"thread {report.thread_id}: {directive.command_type} ->"
                 f" {directive.action} ({directive.reason})"
