@@ -19,7 +19,6 @@ wall-clock check is never reached.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
@@ -131,6 +130,22 @@ def _succeed() -> None:
 def _fail() -> None:
     # A new instance each time: re-raising one instance would grow its traceback.
     raise _ObservedFailure
+
+
+def _unlink(error: BaseException) -> None:
+    """Cut the reference cycle pybreaker leaves in an error it re-raised.
+
+    It re-raises from a frame that holds the error, so each counted failure
+    was a cycle (the error, its traceback, six frames) that only the garbage
+    collector could free: in a busy sidecar, most of what its young
+    generation collected. Without the tracebacks, reference counting frees it.
+    """
+    found: BaseException | None = error
+    for _ in range(4):  # the error, and the one it was raised while handling
+        if found is None:
+            return
+        found.__traceback__ = None
+        found = found.__context__
 
 
 class _Entry:
@@ -443,8 +458,10 @@ class BreakerBoard:
         # pybreaker hands a counted failure back as our error, or as CircuitBreakerError when
         # it trips; CircuitBreakerError also comes when a shared storage was opened meanwhile
         # (the outcome is then ignored, as any outcome while open).
-        with contextlib.suppress(_ObservedFailure, pybreaker.CircuitBreakerError):
+        try:
             breaker.call(_succeed if ok else _fail)
+        except (_ObservedFailure, pybreaker.CircuitBreakerError) as exc:
+            _unlink(exc)
         after = _FROM_PYBREAKER[breaker.state.name]
         if after is before:
             entry.failures = breaker.fail_counter

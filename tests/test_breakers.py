@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -123,6 +124,21 @@ def test_consecutive_failures_open_and_a_success_resets_the_count() -> None:
     assert b.record(DEP, False) is OPEN
     assert summary(changes) == [("closed", "open", "failures", 1005.0, 3)]
     assert b.snapshot() == [BreakerInfo(DEP, OPEN, 3, 1005.0, 1035.0)]
+
+
+def test_counted_failures_leave_no_garbage_for_the_cycle_collector() -> None:
+    """pybreaker re-raises each failure from a frame that holds it: a cycle per failure."""
+    b, clock, _ = board(fail_max=3, success_threshold=1)
+    gc.collect()
+    gc.disable()
+    try:
+        for n in range(30):  # failures counted, trips (CircuitBreakerError), trials
+            clock.now = 1000.0 + 40.0 * n
+            b.record(DEP, False)
+            b.record(DEP, n % 3 == 0)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 def test_outcomes_while_open_are_ignored() -> None:
