@@ -254,40 +254,27 @@ class Pipeline:
         self._spans += len(spans)
         first: list[WireSpan] = []
         later: list[WireSpan] = []
-        calls: list[tuple[int, str, bool]] = []
-        counting = self.governor is not None
-        recovery = self.recovery
-        recovering = recovery.dependencies if recovery is not None else ()
-        runs = self.runs
-        now_s = received_ns / 1e9
-        verifiers = self.policy.verifiers
-        verifying = len(verifiers) > 0
-        verify: list[WireSpan] = []
-        detected: list[Detection] = []
-        attempted = bool(self._attempted)
+        ok: list[WireSpan] = []
+        # In phases, each a loop over the batch, rather than every step per span: the
+        # span path's compiled code is larger than the instruction cache, and running
+        # one step over every span keeps that step's code in it.
+        rest: list[WireSpan] = []
         for item in spans:
             if shows_failure_signal(item):
                 first.append(item)
-            elif may_fail_quietly(item):
+            else:
+                rest.append(item)
+        for item in rest:
+            if may_fail_quietly(item):
                 later.append(item)
-            elif counting or runs is not None or verifying or attempted or recovering:
-                dependency = dependency_of(item)  # a success, for breakers, budgets and runs
-                if runs is not None:
-                    runs.observe(item, dependency, now_s, detected)
-                if verifying and _verified(verifiers, item, dependency):
-                    verify.append(item)  # its output must pass a verifier: normalize it
-                if dependency:
-                    span = item[0]
-                    if counting:
-                        calls.append((span.end_time_unix_nano, dependency, True))
-                    if dependency in self._attempted:
-                        self._attempts.pop((_run_of(item), dependency))
-                    if dependency in recovering and recovery is not None:
-                        trace_id, span_id = span.trace_id.hex(), span.span_id.hex()
-                        recovery.succeeded(trace_id, dependency, span_id)
-                        run_id = _run_of(item)
-                        if run_id != trace_id:
-                            recovery.succeeded(run_id, dependency, span_id)
+            else:
+                ok.append(item)
+        runs = self.runs
+        now_s = received_ns / 1e9
+        calls: list[tuple[int, str, bool]] = []
+        verify: list[WireSpan] = []
+        detected: list[Detection] = []
+        self._successes(ok, now_s, calls, verify, detected)
         if self._attempted and later:
             self._reset_attempts_early(later)
         records = [normalize_wire(item) for item in first]
@@ -299,6 +286,49 @@ class Pipeline:
         if detected:
             outcomes += self.judge_detected([detected_failure(d, received_ns) for d in detected])
         return outcomes, Remainder(later + verify, received_ns, quiet=len(later))
+
+    def _successes(
+        self,
+        ok: list[WireSpan],
+        now_s: float,
+        calls: list[tuple[int, str, bool]],
+        verify: list[WireSpan],
+        detected: list[Detection],
+    ) -> None:
+        """The spans that cannot be failures: breakers, runs, attempts, recoveries, verifiers.
+
+        Fills ``calls`` (each success, for the governor), ``verify`` (the
+        spans a verifier must see normalized) and ``detected``.
+        """
+        counting = self.governor is not None
+        recovery = self.recovery
+        recovering = recovery.dependencies if recovery is not None else ()
+        runs = self.runs
+        verifiers = self.policy.verifiers
+        verifying = len(verifiers) > 0
+        if not ok or not (
+            counting or runs is not None or verifying or self._attempted or recovering
+        ):
+            return
+        dependencies = [dependency_of(item) for item in ok]
+        if runs is not None:
+            runs.observe_all(ok, dependencies, now_s, detected)
+        for item, dependency in zip(ok, dependencies, strict=True):
+            if verifying and _verified(verifiers, item, dependency):
+                verify.append(item)  # its output must pass a verifier: normalize it
+            if not dependency:
+                continue
+            span = item[0]
+            if counting:
+                calls.append((span.end_time_unix_nano, dependency, True))
+            if dependency in self._attempted:
+                self._attempts.pop((_run_of(item), dependency))
+            if dependency in recovering and recovery is not None:
+                trace_id, span_id = span.trace_id.hex(), span.span_id.hex()
+                recovery.succeeded(trace_id, dependency, span_id)
+                run_id = _run_of(item)
+                if run_id != trace_id:
+                    recovery.succeeded(run_id, dependency, span_id)
 
     def _reset_attempts_early(self, later: list[WireSpan]) -> None:
         """Successes among the spans left for later reset their attempts now.

@@ -419,6 +419,13 @@ class RunTracker:
 
     # -- the span path ---------------------------------------------------------
 
+    def observe_all(
+        self, items: list[WireSpan], dependencies: list[str], now: float, found: list[Detection]
+    ) -> None:
+        """:meth:`observe` each of a batch's quiet spans, with its dependency."""
+        for item, dependency in zip(items, dependencies, strict=True):
+            self.observe(item, dependency, now, found)
+
     def observe(
         self,
         item: WireSpan,
