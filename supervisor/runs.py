@@ -340,8 +340,9 @@ class _Run:
         #: delivered (0: none): a failed root keeps the run open, idle time counts from it.
         self.go_on_at = 0.0
         self.pressured = False
-        #: The run's first input (encoded), for re-anchoring; steps when last re-anchored.
-        self.objective: bytes | None = None
+        #: The run's first input as text (bounded), for re-anchoring: "" when its service
+        #: did not re-anchor when it came. Steps when last re-anchored.
+        self.objective: str | None = None
         self.anchored = 0
         #: The last LLM dependency called and its table entry (runs call one model, mostly).
         self.model = ""
@@ -527,14 +528,12 @@ class RunTracker:
         long_by_time = (
             settings.reanchor_after_s is not None and now - run.started >= settings.reanchor_after_s
         )
-        if not (long_by_steps or long_by_time) or run.objective is None:
+        objective = run.objective
+        if not (long_by_steps or long_by_time) or not objective:
             return
         if run.anchored and steps - run.anchored < settings.reanchor_every:
             return
         run.anchored = steps
-        objective = _objective_text(run.objective)
-        if not objective:
-            return
         found.append(
             _at(
                 run,
@@ -677,7 +676,12 @@ class RunTracker:
                     self._ending.append(run)  # for the SLO, once the batch is judged
         run.open = child  # a root span ends its run's turn
         if run.objective is None and not _OBJECTIVE_SET.isdisjoint(present):
-            run.objective = _first_present(encoded, present, OBJECTIVE_KEYS)
+            # Kept only where it can be used (re-anchoring is off by default), and as
+            # bounded text: a first input can be a whole document.
+            settings = self._settings_memo.get(run.service) or self.settings_for(run.service)
+            anchoring = settings.reanchor_after is not None or settings.reanchor_after_s is not None
+            raw = _first_present(encoded, present, OBJECTIVE_KEYS) if anchoring else None
+            run.objective = _objective_text(raw) if raw is not None else ""
 
     def _run_for(
         self, trace: bytes, encoded: Any, present: frozenset[str], *, service: str, now: float

@@ -397,6 +397,13 @@ detectors:
     assert [
         o for o in plain.process_payload(payload(*steps), 10**12) if o.failure.kind == "goal_drift"
     ] == []
+    # Nothing of the first input is kept where it cannot be used, and it is kept bounded.
+    [kept] = plain.runs._runs.values()
+    assert kept.objective == ""
+    huge = llm("thinking", **{"gen_ai.input.messages": "x" * 100_000})
+    huge.trace_id = b"\x02" * 16  # another run
+    pipeline.process_payload(payload(huge), received_ns=10**12)
+    assert {len(run.objective or "") for run in pipeline.runs._runs.values()} == {18, 2000}
 
 
 def test_ended_runs_roll_up_into_slos_that_policies_can_match() -> None:
