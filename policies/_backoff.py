@@ -12,7 +12,7 @@ while different failures still spread out like random jitter.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Final, Literal
 
 from tenacity import RetryCallState, Retrying, stop_after_attempt, wait_exponential, wait_fixed
 from tenacity.wait import wait_base
@@ -22,7 +22,7 @@ from policies._schema import ExponentialWait, FixedWait
 Jitter = Literal["none", "full", "equal"]
 
 #: Only a carrier for RetryCallState; never runs anything.
-_RETRYING = Retrying()
+_RETRYING: Final = Retrying()
 
 
 def jitter_fraction(trace_id: str, span_id: str, policy: str) -> float:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable
+from typing import Final
 
-_GLOB_CHARS = frozenset("*?[")
-_MAX_GLOB_LEN = 512
+_GLOB_CHARS: Final = frozenset("*?[")
+_MAX_GLOB_LEN: Final = 512
 
 
 def check_glob(pattern: str) -> str:

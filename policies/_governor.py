@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Final
 
 import pybreaker
 
@@ -40,15 +41,21 @@ from policies._intensity import IntensitySettings, RestartIntensity
 from policies._policy import Policy
 from supervisor.records import Action, AttrValue, Decision, Failure
 
-_BLOCKED = (BreakerState.OPEN, BreakerState.ISOLATED)
-_CORRECTIVE = (Action.RETRY, Action.FALLBACK)
+_BLOCKED: Final[tuple[BreakerState, ...]] = (BreakerState.OPEN, BreakerState.ISOLATED)
+_CORRECTIVE: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK)
 #: What an open breaker turns into a fallback or fail_fast: every decision about its
 #: dependency but ``none`` (an outage must not become a queue of approval requests).
-_DIVERTED = (Action.RETRY, Action.FALLBACK, Action.FAIL_FAST, Action.ESCALATE, Action.REMEDIATE)
+_DIVERTED: Final[tuple[Action, ...]] = (
+    Action.RETRY,
+    Action.FALLBACK,
+    Action.FAIL_FAST,
+    Action.ESCALATE,
+    Action.REMEDIATE,
+)
 #: Failures of a run, not calls of its dependency: an open breaker on the run's
 #: last model says nothing about them (a stall's resume_run must keep its list of
 #: unverified work, a person must still be asked about an interrupt).
-RUN_KINDS = frozenset(
+RUN_KINDS: Final = frozenset(
     {"stall", "reasoning_loop", "goal_drift", "budget_exceeded", "approval_required"}
 )
 

@@ -11,27 +11,27 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Final, Protocol
 
 from policies._glob import GlobSet
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
 #: Free text is searched only this far: span content is untrusted and a long
 #: message must not make a policy regex slow.
-MAX_TEXT_CHARS = 8192
+MAX_TEXT_CHARS: Final = 8192
 
 
 #: Bits of :attr:`Subject.missing`: which pieces of evidence a span lacks. A rule
 #: whose conditions need a missing piece is skipped with one integer test.
-NEEDS_PROVIDER_CODE = 1
-NEEDS_HTTP_STATUS = 2
-NEEDS_GRPC_CODE = 4
-NEEDS_FINISH_REASON = 8
-NEEDS_EXCEPTION_TYPE = 16
-NEEDS_ERROR_TYPE = 32
-NEEDS_TEXT = 64
-NEEDS_INVALID_TOOL_CALLS = 128
-NEEDS_SWALLOWED = 256
+NEEDS_PROVIDER_CODE: Final = 1
+NEEDS_HTTP_STATUS: Final = 2
+NEEDS_GRPC_CODE: Final = 4
+NEEDS_FINISH_REASON: Final = 8
+NEEDS_EXCEPTION_TYPE: Final = 16
+NEEDS_ERROR_TYPE: Final = 32
+NEEDS_TEXT: Final = 64
+NEEDS_INVALID_TOOL_CALLS: Final = 128
+NEEDS_SWALLOWED: Final = 256
 
 
 class Subject:
@@ -314,9 +314,9 @@ class Message:
         return False
 
 
-_META = frozenset("\\.^$*+?{}[]()|")
-_QUANTIFIERS = frozenset("?*{")
-_MIN_PREFIX = 3
+_META: Final = frozenset("\\.^$*+?{}[]()|")
+_QUANTIFIERS: Final = frozenset("?*{")
+_MIN_PREFIX: Final = 3
 
 
 def literal_prefixes(pattern: str) -> tuple[str, ...] | None:
@@ -365,11 +365,11 @@ def literal_prefixes(pattern: str) -> tuple[str, ...] | None:
     return tuple(prefixes)
 
 
-_IGNORECASE = "(?i)"
+_IGNORECASE: Final = "(?i)"
 #: Escapes whose meaning does not depend on case (classes and anchors).
-_CASELESS_ESCAPES = frozenset("SWDBAZ")
+_CASELESS_ESCAPES: Final = frozenset("SWDBAZ")
 #: Escapes that can spell an uppercase character (``\x41``) or change flags.
-_UNSAFE_ESCAPES = frozenset("xuUN")
+_UNSAFE_ESCAPES: Final = frozenset("xuUN")
 
 
 def _lowercase_safe(pattern: str) -> bool:

@@ -8,7 +8,7 @@ that are read once or per run stay in :mod:`policies._budgets`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 if TYPE_CHECKING:
     from policies._budgets import RunBudgetSpec
@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 __all__ = ["MAX_MODEL_NAME", "MAX_TOKENS_PER_CALL", "ModelInfo", "RunSpend", "clamp_tokens"]
 
 #: Model names longer than this are not looked up (no real model name is).
-MAX_MODEL_NAME = 256
+MAX_MODEL_NAME: Final = 256
 #: Tokens one call may report; larger figures are clamped (they are garbage anyway).
-MAX_TOKENS_PER_CALL = 1_000_000_000
+MAX_TOKENS_PER_CALL: Final = 1_000_000_000
 
 
 class _Lookup(Protocol):

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from supervisor.commands import approval_result, incident_key, plan_commands, proposal
 from supervisor.failure_log import outcome_json
@@ -30,7 +30,7 @@ from supervisor.store import Approval, NewIncident, Store, StoredCommand
 log = logging.getLogger("spanvisor.act")
 
 #: Services warned about (once each) for having no delivery channel; beyond this, silence.
-_MAX_UNROUTED = 1000
+_MAX_UNROUTED: Final = 1000
 
 
 class PullWaiters:

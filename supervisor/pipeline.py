@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol
+from typing import Final, NamedTuple, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -70,19 +70,19 @@ from supervisor.runs import (
 )
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
-OWN_SERVICE = "spanvisor"
-_STATUS_ERROR = 2  # OTLP Status.STATUS_CODE_ERROR
-_MESSAGE_LIMIT = 300
-_SPECIFIC_ROLES = (Role.LLM, Role.TOOL)
-_SESSION_SET = frozenset(SESSION_KEYS)
+OWN_SERVICE: Final = "spanvisor"
+_STATUS_ERROR: Final = 2  # OTLP Status.STATUS_CODE_ERROR
+_MESSAGE_LIMIT: Final = 300
+_SPECIFIC_ROLES: Final[tuple[Role, ...]] = (Role.LLM, Role.TOOL)
+_SESSION_SET: Final = frozenset(SESSION_KEYS)
 #: Decisions after which the run is expected to go on (a silence is then a stall).
-_GOES_ON = (Action.RETRY, Action.FALLBACK, Action.REMEDIATE)
+_GOES_ON: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK, Action.REMEDIATE)
 #: Spans that may propagate a failure from below an OK span: the ones that run
 #: others. Calls (LLM, tool, HTTP) overlap in time as parallel siblings, and two
 #: parallel calls timing out are two failures, not one propagating the other.
-_CONTAINER_ROLES = (Role.AGENT, Role.CHAIN)
+_CONTAINER_ROLES: Final[tuple[Role, ...]] = (Role.AGENT, Role.CHAIN)
 #: Characters of an origin's message kept to recognise it in a parent's.
-_SIGNATURE_TEXT = 120
+_SIGNATURE_TEXT: Final = 120
 
 
 class Governor(Protocol):
@@ -152,7 +152,7 @@ class _Reported(NamedTuple):
 
 
 #: Origins remembered per trace for attribution through spans that did not fail.
-_ORIGINS_PER_TRACE = 8
+_ORIGINS_PER_TRACE: Final = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -808,7 +808,7 @@ def detected_failure(found: Detection, received_ns: int) -> Failure:
 
 
 #: Roles a span without a dependency may have, for choosing the verifiers that want it.
-_UNNAMED_ROLES = (Role.AGENT, Role.CHAIN, Role.OTHER)
+_UNNAMED_ROLES: Final[tuple[Role, ...]] = (Role.AGENT, Role.CHAIN, Role.OTHER)
 
 
 def _verified(verifiers: VerifierSet, item: WireSpan, dependency: str) -> bool:

@@ -16,18 +16,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 from types import MappingProxyType
-from typing import NamedTuple, Union
+from typing import Final, NamedTuple, Union
 
 #: An attribute value as OTLP carries it, converted to plain Python.
 AttrValue = Union[  # noqa: UP007 - a recursive alias needs Union on Python 3.10
     str, bool, int, float, bytes, None, tuple["AttrValue", ...], Mapping[str, "AttrValue"]
 ]
 
-_EMPTY: Mapping[str, AttrValue] = MappingProxyType({})
+_EMPTY: Final[Mapping[str, AttrValue]] = MappingProxyType({})
 
 
 #: gRPC status code names → numbers (google.rpc.Code).
-GRPC_CODES: Mapping[str, int] = MappingProxyType(
+GRPC_CODES: Final[Mapping[str, int]] = MappingProxyType(
     {
         "OK": 0,
         "CANCELLED": 1,
@@ -72,7 +72,7 @@ class FailureClass(str, Enum):
 
 
 #: Built-in failure kinds (DESIGN's vocabulary). A policy may add its own.
-BUILTIN_KINDS: tuple[str, ...] = (
+BUILTIN_KINDS: Final[tuple[str, ...]] = (
     "rate_limit",
     "quota_exhausted",
     "timeout",
@@ -279,7 +279,7 @@ def command_key(trace_id: str, span_id: str, rule: str, step: str = "") -> str:
 
 #: What a remediator may be allowed to do to the agent (each becomes a command or,
 #: for ``request_approval``, an approval request to a person).
-REMEDIATION_AGENT_TOOLS: frozenset[str] = frozenset(
+REMEDIATION_AGENT_TOOLS: Final[frozenset[str]] = frozenset(
     {
         "retry_step",
         "resume_run",
@@ -293,12 +293,12 @@ REMEDIATION_AGENT_TOOLS: frozenset[str] = frozenset(
     }
 )
 #: What a remediator may read: never the store or the receivers themselves.
-REMEDIATION_READ_TOOLS: frozenset[str] = frozenset(
+REMEDIATION_READ_TOOLS: Final[frozenset[str]] = frozenset(
     {"recent_spans", "incident_history", "breaker_states"}
 )
-REMEDIATION_TOOLS: frozenset[str] = REMEDIATION_AGENT_TOOLS | REMEDIATION_READ_TOOLS
+REMEDIATION_TOOLS: Final[frozenset[str]] = REMEDIATION_AGENT_TOOLS | REMEDIATION_READ_TOOLS
 #: How a remediation ends (the ``spanvisor.remediation.outcome`` attribute).
-REMEDIATION_OUTCOMES: tuple[str, ...] = ("succeeded", "failed", "escalated", "refused")
+REMEDIATION_OUTCOMES: Final[tuple[str, ...]] = ("succeeded", "failed", "escalated", "refused")
 
 
 def remediation_ids(trace_id: str, span_id: str, rule: str) -> tuple[str, str]:

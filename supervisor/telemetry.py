@@ -46,8 +46,8 @@ SPAN_NAME: Final = "spanvisor.decide"
 BREAKER_SPAN_NAME: Final = "spanvisor.breaker"
 #: Longest failure message or reason put on a span (characters).
 MAX_TEXT: Final = 1024
-_TRACE_ID = re.compile(r"[0-9a-fA-F]{32}")
-_SPAN_ID = re.compile(r"[0-9a-fA-F]{16}")
+_TRACE_ID: Final = re.compile(r"[0-9a-fA-F]{32}")
+_SPAN_ID: Final = re.compile(r"[0-9a-fA-F]{16}")
 
 
 @dataclass(frozen=True, slots=True)

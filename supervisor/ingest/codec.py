@@ -59,7 +59,7 @@ __all__ = [
 
 PROTOBUF: Final = "application/x-protobuf"
 JSON: Final = "application/json"
-_MEDIA_TYPES: Final = (PROTOBUF, JSON)
+_MEDIA_TYPES: Final[tuple[str, ...]] = (PROTOBUF, JSON)
 
 #: Longest message we put in an error or a partial-success answer.
 _MAX_MESSAGE: Final = 512
@@ -233,7 +233,7 @@ def _decode_json(payload: bytes) -> ExportTraceServiceRequest:
 
 # ------------------------------------------------------------------ OTLP/JSON ids
 
-_ID_KEYS: Final = (
+_ID_KEYS: Final[tuple[tuple[str, str], ...]] = (
     ("traceId", "trace_id"),
     ("spanId", "span_id"),
     ("parentSpanId", "parent_span_id"),

@@ -21,7 +21,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -67,15 +67,15 @@ __all__ = [
     "wire_spans",
 ]
 
-UNKNOWN_SERVICE = "unknown_service"
+UNKNOWN_SERVICE: Final = "unknown_service"
 _T = TypeVar("_T")
 
-_STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
-_SPAN_KIND_SERVER = 2
+_STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+_SPAN_KIND_SERVER: Final = 2
 #: Events scanned for an ``exception`` event: all of a short list, else the
 #: first and last ``_EVENT_SCAN`` (streaming spans may carry one per chunk).
-_EVENT_SCAN = 16
-_MAX_SPAN_NAME = 1024
+_EVENT_SCAN: Final = 16
+_MAX_SPAN_NAME: Final = 1024
 
 _logger = logging.getLogger(__name__)
 _failures_lock = threading.Lock()
@@ -264,7 +264,7 @@ def _identify(draft: Draft, keys: Collection[str], span_kind: int) -> None:
     http_rpc.identify(draft, span_kind)
 
 
-_NO_DEPENDENCY = (Role.AGENT, Role.CHAIN, Role.OTHER)
+_NO_DEPENDENCY: Final[tuple[Role, ...]] = (Role.AGENT, Role.CHAIN, Role.OTHER)
 
 
 def _may_have_dependency(attrs: Mapping[str, AttrValue], present: Collection[str]) -> bool:
@@ -351,9 +351,9 @@ def dependency_of(item: WireSpan) -> str:
 #: to the same keys has the same dependency. Agents make the same calls over and
 #: over; a lookup of those values costs a third of reading them.
 #: present keys -> (keys read last time, whether the span name was used)
-_READS: dict[frozenset[str], tuple[tuple[str, ...], bool]] = {}
-_IDENTITIES: dict[tuple[object, ...], str] = {}
-_MEMO_ENTRIES = 4096
+_READS: Final[dict[frozenset[str], tuple[tuple[str, ...], bool]]] = {}
+_IDENTITIES: Final[dict[tuple[object, ...], str]] = {}
+_MEMO_ENTRIES: Final = 4096
 
 
 class _Recorder(Mapping[str, AttrValue]):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import orjson
 
@@ -46,23 +46,23 @@ __all__ = [
 ]
 
 #: Attributes kept per span (OTel SDK's default limit is 128).
-MAX_ATTRIBUTES = 256
+MAX_ATTRIBUTES: Final = 256
 #: Characters kept of a key inside a kvlist value.
-MAX_KEY_CHARS = 256
+MAX_KEY_CHARS: Final = 256
 #: Characters kept of a string attribute value in the record's mapping.
-MAX_VALUE_CHARS = 8 * 1024
+MAX_VALUE_CHARS: Final = 8 * 1024
 #: Items kept of an array attribute.
-MAX_ARRAY_ITEMS = 128
+MAX_ARRAY_ITEMS: Final = 128
 #: Nesting kept of array/kvlist values (deeper values become ``None``).
-MAX_DEPTH = 4
+MAX_DEPTH: Final = 4
 #: Characters kept of a record's ``output_text``.
-MAX_OUTPUT_CHARS = 4 * 1024
+MAX_OUTPUT_CHARS: Final = 4 * 1024
 #: Characters kept of status and exception messages.
-MAX_MESSAGE_CHARS = 2 * 1024
+MAX_MESSAGE_CHARS: Final = 2 * 1024
 #: Characters kept of names: model, provider, tool, session, host, service.
-MAX_NAME_CHARS = 256
+MAX_NAME_CHARS: Final = 256
 #: Longest text parsed as JSON (message lists, tool arguments); longer text is not parsed.
-MAX_PARSE_CHARS = 256 * 1024
+MAX_PARSE_CHARS: Final = 256 * 1024
 
 
 def bounded(text: str, limit: int) -> str:
@@ -127,7 +127,7 @@ def parse_json(text: str) -> Any:
 
 
 #: Canonical JSON for digests: sorted keys, compact.
-_CANONICAL = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
+_CANONICAL: Final = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
 
 
 def args_digest(arguments: object) -> str:

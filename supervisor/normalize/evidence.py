@@ -36,7 +36,7 @@ import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from supervisor.normalize.attributes import (
     MAX_MESSAGE_CHARS,
@@ -66,13 +66,13 @@ __all__ = [
 ]
 
 #: Characters of any free text that are scanned.
-SCAN_CHARS = 8 * 1024
+SCAN_CHARS: Final = 8 * 1024
 #: Longest server-requested delay believed (a day); longer values are ignored.
-MAX_RETRY_AFTER_S = 86_400.0
+MAX_RETRY_AFTER_S: Final = 86_400.0
 
 #: Finish/stop reasons that mean the response is cut or refused (lower-case):
 #: OpenAI, Anthropic, Gemini (upper-case there), Bedrock.
-FAILURE_FINISH_REASONS = frozenset(
+FAILURE_FINISH_REASONS: Final = frozenset(
     {
         "length",
         "max_tokens",
@@ -124,7 +124,7 @@ def check_tool_calls(
 
 # -- exception names ---------------------------------------------------------
 
-_EXC_SUFFIXES = (
+_EXC_SUFFIXES: Final[tuple[str, ...]] = (
     "Error",
     "Exception",
     "Timeout",
@@ -140,9 +140,9 @@ _EXC_SUFFIXES = (
     "Denied",
     "Expired",
 )
-_DOTTED_NAME = re.compile(r"[A-Za-z_]\w{0,100}(?:\.[A-Za-z_]\w{0,100}){0,10}\Z")
-_CLASS_REPR = re.compile(r"<class '([^']{1,300})'>")
-_PREFIX_NAME = re.compile(r"\s*<?([A-Za-z_][\w.]{0,200}?)>?\s*:\s?(.*)\Z", re.S)
+_DOTTED_NAME: Final = re.compile(r"[A-Za-z_]\w{0,100}(?:\.[A-Za-z_]\w{0,100}){0,10}\Z")
+_CLASS_REPR: Final = re.compile(r"<class '([^']{1,300})'>")
+_PREFIX_NAME: Final = re.compile(r"\s*<?([A-Za-z_][\w.]{0,200}?)>?\s*:\s?(.*)\Z", re.S)
 
 
 def _looks_like_exception(name: str) -> bool:
@@ -177,8 +177,8 @@ def exception_type_from_error_type(error_type: str) -> str:
 
 
 #: SDK exception classes that imply an HTTP status, for messages without one.
-_SDK_MODULES = frozenset({"openai", "anthropic", "groq", "together", "cerebras"})
-_CLASS_STATUS: Mapping[str, int] = {
+_SDK_MODULES: Final = frozenset({"openai", "anthropic", "groq", "together", "cerebras"})
+_CLASS_STATUS: Final[Mapping[str, int]] = {
     "BadRequestError": 400,
     "AuthenticationError": 401,
     "PaymentRequiredError": 402,
@@ -207,7 +207,7 @@ def _status_from_class(exception_type: str) -> int | None:
 
 # -- HTTP status, provider code, gRPC code in text ---------------------------
 
-_HTTP_IN_TEXT = re.compile(
+_HTTP_IN_TEXT: Final = re.compile(
     r"Error code: (\d{3})\b"
     r"|\b(?:Client|Server) error '(\d{3}) "
     r"|\b(\d{3}) (?:Client|Server) Error\b"
@@ -229,12 +229,12 @@ def http_status_from_text(text: str) -> int | None:
     return None  # pragma: no cover - the regex always captures one group
 
 
-_BODY_CODE = re.compile(r"""['"]code['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
-_BODY_TYPE = re.compile(r"""['"]type['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
-_BODY_STATUS = re.compile(r"""['"]status['"]\s*:\s*['"]([A-Z][A-Z_]{2,63})['"]""")
+_BODY_CODE: Final = re.compile(r"""['"]code['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
+_BODY_TYPE: Final = re.compile(r"""['"]type['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
+_BODY_STATUS: Final = re.compile(r"""['"]status['"]\s*:\s*['"]([A-Z][A-Z_]{2,63})['"]""")
 
 #: Providers' documented wording → their error code, for messages without a body.
-_PHRASE_LIST: tuple[tuple[str, str], ...] = (
+_PHRASE_LIST: Final[tuple[tuple[str, str], ...]] = (
     (r"You exceeded your current quota", "insufficient_quota"),
     (r"credit balance is too low", "insufficient_quota"),
     (r"Rate limit reached for", "rate_limit_exceeded"),
@@ -247,13 +247,13 @@ _PHRASE_LIST: tuple[tuple[str, str], ...] = (
     (r"content management policy", "content_filter"),
 )
 #: All phrases in one pattern (one scan of the message instead of ten).
-_PHRASES = re.compile(
+_PHRASES: Final = re.compile(
     "|".join(f"(?P<p{i}>{pattern})" for i, (pattern, _) in enumerate(_PHRASE_LIST)),
     re.IGNORECASE,
 )
-_PHRASE_CODES = {f"p{i}": code for i, (_, code) in enumerate(_PHRASE_LIST)}
+_PHRASE_CODES: Final = {f"p{i}": code for i, (_, code) in enumerate(_PHRASE_LIST)}
 #: A word every phrase contains: a substring test rules most messages out cheaply.
-_PHRASE_WORDS = (
+_PHRASE_WORDS: Final[tuple[str, ...]] = (
     "quota",
     "credit",
     "rate limit",
@@ -286,7 +286,7 @@ def provider_code_from_text(text: str) -> str:
     return _PHRASE_CODES[match.lastgroup] if match is not None and match.lastgroup else ""
 
 
-_GRPC_IN_TEXT = re.compile(r"\bStatusCode\.([A-Z_]{2,24})\b")
+_GRPC_IN_TEXT: Final = re.compile(r"\bStatusCode\.([A-Z_]{2,24})\b")
 
 
 def _grpc_from_text(text: str) -> int | None:
@@ -298,17 +298,17 @@ def _grpc_from_text(text: str) -> int | None:
 
 # -- retry delays ------------------------------------------------------------
 
-_RETRY_HINT = re.compile(
+_RETRY_HINT: Final = re.compile(
     r"(?:try again|retry|retrying)\s+(?:in|after)\s*:?\s*|\bretry[-_ ]after\s*[:=]?\s*",
     re.IGNORECASE,
 )
-_DURATION_PART = re.compile(
+_DURATION_PART: Final = re.compile(
     r"\s*(\d{1,9}(?:\.\d{1,9})?)\s*"
     r"(ms|milliseconds?|msecs?|h|hours?|hrs?|m(?!s)|mins?|minutes?|s|secs?|seconds?)?"
     r"(?![A-Za-z])",
     re.IGNORECASE,
 )
-_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+_UNIT_SECONDS: Final = {"h": 3600.0, "m": 60.0, "s": 1.0}
 
 
 def parse_duration(text: str) -> float | None:
@@ -345,10 +345,10 @@ def retry_after_from_text(text: str) -> float | None:
     return None
 
 
-_HEADER_PREFIXES = ("http.response.header.", "")
+_HEADER_PREFIXES: Final[tuple[str, ...]] = ("http.response.header.", "")
 #: Header name → how to read it. ``ms``: milliseconds; ``s``: seconds, duration
 #: or HTTP date; ``reset``: an absolute RFC 3339 time (Anthropic).
-_RETRY_HEADERS = (
+_RETRY_HEADERS: Final[tuple[tuple[str, str], ...]] = (
     ("retry-after-ms", "ms"),
     ("retry-after", "s"),
     ("x-ratelimit-reset-requests", "s"),
@@ -386,7 +386,9 @@ def _absolute_delay(text: str, now_ns: int) -> float | None:
     return min(max(delay, 0.0), MAX_RETRY_AFTER_S)
 
 
-_RETRY_KEYS = frozenset(prefix + name for name, _ in _RETRY_HEADERS for prefix in _HEADER_PREFIXES)
+_RETRY_KEYS: Final = frozenset(
+    prefix + name for name, _ in _RETRY_HEADERS for prefix in _HEADER_PREFIXES
+)
 
 
 def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> float | None:
@@ -437,13 +439,13 @@ class Swallowed(NamedTuple):
     invalid_tool_calls: tuple[str, ...] = ()
 
 
-_ERROR_PREFIX = re.compile(r"(?:error|exception)\s*:\s*", re.IGNORECASE)
-_INVALID_TOOL = re.compile(r"(\S{1,256}) is not a valid tool, try one of \[")
-_PLEASE_FIX = re.compile(r"\s*Please fix your mistakes\.?\s*\Z")
-_REPR = re.compile(r"([A-Za-z_][\w.]{0,200})\((.*)\)\s*\Z", re.S)
-_TRACEBACK = "Traceback (most recent call last)"
-_TB_LAST = re.compile(r"^([A-Za-z_][\w.]{0,200})(?::[ \t]*(.*))?$", re.M)
-_LANGCHAIN_DEFAULTS: Mapping[str, str] = {
+_ERROR_PREFIX: Final = re.compile(r"(?:error|exception)\s*:\s*", re.IGNORECASE)
+_INVALID_TOOL: Final = re.compile(r"(\S{1,256}) is not a valid tool, try one of \[")
+_PLEASE_FIX: Final = re.compile(r"\s*Please fix your mistakes\.?\s*\Z")
+_REPR: Final = re.compile(r"([A-Za-z_][\w.]{0,200})\((.*)\)\s*\Z", re.S)
+_TRACEBACK: Final = "Traceback (most recent call last)"
+_TB_LAST: Final = re.compile(r"^([A-Za-z_][\w.]{0,200})(?::[ \t]*(.*))?$", re.M)
+_LANGCHAIN_DEFAULTS: Final[Mapping[str, str]] = {
     # langchain_core.tools: handle_tool_error=True / handle_validation_error=True
     "Tool execution error": "ToolException",
     "Tool input validation error": "ValidationError",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 from supervisor.normalize.attributes import (
     MAX_NAME_CHARS,
@@ -45,7 +45,7 @@ __all__ = [
     "tool_names",
 ]
 
-MARKERS = frozenset(
+MARKERS: Final = frozenset(
     {
         "gen_ai.operation.name",
         "gen_ai.provider.name",
@@ -58,9 +58,9 @@ MARKERS = frozenset(
 )
 
 #: What a JSON object or a kvlist attribute converts to (concrete types: fast isinstance).
-_MAPS = (dict, MappingProxyType)
+_MAPS: Final = (dict, MappingProxyType)
 
-_OPERATION_ROLES: Mapping[str, Role] = {
+_OPERATION_ROLES: Final[Mapping[str, Role]] = {
     "chat": Role.LLM,
     "text_completion": Role.LLM,
     "completion": Role.LLM,
@@ -76,7 +76,7 @@ _OPERATION_ROLES: Mapping[str, Role] = {
 }
 
 #: Spellings seen in the wild → the semconv well-known provider name.
-_PROVIDERS: Mapping[str, str] = {
+_PROVIDERS: Final[Mapping[str, str]] = {
     "openai": "openai",
     "azure": "azure.ai.openai",
     "azure_openai": "azure.ai.openai",

@@ -14,6 +14,7 @@ A span whose only convention is HTTP/RPC gets role ``http``; a client span
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Final
 
 from supervisor.normalize.attributes import MAX_NAME_CHARS, Draft, as_int, as_str
 from supervisor.records import GRPC_CODES, AttrValue, Role
@@ -28,12 +29,12 @@ __all__ = [
 ]
 
 #: OTLP SpanKind SERVER.
-SPAN_KIND_SERVER = 2
+SPAN_KIND_SERVER: Final = 2
 
 
-_HOST_KEYS = ("server.address", "net.peer.name", "http.host")
-_URL_KEYS = ("url.full", "http.url")
-_MARKERS = frozenset(
+_HOST_KEYS: Final[tuple[str, ...]] = ("server.address", "net.peer.name", "http.host")
+_URL_KEYS: Final[tuple[str, ...]] = ("url.full", "http.url")
+_MARKERS: Final = frozenset(
     {
         "http.request.method",
         "http.method",
@@ -46,7 +47,7 @@ _MARKERS = frozenset(
 )
 
 
-_MARKER_ORDER = tuple(sorted(_MARKERS))
+_MARKER_ORDER: Final = tuple(sorted(_MARKERS))
 
 
 def grpc_code(value: object) -> int | None:

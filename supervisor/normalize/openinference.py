@@ -17,6 +17,7 @@ description ``"<ExceptionClass>: <message>"`` plus an ``exception`` event.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Final
 
 from supervisor.normalize.attributes import (
     MAX_OUTPUT_CHARS,
@@ -34,9 +35,9 @@ from supervisor.records import AttrValue, Role
 __all__ = ["MARKER", "extract", "identify", "kind_role", "offered_tools", "output_messages"]
 
 #: The attribute whose presence says the span follows OpenInference.
-MARKER = "openinference.span.kind"
+MARKER: Final = "openinference.span.kind"
 
-_KIND_ROLES: Mapping[str, Role] = {
+_KIND_ROLES: Final[Mapping[str, Role]] = {
     "LLM": Role.LLM,
     "EMBEDDING": Role.LLM,
     "TOOL": Role.TOOL,
@@ -47,10 +48,10 @@ _KIND_ROLES: Mapping[str, Role] = {
 }
 
 #: Bounds on the indexed keys probed.
-_MAX_MESSAGES = 8
-_MAX_CALLS = 64
-_MAX_CONTENTS = 16
-_MAX_TOOLS = 128
+_MAX_MESSAGES: Final = 8
+_MAX_CALLS: Final = 64
+_MAX_CONTENTS: Final = 16
+_MAX_TOOLS: Final = 128
 
 
 def identify(draft: Draft) -> None:

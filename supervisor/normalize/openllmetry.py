@@ -16,6 +16,7 @@ older agents normalise too.
 from __future__ import annotations
 
 from collections.abc import Collection, Container, Mapping
+from typing import Final
 
 from supervisor.normalize.attributes import (
     MAX_NAME_CHARS,
@@ -40,7 +41,7 @@ __all__ = [
     "role_of",
 ]
 
-MARKERS = frozenset(
+MARKERS: Final = frozenset(
     {
         "traceloop.span.kind",
         "traceloop.entity.name",
@@ -53,22 +54,22 @@ MARKERS = frozenset(
     }
 )
 
-_KIND_ROLES: Mapping[str, Role] = {
+_KIND_ROLES: Final[Mapping[str, Role]] = {
     "workflow": Role.CHAIN,
     "task": Role.CHAIN,
     "agent": Role.AGENT,
     "tool": Role.TOOL,
 }
 
-_REQUEST_TYPES = frozenset({"chat", "completion", "embedding", "rerank"})
-_SESSION_KEYS = (
+_REQUEST_TYPES: Final = frozenset({"chat", "completion", "embedding", "rerank"})
+_SESSION_KEYS: Final[tuple[str, ...]] = (
     "traceloop.association.properties.session_id",
     "traceloop.association.properties.thread_id",
     "traceloop.association.properties.conversation_id",
 )
-_MAX_COMPLETIONS = 8
-_MAX_CALLS = 64
-_MAX_FUNCTIONS = 128
+_MAX_COMPLETIONS: Final = 8
+_MAX_CALLS: Final = 64
+_MAX_FUNCTIONS: Final = 128
 
 
 def applies(keys: Collection[str]) -> bool:

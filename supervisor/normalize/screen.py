@@ -47,10 +47,10 @@ __all__ = ["WATCHED_KEYS", "WireSpan", "may_fail_quietly", "shows_failure_signal
 #: read: each ``span.attributes`` builds a new wrapper, and every stage reads it.
 WireSpan = tuple[Any, Mapping[str, AttrValue], str, frozenset[str], Any]
 
-_STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+_STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 
 #: Every attribute the early look reads; most spans carry none of them.
-_SIGNAL_KEYS = frozenset(
+_SIGNAL_KEYS: Final = frozenset(
     {
         "error.type",
         "http.response.status_code",
@@ -63,34 +63,42 @@ _SIGNAL_KEYS = frozenset(
         "gen_ai.completion.0.finish_reason",
     }
 )
-_HTTP_STATUS_KEYS = ("http.response.status_code", "http.status_code")
-_RPC_STATUS_KEYS = ("rpc.grpc.status_code", "rpc.response.status_code", "rpc.status_code")
-_FINISH_KEYS = (
+_HTTP_STATUS_KEYS: Final[tuple[str, ...]] = ("http.response.status_code", "http.status_code")
+_RPC_STATUS_KEYS: Final[tuple[str, ...]] = (
+    "rpc.grpc.status_code",
+    "rpc.response.status_code",
+    "rpc.status_code",
+)
+_FINISH_KEYS: Final[tuple[str, ...]] = (
     "gen_ai.response.finish_reasons",
     "llm.finish_reason",
     "gen_ai.completion.0.finish_reason",
 )
 #: Any failing finish reason inside an encoded value (a superset test: the
 #: adapters decide).
-_FAILING_FINISH = re.compile(
+_FAILING_FINISH: Final = re.compile(
     b"|".join(re.escape(reason.encode()) for reason in sorted(FAILURE_FINISH_REASONS)),
     re.IGNORECASE,
 )
 
 #: Finish reasons in single attributes, of every convention (the message
 #: lists are read below).
-_REASON_KEYS = (
+_REASON_KEYS: Final[tuple[str, ...]] = (
     "gen_ai.response.finish_reasons",
     "gen_ai.response.finish_reason",
     "gen_ai.response.stop_reason",
     "llm.finish_reason",
 )
 #: A tool span's output, whichever convention wrote it.
-_TOOL_OUTPUT_KEYS = ("output.value", "gen_ai.tool.call.result", "traceloop.entity.output")
-_OUTPUT_MESSAGES = "llm.output_messages.0.message.role"
+_TOOL_OUTPUT_KEYS: Final[tuple[str, ...]] = (
+    "output.value",
+    "gen_ai.tool.call.result",
+    "traceloop.entity.output",
+)
+_OUTPUT_MESSAGES: Final = "llm.output_messages.0.message.role"
 #: Keys without which a span that shows no signal cannot fail: no finish
 #: reason, no tool call and no tool role can be read from it.
-_QUIET_KEYS = frozenset(
+_QUIET_KEYS: Final = frozenset(
     {
         openinference.MARKER,
         "gen_ai.operation.name",
@@ -106,26 +114,30 @@ _QUIET_KEYS = frozenset(
 
 
 #: What the run tracker (:mod:`supervisor.runs`) reads from every span.
-SESSION_KEYS: Final = (
+SESSION_KEYS: Final[tuple[str, ...]] = (
     "gen_ai.conversation.id",
     "session.id",
     "traceloop.association.properties.session_id",
     "traceloop.association.properties.conversation_id",
 )
-INPUT_TOKEN_KEYS: Final = (
+INPUT_TOKEN_KEYS: Final[tuple[str, ...]] = (
     "gen_ai.usage.input_tokens",
     "gen_ai.usage.prompt_tokens",
     "llm.token_count.prompt",
 )
-OUTPUT_TOKEN_KEYS: Final = (
+OUTPUT_TOKEN_KEYS: Final[tuple[str, ...]] = (
     "gen_ai.usage.output_tokens",
     "gen_ai.usage.completion_tokens",
     "llm.token_count.completion",
 )
-TOOL_ARGUMENT_KEYS: Final = ("gen_ai.tool.call.arguments", "input.value", "traceloop.entity.input")
+TOOL_ARGUMENT_KEYS: Final[tuple[str, ...]] = (
+    "gen_ai.tool.call.arguments",
+    "input.value",
+    "traceloop.entity.input",
+)
 #: The answer's text where a convention keeps it apart (cheaper to compare than the
 #: whole response JSON), else the new GenAI convention's message list.
-LLM_OUTPUT_KEYS: Final = (
+LLM_OUTPUT_KEYS: Final[tuple[str, ...]] = (
     "llm.output_messages.0.message.content",
     # openinference-instrumentation-anthropic writes the text as content blocks
     "llm.output_messages.0.message.contents.0.message_content.text",
@@ -133,7 +145,7 @@ LLM_OUTPUT_KEYS: Final = (
     "gen_ai.output.messages",
 )
 #: Where a run's first input (its objective, for re-anchoring) is found, in order.
-OBJECTIVE_KEYS: Final = (
+OBJECTIVE_KEYS: Final[tuple[str, ...]] = (
     "gen_ai.input.messages",
     "llm.input_messages.0.message.content",
     "gen_ai.prompt.0.content",
@@ -158,8 +170,15 @@ RUN_KEYS: Final = (
 
 #: Every key the screens test for, the conventions' markers (for
 #: :func:`supervisor.normalize.dependency_of`) and what the run tracker reads.
-WATCHED_KEYS = _SIGNAL_KEYS | _QUIET_KEYS | {_OUTPUT_MESSAGES, "gen_ai.tool.definitions"}
-WATCHED_KEYS |= frozenset(_TOOL_OUTPUT_KEYS) | genai.MARKERS | openllmetry.MARKERS | RUN_KEYS
+WATCHED_KEYS: Final = (
+    _SIGNAL_KEYS
+    | _QUIET_KEYS
+    | {_OUTPUT_MESSAGES, "gen_ai.tool.definitions"}
+    | frozenset(_TOOL_OUTPUT_KEYS)
+    | genai.MARKERS
+    | openllmetry.MARKERS
+    | RUN_KEYS
+)
 
 
 def shows_failure_signal(item: WireSpan) -> bool:

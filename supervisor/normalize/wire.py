@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from opentelemetry.proto.common.v1 import common_pb2  # registers the imported files
@@ -37,9 +37,9 @@ from supervisor.records import AttrValue
 
 __all__ = ["LazyConverted", "LiteRequest", "RawAttributes"]
 
-_F = descriptor_pb2.FieldDescriptorProto
+_F: Final = descriptor_pb2.FieldDescriptorProto
 _OPTIONAL, _REPEATED = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
-_TRACE = ".opentelemetry.proto.trace.v1."
+_TRACE: Final = ".opentelemetry.proto.trace.v1."
 
 
 def _build_lite_request() -> Any:
@@ -111,9 +111,9 @@ def _build_lite_request() -> Any:
 #: ``ExportTraceServiceRequest``'s wire format, read with lazy span attributes.
 LiteRequest: Any = _build_lite_request()
 
-_MISSING = object()
+_MISSING: Final = object()
 _T = TypeVar("_T")
-_DOUBLE = struct.Struct("<d")
+_DOUBLE: Final = struct.Struct("<d")
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -206,9 +206,9 @@ def _decode(encoded: bytes) -> AttrValue:
 #: span to span (provider, model, span kind, operation, tool names, finish
 #: reasons), and a hash lookup is cheaper than decoding them again. Values are
 #: immutable (str, int, float, bool, None, tuples of those), so sharing is safe.
-_SHORT_VALUES: dict[bytes, object] = {}
-_SHORT_BYTES = 64
-_SHORT_ENTRIES = 4096
+_SHORT_VALUES: Final[dict[bytes, object]] = {}
+_SHORT_BYTES: Final = 64
+_SHORT_ENTRIES: Final = 4096
 
 
 def raw_value(encoded: Any, key: str) -> bytes | None:
@@ -248,8 +248,8 @@ def value_of(encoded: bytes) -> Any:
 #: Parsed values by (parser, encoding), for :meth:`RawAttributes.read`: an
 #: agent offers the same tool definitions on every call, and parsing their
 #: JSON dominated reading LLM spans. Bounded like the short values.
-_PARSED: dict[tuple[object, bytes], object] = {}
-_PARSED_ENTRIES = 1024
+_PARSED: Final[dict[tuple[object, bytes], object]] = {}
+_PARSED_ENTRIES: Final = 1024
 
 
 class RawAttributes(Mapping[str, AttrValue]):
