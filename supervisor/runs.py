@@ -148,8 +148,7 @@ _MAX_MODELS_MEMO: Final = 4096
 MAX_LOOP_REPORTS: Final = 3
 _SAME_CALL: Final = "the same tool call"
 _SAME_OUTPUT: Final = "the same LLM output"
-_SESSION_SET: Final = frozenset(SESSION_KEYS)
-_OBJECTIVE_SET: Final = frozenset(OBJECTIVE_KEYS)
+_REQUEST_MARKERS: Final[tuple[str, ...]] = tuple(REQUEST_MARKERS)
 #: OpenInference's tool calls, probed in order: message n, call m.
 _OI_CALL: Final = "llm.output_messages.{n}.message.tool_calls.{m}.tool_call.function.{field}"
 _MAX_PROBED: Final = 8
@@ -175,12 +174,14 @@ class _Repeats:
     """Per (dependency, digest): where it was seen among a run's last ``window`` calls.
 
     One entry per distinct call. A call seen once (the usual case) is one
-    integer, its sequence number and its 64-bit instance packed together: no
-    container for the garbage collector to count, and collections ran a
-    third more often with the tracker on before. A call that repeats becomes
-    a flat list ``[first repeat or None, seq, instance, seq, instance...]`` of
-    its last ``repeats - 1`` occurrences, each instance tagged above 64 bits
-    so that it never equals a sequence number; a new occurrence counts those
+    integer, its sequence number and its 32-bit instance packed together: no
+    container for the garbage collector to count (collections ran a third
+    more often with the tracker on before), and below 2**62, a machine
+    integer to the compiled code rather than an arbitrary-precision one. A
+    call that repeats becomes a flat list ``[first repeat or None, seq,
+    instance, seq, instance...]`` of its last ``repeats - 1`` occurrences,
+    each instance tagged above 32 bits so that it never equals a sequence
+    number (a run would need 4 billion calls); a new occurrence counts those
     still in the window. O(1) per call; entries out of the window are pruned
     when the dictionary grows past a few windows' worth.
     """
@@ -190,7 +191,7 @@ class _Repeats:
     def __init__(self, window: int) -> None:
         self.window = window
         self.seq = 0
-        #: digest -> seq << 64 | instance, or [first repeat, seq, instance, ...] once repeated
+        #: digest -> seq << 32 | instance, or [first repeat, seq, instance, ...] once repeated
         self.seen: dict[int, int | list[Any]] = {}
         #: digest -> (times reported, when last: Unix ns)
         self.reported: dict[int, tuple[int, int]] | None = None
@@ -208,7 +209,7 @@ class _Repeats:
     ) -> tuple[bytes, str, int] | None:
         """Count one call; (where its first repeat was, occurrence) at ``repeats``, else None.
 
-        ``instance`` (64 bits) tells calls apart: the span id's hash (a span
+        ``instance`` (32 bits) tells calls apart: the span id's hash (a span
         re-sent by an exporter is not a repeat), or for an LLM call its
         prompt's size (the same prompt answered again is a retry, not a
         loop). After a report,
@@ -227,7 +228,7 @@ class _Repeats:
         if found is None:  # the usual case: a call not made lately
             if len(self.seen) >= 4 * self.window:
                 self._prune(seq - self.window)
-            self.seen[digest] = (seq << 64) | instance
+            self.seen[digest] = (seq << _INSTANCE_BITS) | instance
             return None
         tagged = instance | _TAG
         if isinstance(found, int):
@@ -235,7 +236,7 @@ class _Repeats:
                 self.seq -= 1  # the same call again (a re-sent span): nothing changes
                 return None
             # Repeated: counted in place from now on.
-            entry: list[Any] = [None, found >> 64, (found & _INSTANCE_MASK) | _TAG]
+            entry: list[Any] = [None, found >> _INSTANCE_BITS, (found & _INSTANCE_MASK) | _TAG]
             self.seen[digest] = entry
         else:
             entry = found
@@ -265,22 +266,26 @@ class _Repeats:
             return None
         reported[digest] = (occurrence, now_ns)
         # Count again from here: a loop that goes on is reported after as many repeats.
-        self.seen[digest] = (seq << 64) | instance
+        self.seen[digest] = (seq << _INSTANCE_BITS) | instance
         return first[0], first[1], occurrence
 
     def _prune(self, oldest: int) -> None:
         self.seen = {k: v for k, v in self.seen.items() if _last_seq(v) > oldest}
 
 
-_INSTANCE_MASK: Final = (1 << 64) - 1
-#: Set on the instances of a repeated call's list: above any 64-bit value, so an
+#: What tells two calls with the same digest apart (see ``_Repeats``): 32 bits of the
+#: span id's hash, or of the prompt's token count. Two spans of a call that agree on
+#: them (1 in 4 billion) count as one.
+_INSTANCE_BITS: Final = 32
+_INSTANCE_MASK: Final = (1 << _INSTANCE_BITS) - 1
+#: Set on the instances of a repeated call's list: above any instance, so an
 #: instance is never taken for one of the sequence numbers beside it.
-_TAG: Final = 1 << 64
+_TAG: Final = 1 << _INSTANCE_BITS
 
 
 def _last_seq(entry: int | list[Any]) -> int:
     if isinstance(entry, int):
-        return entry >> 64
+        return entry >> _INSTANCE_BITS
     last: int = entry[-2]
     return last
 
@@ -449,7 +454,7 @@ class RunTracker:
         trace: bytes = span.trace_id
         batch = self._batch
         run = batch.get(trace)
-        if run is None or run.gone or (run.key == trace and not _SESSION_SET.isdisjoint(present)):
+        if run is None or run.gone or (run.key == trace and _any_of(SESSION_KEYS, present)):
             # The trace's first span in the batch, or one that may name its session.
             run = batch[trace] = self._run_for(trace, encoded, present, service=service, now=now)
         run.last_seen = now
@@ -485,7 +490,7 @@ class RunTracker:
             messages = encoded[_MESSAGES] if _MESSAGES in present else None
             run.last_llm = (
                 None
-                if REQUEST_MARKERS.isdisjoint(present)
+                if not _any_of(_REQUEST_MARKERS, present)
                 else _requested_raw(encoded, present, messages)
             )
             if run.tools_since_llm:
@@ -498,7 +503,7 @@ class RunTracker:
                 seen = run.llm_outputs = _Repeats(settings.loop_window)
             # The same answer to the same prompt (as long: its token count) is a call
             # tried again; a loop answers the same to a context that keeps growing.
-            instance = prompt if prompt else hash(span_id) & _INSTANCE_MASK
+            instance = (prompt if prompt else hash(span_id)) & _INSTANCE_MASK
             what = _SAME_OUTPUT
         first = seen.add(
             _digest(raw) ^ hash(dependency),
@@ -675,7 +680,7 @@ class RunTracker:
                 if run.open and self.slo is not None and len(self._ending) < 10_000:
                     self._ending.append(run)  # for the SLO, once the batch is judged
         run.open = child  # a root span ends its run's turn
-        if run.objective is None and not _OBJECTIVE_SET.isdisjoint(present):
+        if run.objective is None and _any_of(OBJECTIVE_KEYS, present):
             # Kept only where it can be used (re-anchoring is off by default), and as
             # bounded text: a first input can be a whole document.
             settings = self._settings_memo.get(run.service) or self.settings_for(run.service)
@@ -691,7 +696,7 @@ class RunTracker:
         known = sessions.get(trace) if sessions else None
         if known is not None:
             key = known  # a trace never changes session: its spans need not be read again
-        elif not _SESSION_SET.isdisjoint(present):
+        elif _any_of(SESSION_KEYS, present):
             for name in SESSION_KEYS:
                 raw_session = raw_value(encoded, name)
                 if raw_session is not None and 2 < len(raw_session) <= _MAX_SESSION_BYTES:
@@ -936,6 +941,11 @@ def _digest(raw: bytes | None) -> int:
     if raw is None or len(raw) <= 512:
         return hash(raw)
     return hash((len(raw), raw[:256], raw[-256:]))
+
+
+def _any_of(keys: tuple[str, ...], present: frozenset[str]) -> bool:
+    """Whether the span has one of a few ``keys`` (compiled: a loop, no method call)."""
+    return any(key in present for key in keys)
 
 
 def _first_present(encoded: Any, present: frozenset[str], keys: tuple[str, ...]) -> bytes | None:
