@@ -8,6 +8,9 @@ detectors). Each repetition sends the same kind of load to one, then the
 other, alternating which goes first, so a drifting machine affects both
 alike. The figure is the ratio of the medians (goal: the tracker costs at
 most 10%, i.e. on/off >= 0.90), and the median of the per-repetition ratios.
+Before the first repetition each sidecar gets ``--warmup-spans``, enough to
+fill the 'on' sidecar's run table: every repetition then measures a table
+that churns (a run created and one evicted every few spans), not one filling.
 
 With ``--together``, each repetition sends the same spans to both sidecars at
 once, from two sets of sending threads, so that both are measured over the
@@ -60,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pool", type=int, default=16)
     parser.add_argument("--failure-rate", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--warmup-spans",
+        type=int,
+        default=100_000,
+        help="sent to each sidecar before measuring (100000: enough to fill the 'on'"
+        " sidecar's table of 10,000 runs, so that every repetition creates and evicts runs)",
+    )
     parser.add_argument(
         "--together",
         action="store_true",
@@ -118,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             sidecar_on = stack.enter_context(
                 running_sidecar({**env, "SPANVISOR_TRACK_RUNS": "true"})
             )
-            for sidecar in (sidecar_off, sidecar_on):  # warm-up
-                warm = ids.fresh(pool, min(20, n_requests))
-                measure(sidecar, args.transport, warm, 20 * args.spans_per_request, args)
+            warm_requests = max(1, math.ceil(args.warmup_spans / args.spans_per_request))
+            for sidecar in (sidecar_off, sidecar_on):  # warm-up: the 'on' table fills
+                warm = ids.fresh(pool, warm_requests)
+                measure(sidecar, args.transport, warm, warm_requests * args.spans_per_request, args)
             for rep in range(args.repeat):
                 if args.together:
                     payloads = ids.fresh(pool, n_requests)
