@@ -544,9 +544,10 @@ class Agent:
         goes on by itself after a ``continue``). That application never comes
         through the inbox, so it is looked up here and returned.
         """
-        report.commands.append(
-            {**_brief(directive, at, failed_at), **({"late": True} if late else {})}
-        )
+        entry = _brief(directive, at, failed_at)
+        if late:
+            entry["late"] = True
+        report.commands.append(entry)
         if not directive.deferred:
             return None
         view = self.adapter.view(report.thread_id)
