@@ -7,6 +7,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
+
 from supervisor.act import Actor
 from supervisor.records import Action
 from supervisor.settings import AgentDelivery, PullChannel
@@ -63,4 +65,46 @@ def test_batches_queued_meanwhile_share_one_transaction(tmp_path: Path) -> None:
     assert len(transactions) < 5  # the four that waited were merged (one or more)
     assert (writer.stored, writer.errors) == (5, 0)
     assert len(store.incidents()) == 5
+    store.close()
+
+
+def test_under_load_commits_are_spaced_and_batches_wait_for_the_next_one(tmp_path: Path) -> None:
+    transactions: list[list[str]] = []
+    first_stored = threading.Event()
+
+    class RecordingStore(Store):
+        def record(self, incidents: Iterable[NewIncident], now: float) -> list[StoredCommand]:
+            batch = list(incidents)
+            transactions.append([incident.span_id for incident in batch])
+            return super().record(batch, now)
+
+    store = RecordingStore.open(tmp_path / "state.db")
+    # An interval no test run outlasts: the batches after the first wait for close().
+    writer = StoreWriter(
+        Actor(store, {}),
+        min_commit_interval_s=60.0,
+        after_store=lambda _: first_stored.set(),
+    )
+
+    async def scenario() -> int:
+        writer.start(asyncio.get_running_loop())
+        writer.put([_outcome(Action.RETRY, span=f"{0:016x}")])
+        # The first batch after a quiet spell is stored at once.
+        assert await asyncio.to_thread(first_stored.wait, 5.0)
+        for n in range(1, 4):
+            writer.put([_outcome(Action.RETRY, span=f"{n:016x}")])
+        waiting = writer.backlog  # held for the next commit, and counted
+        await asyncio.to_thread(writer.close, 5.0)  # stores what waits at once
+        return waiting
+
+    assert asyncio.run(scenario()) == 3
+    assert transactions == [[f"{0:016x}"], [f"{n:016x}" for n in range(1, 4)]]
+    assert writer.backlog == 0
+    store.close()
+
+
+def test_a_negative_commit_interval_is_refused(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    with pytest.raises(ValueError, match="min_commit_interval_s"):
+        StoreWriter(Actor(store, {}), min_commit_interval_s=-1.0)
     store.close()
