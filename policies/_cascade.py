@@ -20,7 +20,7 @@ governor's thread); ``cascades`` drains what started. Bounded: at most
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -55,8 +55,12 @@ class Cascade:
 
 @dataclass
 class _Window:
-    #: (time, ok, run id or "", failing span or "") per call, oldest first
-    calls: deque[tuple[float, bool, str, str]] = field(default_factory=deque)
+    #: Oldest first: (time, 0, run id, failing span) per failed call, and
+    #: (time, n, "", "") for the n successful calls of one batch. One entry per
+    #: batch, not per call: a busy dependency succeeds hundreds of times a batch.
+    calls: deque[tuple[float, int, str, str]] = field(default_factory=deque)
+    #: Calls in the window: the failures and every entry's successes.
+    total: int = 0
     failures: int = 0
     active: bool = False
     #: The failing spans in the window: a span judged again (re-sent) counts once.
@@ -100,8 +104,10 @@ class CascadeDetector:
             if span in window.spans:
                 continue  # the same failing span again: an exporter re-sent it
             window.spans.add(span)
-            window.calls.append((now, False, failure.run_id, span))
+            window.calls.append((now, 0, failure.run_id, span))
             window.failures += 1
+            window.total += 1
+            self._trim(window)
             touched[failure.dependency] = failure
         for dependency, last in touched.items():
             self._check(dependency, self._windows[dependency], last, now)
@@ -113,15 +119,15 @@ class CascadeDetector:
 
     def _count_successes(self, successes: Sequence[str], now: float | None = None) -> None:
         windows = self._windows
-        if not windows:
+        if not windows or not successes:
             return
         stamp = self._clock() if now is None else now
-        for dependency in successes:
+        for dependency, count in Counter(successes).items():
             window = windows.get(dependency)  # only dependencies that failed lately
             if window is not None:
-                window.calls.append((stamp, True, "", ""))
-                if len(window.calls) > self.max_calls:
-                    self._drop_oldest(window)
+                window.calls.append((stamp, count, "", ""))
+                window.total += count
+                self._trim(window)
 
     def _window(self, dependency: str) -> _Window:
         windows = self._windows
@@ -133,14 +139,27 @@ class CascadeDetector:
             window = windows[dependency] = _Window()
         else:
             windows.move_to_end(dependency)
-        if len(window.calls) > self.max_calls:
-            self._drop_oldest(window)
         return window
+
+    def _trim(self, window: _Window) -> None:
+        """Forget the oldest calls beyond ``max_calls`` (part of a batch's successes, if so)."""
+        excess = window.total - self.max_calls
+        while excess > 0:
+            stamp, successes, run, span = window.calls[0]
+            if successes > excess:
+                window.calls[0] = (stamp, successes - excess, run, span)
+                window.total -= excess
+                return
+            self._drop_oldest(window)
+            excess = window.total - self.max_calls
 
     @staticmethod
     def _drop_oldest(window: _Window) -> None:
-        _, ok, _, span = window.calls.popleft()
-        if not ok:
+        _, successes, _, span = window.calls.popleft()
+        if successes:
+            window.total -= successes
+        else:
+            window.total -= 1
             window.failures -= 1
             window.spans.discard(span)
 
@@ -149,7 +168,7 @@ class CascadeDetector:
         horizon = now - settings.window_s
         while window.calls and window.calls[0][0] < horizon:
             self._drop_oldest(window)
-        calls = len(window.calls)
+        calls = window.total
         failures = window.failures
         if window.active:
             if failures < settings.min_failures / 2:
@@ -160,7 +179,9 @@ class CascadeDetector:
         rate = failures / calls
         if rate < settings.min_error_rate:
             return
-        runs = list(dict.fromkeys(run for _, ok, run, _ in window.calls if not ok and run))
+        runs = list(
+            dict.fromkeys(run for _, successes, run, _ in window.calls if not successes and run)
+        )
         if len(runs) < settings.min_runs:
             return
         window.active = True

@@ -103,3 +103,20 @@ def test_a_re_sent_failure_counts_once() -> None:
     for _ in range(5):
         detector.observe([], batch)  # the same two failing spans, judged again and again
     assert detector.cascades() == []
+
+
+def test_a_batch_of_successes_counts_call_by_call_and_the_window_stays_bounded() -> None:
+    clock = Clock()
+    settings = CascadeSettings(window_s=60, min_failures=4, min_runs=2, min_error_rate=0.5)
+    detector = CascadeDetector(settings, clock=clock, max_calls=8)
+    detector.observe([], [failure("a", 1)])  # the dependency failed: its calls are counted
+    # Five successes of one batch: five calls, error rate 1/6.
+    detector.observe(["openai:gpt-4o"] * 5 + ["other:dep"], [failure("b", 2)])
+    detector.observe([], [failure("a", 3), failure("b", 4)])
+    # 9 calls, of which the last 8 are kept: the first failure fell out, 3 are left.
+    assert detector.cascades() == []
+    detector.observe([], [failure("a", 5)])
+    # 8 calls: 4 failures and 4 of the batch's 5 successes (the oldest one forgotten).
+    (episode,) = detector.cascades()
+    assert (episode.failures, episode.calls, episode.error_rate) == (4, 8, 0.5)
+    assert episode.runs == ("b" * 32, "a" * 32)
