@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -263,6 +263,35 @@ class BreakerBoard:
                 state = self._refresh(dependency, entry, now, changes)
                 if state is BreakerState.CLOSED or state is BreakerState.HALF_OPEN:
                     state = self._feed(dependency, entry, ok, state, now=now, changes=changes)
+        self._emit(changes)
+        return state
+
+    def record_all(self, dependency: str, outcomes: Sequence[bool]) -> BreakerState:
+        """:meth:`record` each of ``outcomes`` in order; the state afterwards.
+
+        A closed breaker counts failures in a row, so of a batch's outcomes it
+        needs only whether a success reset its count and the failures after
+        the last success, or those up to the one that trips it (then the rest
+        as :meth:`record` would take them). Each outcome through pybreaker
+        costs microseconds, and a busy dependency that fails now and then has
+        many in a batch.
+        """
+        changes: list[BreakerChange] = []
+        with self._lock:
+            now = self._now()
+            entry = self._get_or_create(dependency)
+            state = BreakerState.CLOSED
+            if entry is not None:
+                state = self._refresh(dependency, entry, now, changes)
+                if state is BreakerState.CLOSED:
+                    outcomes = _closed_equivalent(
+                        outcomes, entry.breaker.fail_counter, entry.settings.fail_max
+                    )
+                for n, ok in enumerate(outcomes):
+                    if n:
+                        state = self._refresh(dependency, entry, now, changes)
+                    if state is BreakerState.CLOSED or state is BreakerState.HALF_OPEN:
+                        state = self._feed(dependency, entry, ok, state, now=now, changes=changes)
         self._emit(changes)
         return state
 
@@ -526,3 +555,25 @@ def _check_seconds(name: str, value: object, high: float) -> None:
         raise ValueError(f"{name} must be a number of seconds, got {value!r}")
     if not math.isfinite(value) or not 0 < value <= high:
         raise ValueError(f"{name} must be more than 0 and at most {high:g} seconds, got {value}")
+
+
+def _closed_equivalent(outcomes: Sequence[bool], failures: int, fail_max: int) -> Sequence[bool]:
+    """Outcomes that leave a closed breaker with ``failures`` counted as ``outcomes`` would.
+
+    A reset if a success found failures counted, then the failures after the
+    last success. If a run of failures trips the breaker, the outcomes up to
+    that failure are replaced so, and those after it are kept as they were.
+    """
+    count = failures
+    reset = False
+    trailing = 0
+    for n, ok in enumerate(outcomes):
+        if ok:
+            reset = reset or count > 0
+            count = trailing = 0
+            continue
+        count += 1
+        trailing += 1
+        if count >= fail_max:
+            return [True] * reset + [False] * trailing + list(outcomes[n + 1 :])
+    return [True] * reset + [False] * trailing

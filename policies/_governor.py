@@ -151,19 +151,19 @@ class Governor:
         relevant = watched | {call[1] for call in calls if not call[2]}
         ordered = [call for call in calls if call[1] in relevant]
         ordered.sort(key=_ended)  # stable: a tie keeps arrival order
+        by_dependency: dict[str, list[bool]] = {}
         for _, dependency, ok in ordered:
-            if ok and dependency not in watched:
-                continue  # reset by an earlier success of this batch
-            self._feed_breaker(dependency, ok)
-
-    def _feed_breaker(self, dependency: str, ok: bool) -> None:
-        # Only failures and successes of watched breakers get here: a success on a
-        # clean breaker changes nothing, and most calls are those.
-        state = self.board.record(dependency, ok)
-        if ok and state is BreakerState.CLOSED and self.board.info(dependency).failures == 0:
-            self._watched.discard(dependency)
-        else:
-            self._watch(dependency)
+            outcomes = by_dependency.get(dependency)
+            if outcomes is not None:
+                outcomes.append(ok)
+            elif not ok or dependency in watched:  # a success on a clean breaker changes nothing
+                by_dependency[dependency] = [ok]
+        for dependency, outcomes in by_dependency.items():
+            state = self.board.record_all(dependency, outcomes)
+            if state is BreakerState.CLOSED and self.board.info(dependency).failures == 0:
+                self._watched.discard(dependency)
+            else:
+                self._watch(dependency)
 
     def _watch(self, dependency: str) -> None:
         """Remember a breaker that successes can change; never more than the board holds.

@@ -647,3 +647,33 @@ def test_boards_sharing_a_redis_storage() -> None:
         if keys:
             client.delete(*keys)
         client.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fail_max=st.integers(1, 4),
+    reset_timeout_s=st.sampled_from([0.001, 5.0]),
+    success_threshold=st.integers(1, 3),
+    batches=st.lists(
+        st.tuples(st.sampled_from([0.0, 6.0]), st.lists(st.booleans(), max_size=12)),
+        max_size=6,
+    ),
+)
+def test_a_batch_of_outcomes_counts_as_recording_them_one_by_one(
+    fail_max: int,
+    reset_timeout_s: float,
+    success_threshold: int,
+    batches: list[tuple[float, list[bool]]],
+) -> None:
+    one, one_clock, one_changes = board(fail_max, reset_timeout_s, success_threshold)
+    many, many_clock, many_changes = board(fail_max, reset_timeout_s, success_threshold)
+    for dt, outcomes in batches:  # a wait, then a batch (half-open after a wait of 6 s)
+        one_clock.now += dt
+        many_clock.now += dt
+        expected = one.state(DEP)
+        for ok in outcomes:
+            expected = one.record(DEP, ok)
+        got = many.record_all(DEP, outcomes) if outcomes else many.state(DEP)
+        assert got is expected
+        assert many.info(DEP) == one.info(DEP)
+    assert summary(many_changes) == summary(one_changes)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies import load_policy
 from policies._governor import Governor
@@ -228,3 +230,29 @@ def test_watched_breakers_are_bounded_by_the_board() -> None:
     for n in range(10, 20):
         governor.observe_calls([(0, f"tool:t{n}", False)])  # failures stay counted
     assert len(governor._watched) <= 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(
+            st.tuples(
+                st.integers(0, 50), st.sampled_from(["openai:gpt-4o", "tool:search"]), st.booleans()
+            ),
+            max_size=15,
+        ),
+        max_size=5,
+    )
+)
+def test_a_batch_of_calls_moves_breakers_as_its_calls_one_by_one_would(
+    batches: list[list[tuple[int, str, bool]]],
+) -> None:
+    clock = Clock()
+    together = Governor(load_policy(text=POLICY), clock=clock)
+    apart = Governor(load_policy(text=POLICY), clock=clock)
+    for calls in batches:
+        together.observe_calls(calls)
+        for call in sorted(calls, key=lambda c: c[0]):  # in the order the calls ended
+            apart.observe_calls([call])
+        assert together.board.snapshot() == apart.board.snapshot()
+        clock.now += 4  # breakers half-open 10 s after opening
