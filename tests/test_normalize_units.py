@@ -1099,3 +1099,91 @@ def test_every_provider_phrase_contains_a_prefilter_word() -> None:
         if not any(word in pattern.lower() for word in evidence._PHRASE_WORDS)
     ]
     assert missing == []
+
+
+# -- text scans: the anchored matching finds what a plain regex search finds -------------
+
+#: Pieces of provider and client error messages, hints and near misses, in any case.
+_MESSAGE_PIECES = st.sampled_from(
+    [
+        "Error code: 429",
+        "error code: 5031",
+        "Server error '503 Service Unavailable'",
+        "Client error '404 Not Found' for url",
+        "xClient error '418 ",
+        "502 Server Error",
+        "1502 Server Error: Bad",
+        "status_code=429",
+        "status code: 503",
+        "status: 200",
+        "substatus=500",
+        "HTTP/1.1 502",
+        "HTTP 429",
+        "xhttp 500",
+        "Please try again in 1.5s",
+        "retry after= 5",
+        "Retry-After: 20",
+        "retrying in 2 minutes",
+        "try again after 250ms",
+        "retry_after 3",
+        "try again later",
+        "retryafter 9",
+        "{'code': 'rate_limit_exceeded'}",
+        '"code":"insufficient_quota"',
+        "'type': 'error', 'error': {'type': 'overloaded_error'}",
+        "{'status': 'RESOURCE_EXHAUSTED'}",
+        "code: 'x'",
+        "You exceeded your current quota",
+        "Rate limit reached for gpt-4o",
+        "maximum context length is 8192 tokens",
+        "prompt is too long: 210000 tokens > 200000",
+        "The model `gpt-5` does not exist",
+        "invalid x-api-key",
+        "content management policy",
+        "Kelvin \u212a and \u017ftatus=500",
+        "İstanbul",
+    ]
+)
+_MESSAGES = st.lists(
+    st.one_of(_MESSAGE_PIECES, st.text(alphabet=" .:='\"-_0123456789aeHrStyT", max_size=8)),
+    max_size=8,
+).map(" ".join) | st.text(max_size=60)
+
+
+def _reference_http_status(text: str) -> int | None:
+    match = evidence._HTTP_IN_TEXT.search(text[: evidence.SCAN_CHARS])
+    group = next((g for g in match.groups() if g is not None), None) if match else None
+    return int(group) if group is not None and 100 <= int(group) <= 599 else None
+
+
+def _reference_retry_after(text: str) -> float | None:
+    head = text[: evidence.SCAN_CHARS]
+    for match in evidence._RETRY_HINT.finditer(head):
+        delay = evidence.parse_duration(head[match.end() : match.end() + 64])
+        if delay is not None:
+            return delay
+    return None
+
+
+def _reference_provider_code(text: str) -> str:
+    head = text[: evidence.SCAN_CHARS]
+    match = evidence._BODY_CODE.search(head)
+    if match:
+        return match.group(1)
+    for match in evidence._BODY_TYPE.finditer(head):
+        if match.group(1) != "error":
+            return match.group(1)
+    match = evidence._BODY_STATUS.search(head)
+    if match:
+        return match.group(1)
+    match = evidence._PHRASES.search(head)
+    return evidence._PHRASE_CODES[match.lastgroup] if match and match.lastgroup else ""
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=_MESSAGES, upper=st.booleans())
+def test_text_scans_find_what_a_regex_search_finds(text: str, upper: bool) -> None:
+    text = text.upper() if upper else text
+    assert evidence.http_status_from_text(text) == _reference_http_status(text)
+    assert evidence.retry_after_from_text(text) == _reference_retry_after(text)
+    assert evidence.provider_code_from_text(text) == _reference_provider_code(text)
