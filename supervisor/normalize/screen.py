@@ -74,11 +74,11 @@ _FINISH_KEYS: Final[tuple[str, ...]] = (
     "llm.finish_reason",
     "gen_ai.completion.0.finish_reason",
 )
-#: Any failing finish reason inside an encoded value (a superset test: the
-#: adapters decide).
+#: Any failing finish reason inside an encoded value, lower-cased (a superset
+#: test: the adapters decide). On lower-cased bytes rather than IGNORECASE: a
+#: third of the time, and the same answer (both fold ASCII letters only).
 _FAILING_FINISH: Final = re.compile(
-    b"|".join(re.escape(reason.encode()) for reason in sorted(FAILURE_FINISH_REASONS)),
-    re.IGNORECASE,
+    b"|".join(re.escape(reason.lower().encode()) for reason in sorted(FAILURE_FINISH_REASONS))
 )
 
 #: Finish reasons in single attributes, of every convention (the message
@@ -209,7 +209,7 @@ def shows_failure_signal(item: WireSpan) -> bool:
             return True
     for key in _FINISH_KEYS:
         raw = raw_value(encoded, key)
-        if raw is not None and _FAILING_FINISH.search(raw):
+        if raw is not None and _FAILING_FINISH.search(raw.lower()):
             return True
     return False
 
