@@ -53,6 +53,22 @@ _MAX_CALLS: Final = 64
 _MAX_CONTENTS: Final = 16
 _MAX_TOOLS: Final = 128
 
+#: The indexed keys, built once: building them per span cost more than reading them.
+#: Per output message: its role, content, tool-call prefix and content-part prefix.
+_MESSAGE_KEYS: Final[tuple[tuple[str, str, str, str], ...]] = tuple(
+    (
+        f"llm.output_messages.{n}.message.role",
+        f"llm.output_messages.{n}.message.content",
+        f"llm.output_messages.{n}.message.tool_calls.",
+        f"llm.output_messages.{n}.message.contents.",
+    )
+    for n in range(_MAX_MESSAGES)
+)
+#: Per offered tool: its ``json_schema`` and ``name`` keys.
+_TOOL_KEYS: Final[tuple[tuple[str, str], ...]] = tuple(
+    (f"llm.tools.{n}.tool.json_schema", f"llm.tools.{n}.tool.name") for n in range(_MAX_TOOLS)
+)
+
 
 def identify(draft: Draft) -> None:
     """Role, provider, models and tool name: what a span's dependency is made of."""
@@ -132,16 +148,15 @@ def output_messages(attrs: AttributeSource) -> tuple[str, list[tuple[str, object
     a = attrs.values
     texts: list[str] = []
     calls: list[tuple[str, object]] = []
-    for n in range(_MAX_MESSAGES):
-        prefix = f"llm.output_messages.{n}.message."
-        if prefix + "role" not in a:
+    for role_key, content_key, calls_prefix, contents_prefix in _MESSAGE_KEYS:
+        if role_key not in a:
             break
-        content = a.get(prefix + "content")
+        content = a.get(content_key)
         if isinstance(content, str) and content:
             texts.append(content)
-        found = _calls(attrs, prefix + "tool_calls.", calls)
+        found = _calls(attrs, calls_prefix, calls)
         for k in range(_MAX_CONTENTS):
-            item = f"{prefix}contents.{k}."
+            item = f"{contents_prefix}{k}."
             kind = a.get(item + "message_content.type")
             if kind is None:
                 break
@@ -176,11 +191,10 @@ def offered_tools(attrs: AttributeSource) -> frozenset[str] | None:
     if "llm.tools.0.tool.json_schema" not in a and "llm.tools.0.tool.name" not in a:
         return None
     names: set[str] = set()
-    for n in range(_MAX_TOOLS):
-        key = f"llm.tools.{n}.tool."
-        name = attrs.read(key + "json_schema", _schema_name)  # the same on every call: memoized
+    for schema_key, name_key in _TOOL_KEYS:
+        name = attrs.read(schema_key, _schema_name)  # the same on every call: memoized
         if name is None:
-            name = as_str(a.get(key + "name"))
+            name = as_str(a.get(name_key))
             if not name:
                 break
         if name:
