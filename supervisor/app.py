@@ -169,7 +169,11 @@ class Sidecar:
             tracer=self.tracer.tracer,
         )
         self.pipeline.recovery = self.remediations.watch
-        self.writer = StoreWriter(self.actor, after_store=self.remediations.dispatch)
+        self.writer = StoreWriter(
+            self.actor,
+            after_store=self.remediations.dispatch,
+            min_commit_interval_s=settings.store_commit_interval_s,
+        )
         self.forwarder = (
             Forwarder(
                 downstream,

@@ -206,6 +206,13 @@ class Settings(BaseSettings):
     llm_model: str | None = Field(default=None, description="Model for the llm remediator.")
     max_pending_commands: int = Field(default=100_000, ge=1, le=10_000_000)
     retention_s: float = Field(default=7 * 86_400.0, ge=60, le=365 * 86_400)
+    store_commit_interval_s: float = Field(
+        default=0.01,
+        ge=0,
+        le=1.0,
+        description="Least time between two store commits under load: failures judged"
+        " meanwhile share one transaction (0: each batch commits at once).",
+    )
     policy_poll_s: float = Field(
         default=2.0,
         ge=0,

@@ -6,7 +6,7 @@ the next batch's decisions. The writer takes batches of outcomes from a
 bounded queue, stores them (:meth:`supervisor.act.Actor.store_outcomes`) and
 hands the new commands back to the event loop, which wakes the deliverers.
 
-Under load, commits are spaced (``min_commit_interval_s``, 20 ms): a batch
+Under load, commits are spaced (``min_commit_interval_s``, 10 ms): a batch
 that arrives sooner after the last commit waits, with those that follow it,
 for one transaction. A commit writes every page its inserts touched, and the
 incidents' and commands' keys are random, so each batch touched ~60 pages
@@ -49,7 +49,7 @@ class StoreWriter:
         *,
         capacity: int = 256,
         after_store: Callable[[Sequence[Outcome]], None] | None = None,
-        min_commit_interval_s: float = 0.02,
+        min_commit_interval_s: float = 0.01,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if min_commit_interval_s < 0:
