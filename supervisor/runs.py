@@ -358,7 +358,8 @@ class _Run:
         self.llm_outputs: _Repeats | None = None
         #: What names the tool calls the last LLM response asked for (raw values).
         self.last_llm: dict[str, bytes] | None = None
-        self.tools_since_llm: list[str] = []
+        #: Tools called since (made when the first is: most runs never need it).
+        self.tools_since_llm: list[str] | None = None
 
     @property
     def run_id(self) -> str:
@@ -473,15 +474,15 @@ class RunTracker:
             self._reanchor(run, settings, span_id, dependency, now=now, found=found)
         if dependency.startswith("tool:"):
             run.tool_calls += 1
-            if run.last_llm is not None and len(run.tools_since_llm) < 64:
-                run.tools_since_llm.append(dependency[5:])
+            if run.last_llm is not None:
+                _called_since(run, dependency[5:])
             if not settings.loops or not repeats:
                 return
             seen = run.tools
             if seen is None:
                 seen = run.tools = _Repeats(settings.loop_window)
             raw = _first_present(encoded, present, TOOL_ARGUMENT_KEYS)
-            instance = hash(span_id) & _INSTANCE_MASK
+            instance = _instance_of(span_id)
             what = _SAME_CALL
         else:
             prompt = self._llm_call(
@@ -503,7 +504,7 @@ class RunTracker:
                 seen = run.llm_outputs = _Repeats(settings.loop_window)
             # The same answer to the same prompt (as long: its token count) is a call
             # tried again; a loop answers the same to a context that keeps growing.
-            instance = (prompt if prompt else hash(span_id)) & _INSTANCE_MASK
+            instance = prompt & _INSTANCE_MASK if prompt else _instance_of(span_id)
             what = _SAME_OUTPUT
         first = seen.add(
             _digest(raw) ^ hash(dependency),
@@ -931,6 +932,32 @@ def _requested_raw(
     return kept or None
 
 
+def _called_since(run: _Run, tool: str) -> None:
+    """A tool called after the run's last LLM response (at most 64 remembered)."""
+    since = run.tools_since_llm
+    if since is None:
+        since = run.tools_since_llm = []
+    if len(since) < 64:
+        since.append(tool)
+
+
+def _instance_of(span_id: bytes) -> int:
+    """32 bits of a span id that tell its calls apart (a re-sent span keeps its id).
+
+    Both halves folded: ids are random, or counters that differ in their last
+    bytes. Read from the bytes: ``hash()`` gives 64 bits, beyond the compiled
+    code's machine integers, and masking it took the arbitrary-precision path.
+    """
+    if len(span_id) != 8:
+        return hash(span_id) & _INSTANCE_MASK
+    return (
+        (span_id[0] ^ span_id[4])
+        | (span_id[1] ^ span_id[5]) << 8
+        | (span_id[2] ^ span_id[6]) << 16
+        | (span_id[3] ^ span_id[7]) << 24
+    )
+
+
 def _digest(raw: bytes | None) -> int:
     """What a repeat is compared by: the whole value when short, else its length and ends.
 
@@ -1084,7 +1111,7 @@ def _unanswered(run: _Run) -> tuple[str, ...]:
     if run.last_llm is None:
         return ()
     requested = _requested_calls(run.last_llm)
-    answered = list(run.tools_since_llm)
+    answered = list(run.tools_since_llm or ())
     left: list[str] = []
     for call in requested:
         name = call.split("(", 1)[0]
