@@ -263,10 +263,8 @@ def _starts(text: str, anchors: tuple[tuple[str, int], ...]) -> list[int]:
     return sorted(starts)
 
 
-def _first_match(
-    pattern: re.Pattern[str], text: str, starts: list[int], pos: int = 0
-) -> re.Match[str] | None:
-    """What ``pattern.search(text, pos)`` finds, when every match starts at one of ``starts``.
+def _first_match(pattern: re.Pattern[str], text: str, starts: list[int]) -> re.Match[str] | None:
+    """What ``pattern.search(text)`` finds, when every match starts at one of ``starts``.
 
     Why: an alternation that starts with a word boundary or a group gives the
     regex engine no literal to skip ahead to, so a search tries every
@@ -275,12 +273,18 @@ def _first_match(
     scan, and the pattern is tried only there; a match also looks behind its
     start for ``\b``, as in a search.
     """
+    return next(_matches(pattern, text, starts), None)
+
+
+def _matches(pattern: re.Pattern[str], text: str, starts: list[int]) -> Iterator[re.Match[str]]:
+    """What ``pattern.finditer(text)`` finds, when every match starts at one of ``starts``."""
+    pos = 0
     for begin in starts:
         if begin >= pos:
             match = pattern.match(text, begin)
             if match is not None:
-                return match
-    return None
+                yield match
+                pos = max(match.end(), begin + 1)
 
 
 _BODY_CODE: Final = re.compile(r"""['"]code['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
@@ -337,11 +341,9 @@ def provider_code_from_text(text: str) -> str:
     match = _body_match(_BODY_CODE, head)
     if match:
         return match.group(1)
-    match = _body_match(_BODY_TYPE, head)
-    while match is not None:  # the first inner type that is not just "error"
-        if match.group(1) != "error":
+    for match in _matches(_BODY_TYPE, head, _starts(head, _BODY_ANCHORS[_BODY_TYPE])):
+        if match.group(1) != "error":  # the first inner type that is not just "error"
             return match.group(1)
-        match = _body_match(_BODY_TYPE, head, match.end())
     match = _body_match(_BODY_STATUS, head)
     if match:
         return match.group(1)
@@ -355,9 +357,9 @@ def provider_code_from_text(text: str) -> str:
     return _PHRASE_CODES[match.lastgroup] if match is not None and match.lastgroup else ""
 
 
-def _body_match(pattern: re.Pattern[str], head: str, pos: int = 0) -> re.Match[str] | None:
-    """``pattern.search(head, pos)`` for a body pattern: a quote, then its key."""
-    return _first_match(pattern, head, _starts(head, _BODY_ANCHORS[pattern]), pos)
+def _body_match(pattern: re.Pattern[str], head: str) -> re.Match[str] | None:
+    """``pattern.search(head)`` for a body pattern: a quote, then its key."""
+    return _first_match(pattern, head, _starts(head, _BODY_ANCHORS[pattern]))
 
 
 _GRPC_IN_TEXT: Final = re.compile(r"\bStatusCode\.([A-Z_]{2,24})\b")
@@ -427,17 +429,6 @@ def retry_after_from_text(text: str) -> float | None:
 #: Every hint starts at "try" or at the "re" of "retry".
 _RETRY_ANCHORS: Final[tuple[tuple[str, int], ...]] = (("try", 0), ("retry", 0))
 _RETRY_HINT_LOWER: Final = _lowered(_RETRY_HINT)
-
-
-def _matches(pattern: re.Pattern[str], text: str, starts: list[int]) -> Iterator[re.Match[str]]:
-    """What ``pattern.finditer(text)`` finds, when every match starts at one of ``starts``."""
-    pos = 0
-    while True:
-        match = _first_match(pattern, text, starts, pos)
-        if match is None:
-            return
-        yield match
-        pos = max(match.end(), match.start() + 1)
 
 
 _HEADER_PREFIXES: Final[tuple[str, ...]] = ("http.response.header.", "")
