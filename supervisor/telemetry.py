@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -28,10 +29,11 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.util.types import AttributeValue
 
 from remediators.tracing import PresetIdGenerator
@@ -48,6 +50,7 @@ BREAKER_SPAN_NAME: Final = "spanvisor.breaker"
 MAX_TEXT: Final = 1024
 _TRACE_ID: Final = re.compile(r"[0-9a-fA-F]{32}")
 _SPAN_ID: Final = re.compile(r"[0-9a-fA-F]{16}")
+_SAMPLED: Final = TraceFlags(TraceFlags.SAMPLED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,18 +84,21 @@ class DecisionTracer:
             shutdown_on_exit=False,
         )
         chosen = exporter if exporter is not None else _otlp_exporter(downstream)
+        #: Where decision spans go, ended (None: made, not exported).
+        self._processor: SpanProcessor | None = None
         if chosen is not None:
             timeout_ms = 1000 * (downstream.timeout_s if downstream is not None else 10.0)
-            self._provider.add_span_processor(
-                BatchSpanProcessor(
-                    chosen,
-                    max_queue_size=2048,
-                    schedule_delay_millis=schedule_delay_s * 1000,
-                    max_export_batch_size=512,
-                    export_timeout_millis=timeout_ms,
-                )
+            self._processor = BatchSpanProcessor(
+                chosen,
+                max_queue_size=2048,
+                schedule_delay_millis=schedule_delay_s * 1000,
+                max_export_batch_size=512,
+                export_timeout_millis=timeout_ms,
             )
+            self._provider.add_span_processor(self._processor)
         self._tracer = self._provider.get_tracer("spanvisor", __version__)
+        self._scope = InstrumentationScope("spanvisor", __version__)
+        self._ids = self._provider.id_generator
         self._lock = threading.Lock()
         self._emitted = 0
         self._errors = 0
@@ -117,18 +123,30 @@ class DecisionTracer:
                 trace_id=int(failure.trace_id, 16),
                 span_id=int(failure.span_id, 16),
                 is_remote=True,
-                trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                trace_flags=_SAMPLED,
             )
             if not parent.is_valid:
                 raise ValueError("the failure's trace_id/span_id are all zeros")
-            span = self._tracer.start_span(
+            # Made ended, as the SDK's span would be on end(), without what a live span
+            # needs (sampler, context, lock, limits): a decision has no duration and no
+            # children, and this was most of the cost of a decision in the sidecar.
+            span_id = self._ids.generate_span_id()
+            now = time.time_ns()
+            span = ReadableSpan(
                 SPAN_NAME,
-                context=trace.set_span_in_context(NonRecordingSpan(parent)),
-                kind=SpanKind.INTERNAL,
+                context=SpanContext(
+                    parent.trace_id, span_id, is_remote=False, trace_flags=_SAMPLED
+                ),
+                parent=parent,
+                resource=self._provider.resource,
                 attributes=decision_attributes(failure, decision),
+                kind=SpanKind.INTERNAL,
+                start_time=now,
+                end_time=now,
+                instrumentation_scope=self._scope,
             )
-            span.end()
-            span_id = span.get_span_context().span_id
+            if self._processor is not None:
+                self._processor.on_end(span)
         except Exception as exc:
             self._count_error(exc, failure)
             return ""
