@@ -51,6 +51,7 @@ class Policy:
     """Ordered classification rules and decision entries, compiled once."""
 
     __slots__ = (
+        "_chains",
         "_entries",
         "_rules",
         "detectors",
@@ -96,6 +97,9 @@ class Policy:
         self.verifiers = verifiers if verifiers is not None else compile_verifiers(())
         #: Loop and stall detection settings, per service.
         self.detectors = detectors if detectors is not None else compile_detectors(None, None)
+        #: dependency -> its fallback chain (see :meth:`fallback_chain`), bounded:
+        #: dependencies are named by spans.
+        self._chains: dict[str, tuple[str, ...] | None] = {}
         #: Remediator names that ``remediate`` actions name, nested ones included.
         self.remediators_used: tuple[str, ...] = tuple(
             dict.fromkeys(name for e in entries for name in _remediators_in(e.action))
@@ -144,16 +148,30 @@ class Policy:
         return found
 
     def fallback_chain(self, dependency: str) -> tuple[str, ...] | None:
-        """The first fallback chain, in entry order, that covers ``dependency``."""
+        """The first fallback chain, in entry order, that covers ``dependency``.
+
+        Remembered per dependency: the governor asks for each failure while a
+        breaker is open, and the answer walks every entry's actions and globs.
+        """
+        chains = self._chains
+        if dependency in chains:
+            return chains[dependency]
+        found: tuple[str, ...] | None = None
         for entry in self._entries:
-            chain = _chain_in(entry.action, dependency)
-            if chain is not None:
-                return chain
-        return None
+            found = _chain_in(entry.action, dependency)
+            if found is not None:
+                break
+        if len(chains) >= _MAX_REMEMBERED_CHAINS:
+            chains.clear()
+        chains[dependency] = found
+        return found
 
     def __repr__(self) -> str:
         counts = f"rules={len(self.rules)}, policies={len(self.policies)}"
         return f"Policy(source={self.source!r}, {counts})"
+
+
+_MAX_REMEMBERED_CHAINS = 4096
 
 
 def _is_catch_all(entry: CompiledEntry) -> bool:

@@ -116,6 +116,8 @@ class Actor:
                 extra={"service": failure.service},
             )
         escalated = decision.action is Action.ESCALATE and not decision.observe_only
+        body = outcome_json(outcome)
+        body["received_ns"] = failure.received_ns
         return NewIncident(
             key=incident_key(failure),
             trace_id=failure.trace_id,
@@ -124,7 +126,7 @@ class Actor:
             service=failure.service,
             run_id=failure.run_id,
             action=decision.action.value,
-            body={**outcome_json(outcome), "received_ns": failure.received_ns},
+            body=body,
             commands=[(c, channel) for c in commands],
             approval=proposal(failure, decision) if escalated else None,
         )

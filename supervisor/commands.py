@@ -48,7 +48,7 @@ def incident_key(failure: Failure) -> str:
 def failure_summary(failure: Failure) -> dict[str, AttrValue]:
     """What a command says of the failure that caused it."""
     return {
-        "class": failure.failure_class.value,
+        "class": failure.failure_class._value_,  # not .value: a property call
         "kind": failure.kind,
         "dependency": failure.dependency,
         "rule": failure.rule,

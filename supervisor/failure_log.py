@@ -13,6 +13,8 @@ log = logging.getLogger("spanvisor.failures")
 
 def outcome_json(outcome: Outcome) -> dict[str, Any]:
     """The ``replay`` schema of one failure: stable keys, lowercase hex ids."""
+    # ``_value_``, not ``.value``: the same string, without a property call per enum
+    # (this runs for every failure the store keeps).
     f, d = outcome.failure, outcome.decision
     return {
         "trace_id": f.trace_id,
@@ -20,12 +22,12 @@ def outcome_json(outcome: Outcome) -> dict[str, Any]:
         "service": f.service,
         "span_name": f.span_name,
         "run_id": f.run_id,
-        "role": f.role.value,
-        "class": f.failure_class.value,
+        "role": f.role._value_,
+        "class": f.failure_class._value_,
         "kind": f.kind,
         "dependency": f.dependency,
         "rule": f.rule,
-        "action": d.action.value,
+        "action": d.action._value_,
         "policy": d.policy,
         "params": dict(d.params),
         "observe_only": d.observe_only,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from collections.abc import Iterator, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,34 @@ def status_of(store: Store, command: Command) -> str:
 
 
 # -- incidents and their commands ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "unix_s",
+    [0.0, 1.7e9, 1_700_000_000.0004, 1_700_000_000.0005, 1_700_000_000.9996, 1_799_999_999.999],
+)
+def test_command_times_are_rfc3339_utc_to_the_millisecond_as_datetime_writes_them(
+    unix_s: float,
+) -> None:
+    command = Command(
+        id="cmd_1",
+        idempotency_key=command_key("t" * 32, "s" * 16, "rule"),
+        type=CommandType.RETRY_STEP,
+        service="svc",
+        run_id="run",
+        trigger_trace_id="t" * 32,
+        trigger_span_id="s" * 16,
+        failure={},
+        params={},
+        not_before=unix_s,
+        created_at=unix_s - 1.0,  # another second: the formatter remembers the last one
+    )
+    expected = [
+        datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds")
+        for t in (unix_s, unix_s - 1.0)
+    ]
+    body = command.to_json()
+    assert [body["not_before"], body["created_at"]] == [e.replace("+00:00", "Z") for e in expected]
 
 
 def test_an_incident_is_stored_with_its_commands_and_they_come_back_as_sent(store: Store) -> None:
