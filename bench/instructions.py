@@ -45,6 +45,7 @@ from bench.harness import command_line, table
 
 SPANS_PER_REQUEST = 500
 _I_REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
+_LL_MISSES = re.compile(r"LL misses:\s+([\d,]+)")
 
 
 def parse_i_refs(report: str) -> int:
@@ -53,6 +54,12 @@ def parse_i_refs(report: str) -> int:
     if found is None:
         raise RuntimeError(f"no instruction count in valgrind's output:\n{report[-2000:]}")
     return int(found.group(1).replace(",", ""))
+
+
+def parse_ll_misses(report: str) -> int | None:
+    """Last-level cache misses in cachegrind's summary; None without ``--cache-sim=yes``."""
+    found = _LL_MISSES.search(report)
+    return None if found is None else int(found.group(1).replace(",", ""))
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -105,11 +112,13 @@ def _child(args: argparse.Namespace) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _count(args: argparse.Namespace, *, track: bool, batches: int) -> int:
+def _count(args: argparse.Namespace, *, track: bool, batches: int) -> tuple[int, int | None]:
+    """Instructions and last-level misses (None unless simulated) of one child run."""
+    cache = ["--cache-sim=yes", f"--LL={args.cache_sim},16,64"] if args.cache_sim else []
     command = [
         "valgrind",
         "--tool=cachegrind",
-        "--cache-sim=no",
+        *(cache or ["--cache-sim=no"]),
         "--cachegrind-out-file=/dev/null",
         sys.executable,
         str(Path(__file__).resolve()),
@@ -125,7 +134,7 @@ def _count(args: argparse.Namespace, *, track: bool, batches: int) -> int:
     )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    return parse_i_refs(done.stderr)
+    return parse_i_refs(done.stderr), parse_ll_misses(done.stderr)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,7 +144,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tracked-runs", type=int, default=1000, help="the run table's bound (default: 1000)"
     )
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per valgrind run")
+    parser.add_argument(
+        "--cache-sim",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="also count misses of a simulated last-level cache of BYTES (16-way, 64-byte"
+        " lines; e.g. 2097152, a core's L2 here); slower",
+    )
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per valgrind run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--track", action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS)
     parser.add_argument("--max-batches", type=int, default=0, help=argparse.SUPPRESS)
@@ -165,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             zip(runs, pool.map(lambda r: _count(args, track=r[0], batches=r[1]), runs), strict=True)
         )
     spans = args.batches * SPANS_PER_REQUEST
-    per_span = {
-        track: (counts[(track, args.batches)] - counts[(track, 0)]) / spans
-        for track in (False, True)
-    }
-    off, on = per_span[False], per_span[True]
+
+    def per_span(track: bool, what: int) -> float:
+        measured, warm = counts[(track, args.batches)][what], counts[(track, 0)][what]
+        return (measured - warm) / spans if measured is not None and warm is not None else 0.0
+
+    off, on = per_span(False, 0), per_span(True, 0)
     print()
     print(
         f"{args.batches} batches of {SPANS_PER_REQUEST} spans after {args.warmup} of warm-up,"
@@ -178,13 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         table(
-            ["run tracker", "instructions/span", "warm-up run", "measured run"],
+            ["run tracker", "instructions/span", "LL misses/span", "warm-up run", "measured run"],
             [
                 [
                     "off" if not track else "on",
-                    f"{per_span[track]:,.0f}",
-                    f"{counts[(track, 0)]:,}",
-                    f"{counts[(track, args.batches)]:,}",
+                    f"{per_span(track, 0):,.0f}",
+                    f"{per_span(track, 1):,.1f}" if args.cache_sim else "-",
+                    f"{counts[(track, 0)][0]:,}",
+                    f"{counts[(track, args.batches)][0]:,}",
                 ]
                 for track in (False, True)
             ],

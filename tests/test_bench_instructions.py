@@ -32,6 +32,12 @@ def test_the_instruction_count_is_read_from_cachegrinds_summary() -> None:
     assert instructions.parse_i_refs(CACHEGRIND_SUMMARY) == 13_079_663_952
 
 
+def test_last_level_misses_are_read_when_the_cache_was_simulated() -> None:
+    simulated = CACHEGRIND_SUMMARY + "==4242== LL misses:     12,345,678  (  1,234 rd + 5 wr)\n"
+    assert instructions.parse_ll_misses(simulated) == 12_345_678
+    assert instructions.parse_ll_misses(CACHEGRIND_SUMMARY) is None
+
+
 def test_output_without_a_count_is_an_error_that_shows_it() -> None:
     with pytest.raises(RuntimeError, match=r"(?s)no instruction count.*Command: python"):
         instructions.parse_i_refs(CACHEGRIND_SUMMARY.replace("I   refs", "D   refs"))
