@@ -256,3 +256,17 @@ def test_a_batch_of_calls_moves_breakers_as_its_calls_one_by_one_would(
             apart.observe_calls([call])
         assert together.board.snapshot() == apart.board.snapshot()
         clock.now += 4  # breakers half-open 10 s after opening
+
+
+def test_fallback_chains_are_remembered_within_a_bound_and_answer_the_same() -> None:
+    from policies._policy import _MAX_REMEMBERED_CHAINS
+
+    policy = load_policy(text=POLICY)
+    chain = ("openai:gpt-4o", "openai:gpt-4o-mini", "anthropic:claude")
+    # More dependencies than the memo holds (span-named): each answer is the same
+    # remembered, forgotten or asked again.
+    for i in range(_MAX_REMEMBERED_CHAINS + 10):
+        assert policy.fallback_chain(f"openai:model-{i}") == chain
+        assert policy.fallback_chain(f"acme:model-{i}") is None
+        assert len(policy._chains) <= _MAX_REMEMBERED_CHAINS
+    assert policy.fallback_chain("openai:model-0") == chain
