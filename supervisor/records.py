@@ -350,18 +350,21 @@ class Command:
         }
 
 
-#: [(Unix second, its RFC 3339 text to the second)]: the commands of a batch of
-#: failures are made within a second or two, and formatting a date is the costly part.
-_LAST_SECOND: list[tuple[int, str]] = [(-1, "")]
+#: Unix second -> its RFC 3339 text to the second. A batch's commands are made
+#: within a second or two, but ``not_before`` adds each one's backoff delay, so one
+#: remembered second missed every other call; formatting a date is the costly part.
+_SECONDS: Final[dict[int, str]] = {}
+_MAX_SECONDS: Final = 512
 
 
 def _rfc3339(unix_s: float) -> str:
     micros = round(unix_s * 1_000_000)  # as datetime.fromtimestamp rounds
     second, fraction = divmod(micros, 1_000_000)
-    known, text = _LAST_SECOND[0]
-    if second != known:
-        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        _LAST_SECOND[0] = (second, text)
+    text = _SECONDS.get(second)
+    if text is None:
+        if len(_SECONDS) >= _MAX_SECONDS:
+            _SECONDS.clear()
+        text = _SECONDS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
     return f"{text}.{fraction // 1000:03d}Z"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor import records
 from supervisor.errors import ConfigError
 from supervisor.records import Command, CommandType, command_key
 from supervisor.store import ApprovalError, NewIncident, Store, StoredCommand
@@ -119,7 +120,7 @@ def test_command_times_are_rfc3339_utc_to_the_millisecond_as_datetime_writes_the
         failure={},
         params={},
         not_before=unix_s,
-        created_at=unix_s - 1.0,  # another second: the formatter remembers the last one
+        created_at=unix_s - 1.0,  # another second: the formatter remembers seconds
     )
     expected = [
         datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="milliseconds")
@@ -127,6 +128,17 @@ def test_command_times_are_rfc3339_utc_to_the_millisecond_as_datetime_writes_the
     ]
     body = command.to_json()
     assert [body["not_before"], body["created_at"]] == [e.replace("+00:00", "Z") for e in expected]
+
+
+def test_remembered_seconds_stay_within_their_bound_and_format_as_datetime_does() -> None:
+    # Backoff delays spread not_before over many seconds: more than the memo holds.
+    times = [1_700_000_000.25 + 37.5 * i for i in range(3 * records._MAX_SECONDS)]
+    for unix_s in times + times[:10]:
+        expected = datetime.fromtimestamp(unix_s, tz=timezone.utc).isoformat(
+            timespec="milliseconds"
+        )
+        assert records._rfc3339(unix_s) == expected.replace("+00:00", "Z")
+        assert len(records._SECONDS) <= records._MAX_SECONDS
 
 
 def test_an_incident_is_stored_with_its_commands_and_they_come_back_as_sent(store: Store) -> None:
