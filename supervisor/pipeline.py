@@ -489,6 +489,7 @@ class Pipeline:
             _attribute_through_ok_spans(candidates)
 
         outcomes: list[Outcome] = []
+        attributed_by = _attributions(candidates)
         for key, cand in candidates.items():
             if cand.attributed_to is not None:
                 self._attributed += 1
@@ -499,8 +500,9 @@ class Pipeline:
                 self._attributed += 1
                 self._remember_origin(cand.record, earlier)
                 continue
-            failure = self._failure(cand, candidates, received_ns)
-            self._remember_origin(_topmost(cand, candidates).record, cand.sig)
+            parents = _ancestors_attributed_to(cand, candidates, attributed_by)
+            failure = self._failure(cand, parents, received_ns)
+            self._remember_origin((parents[-1] if parents else cand).record, cand.sig)
             self._remember_in_trace(cand)
             attempt_key = (failure.run_id, failure.dependency)
             attempt = (self._attempts.get(attempt_key) or 0) + 1
@@ -593,15 +595,14 @@ class Pipeline:
     def _failure(
         self,
         origin: _Candidate,
-        candidates: dict[str, _Candidate],
+        parents: list[_Candidate],
         received_ns: int,
     ) -> Failure:
+        """The failure ``origin`` reports; ``parents``: its ancestors that propagate it."""
         rec = origin.record
         verdict = origin.verdict
         attributed: list[str] = []
         dependency = verdict.dependency or rec.dependency
-        # Walk up the ancestors that propagate this failure.
-        parents = _ancestors_attributed_to(origin, candidates)
         for parent in parents:
             attributed.append(parent.record.span_id)
             if rec.role not in _SPECIFIC_ROLES and parent.record.role in _SPECIFIC_ROLES:
@@ -658,8 +659,23 @@ def _run_of(item: WireSpan) -> str:
     return str(span.trace_id.hex())
 
 
+def _attributions(candidates: dict[str, _Candidate]) -> dict[str, _Candidate]:
+    """Candidate key -> the first candidate (in the batch's order) attributed to it.
+
+    Built once per batch, after attribution: looking each origin's containers
+    up by scanning every candidate made a batch of n failures cost n squared,
+    which is at its worst in an outage, when most spans fail.
+    """
+    index: dict[str, _Candidate] = {}
+    for cand in candidates.values():
+        target = cand.attributed_to
+        if target is not None:
+            index.setdefault(target.record.trace_id + target.record.span_id, cand)
+    return index
+
+
 def _ancestors_attributed_to(
-    origin: _Candidate, candidates: dict[str, _Candidate]
+    origin: _Candidate, candidates: dict[str, _Candidate], attributed_by: dict[str, _Candidate]
 ) -> list[_Candidate]:
     """The candidates attributed to ``origin``, nearest first (a parent, or a container)."""
     chain: list[_Candidate] = []
@@ -668,7 +684,7 @@ def _ancestors_attributed_to(
         rec = current.record
         parent = candidates.get(rec.trace_id + rec.parent_span_id) if rec.parent_span_id else None
         if parent is None or parent.attributed_to is not current:
-            parent = next((c for c in candidates.values() if c.attributed_to is current), None)
+            parent = attributed_by.get(rec.trace_id + rec.span_id)
         if parent is None:
             break
         chain.append(parent)
@@ -724,11 +740,6 @@ def _leads_to(cand: _Candidate, target: _Candidate) -> bool:
 
 def _observed(decision: Decision) -> Decision:
     return replace(decision, observe_only=True)
-
-
-def _topmost(origin: _Candidate, candidates: dict[str, _Candidate]) -> _Candidate:
-    chain = _ancestors_attributed_to(origin, candidates)
-    return chain[-1] if chain else origin
 
 
 def _signature(record: SpanRecord, verdict: Classification) -> _Signature:
