@@ -701,9 +701,12 @@ def _attribute_through_ok_spans(candidates: dict[str, _Candidate]) -> None:
     """Attribute failing ancestors whose failing descendant sits below a span that did not fail.
 
     A candidate not attributed yet that contains others of its trace in time
-    and propagates their error is attributed to the closest of them. Durations
-    strictly shrink along these links, and a candidate is never attributed to
-    one whose own chain already leads back to it, so no cycle can form.
+    and propagates their error is attributed to the closest of them: the
+    longest, which holds the rest, so that nested containers (agent > step >
+    call) form one chain and the failure lists each of them, nearest first.
+    Durations strictly shrink along these links, and a candidate is never
+    attributed to one whose own chain already leads back to it, so no cycle
+    can form.
     """
     by_trace: dict[str, list[_Candidate]] = {}
     for cand in candidates.values():
@@ -724,7 +727,7 @@ def _attribute_through_ok_spans(candidates: dict[str, _Candidate]) -> None:
                 and not _leads_to(c, outer)
             ]
             if inside:
-                outer.attributed_to = min(inside, key=lambda c: c.record.end_ns - c.record.start_ns)
+                outer.attributed_to = max(inside, key=lambda c: c.record.end_ns - c.record.start_ns)
 
 
 def _leads_to(cand: _Candidate, target: _Candidate) -> bool:

@@ -153,6 +153,44 @@ def test_an_ancestor_above_a_span_that_did_not_fail_is_attributed(pipeline: Pipe
     assert outcomes[0].failure.attributed == (agent.span_id,)
 
 
+def test_in_an_outage_each_failure_lists_its_own_containers_nearest_first(
+    pipeline: Pipeline,
+) -> None:
+    # Every trace of the batch fails the same way: agent (ERROR) > turn (OK) > step
+    # (ERROR) > call (OK) > generation (ERROR), children before parents as exporters
+    # send them. Each generation is the origin; its step and agent are attributed.
+    records: list[SpanRecord] = []
+    expected: dict[str, tuple[str, ...]] = {}
+    for i in range(60):
+        trace = f"{i + 1:032x}"
+        llm = span(
+            Role.LLM,
+            RATE_LIMIT,
+            trace=trace,
+            parent=f"{i:08x}00000001",
+            dependency="openai:gpt-4o",
+            start_ns=40,
+            end_ns=50,
+        )
+        step = span(
+            Role.CHAIN,
+            RATE_LIMIT,
+            trace=trace,
+            span_id=f"{i:08x}00000002",
+            parent=f"{i:08x}00000003",
+            start_ns=20,
+            end_ns=70,
+        )
+        agent = span(Role.AGENT, RATE_LIMIT, trace=trace, span_id=f"{i:08x}00000004", end_ns=90)
+        records += [llm, step, agent]
+        expected[llm.span_id] = (step.span_id, agent.span_id)
+
+    outcomes = pipeline.process_records(records, received_ns=1)
+
+    assert {o.failure.span_id: o.failure.attributed for o in outcomes} == expected
+    assert pipeline.stats().attributed == 120
+
+
 def test_an_ancestor_above_an_ok_span_in_a_later_batch_is_attributed(pipeline: Pipeline) -> None:
     llm = span(
         Role.LLM,
