@@ -42,8 +42,8 @@ if __package__ in (None, ""):  # run as `python bench/instructions.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import command_line, table
+from bench.inprocess import SPANS_PER_REQUEST
 
-SPANS_PER_REQUEST = 500
 _I_REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 _LL_MISSES = re.compile(r"LL misses:\s+([\d,]+)")
 
@@ -66,27 +66,14 @@ def _child(args: argparse.Namespace) -> None:
     """The measured work: ``args.warmup + args.batches`` batches, judged and stored."""
     import logging
 
-    from bench.detectors import POLICY
+    from bench.inprocess import handle, make_sidecar
     from bench.spans import make_requests, with_fresh_ids
-    from policies import load_policy
-    from supervisor.app import Sidecar, tune_gc
-    from supervisor.ingest.queue import Batch
-    from supervisor.settings import load_settings
+    from supervisor.app import tune_gc
 
     logging.disable(logging.WARNING)  # "no delivery channel": the commands are dead letters
     folder = Path(tempfile.mkdtemp(prefix="spanvisor-instructions-"))
     try:
-        policy = folder / "policy.yaml"
-        policy.write_text(POLICY)
-        settings = load_settings(
-            None,
-            {
-                "state_path": str(folder / "state.db"),
-                "track_runs": args.track,
-                "tracked_runs": args.tracked_runs,
-            },
-        )
-        sidecar = Sidecar(settings, load_policy(policy))
+        sidecar = make_sidecar(folder, track=args.track, tracked_runs=args.tracked_runs)
         tune_gc()
         pool = make_requests(16, SPANS_PER_REQUEST, 0.05, seed=11)
         # The same payloads for both run lengths: only how many are judged differs.
@@ -97,14 +84,7 @@ def _child(args: argparse.Namespace) -> None:
         start_ns = 1_790_000_000_000_000_000  # fixed: the same decisions every run
         judged = 0
         for i, payload in enumerate(payloads[: args.warmup + args.batches]):
-            received_ns = start_ns + i * 10_000_000
-            batch = Batch(None, payload, received_ns, "grpc", SPANS_PER_REQUEST)  # request: unread
-            outcomes, rest = sidecar.pipeline.first_pass(payload, received_ns)
-            sidecar._report(outcomes, batch)
-            later = sidecar.pipeline.rest_pass(rest)
-            sidecar._report(later, batch)
-            sidecar.actor.store_outcomes(outcomes + later)
-            judged += len(outcomes) + len(later)
+            judged += handle(sidecar, payload, start_ns + i * 10_000_000)[3]
         stats = sidecar.pipeline.stats()
         print(f"{stats.processed_spans} spans, {judged} failures judged and stored")
         sidecar.store.close()

@@ -46,11 +46,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/stages.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.detectors import POLICY
 from bench.harness import command_line, table
+from bench.inprocess import SPANS_PER_REQUEST, handle, make_sidecar
 from bench.spans import make_requests, with_fresh_ids
 
-SPANS_PER_REQUEST = 500
 #: The failure rate of the load that prices one failure: failures must dominate its
 #: cost, or the machine's noise does (at 5% a failure's cost is a quarter of the whole).
 COST_RATE = 0.5
@@ -83,25 +82,8 @@ class _Bench:
     """Two in-process sidecars (tracker off and on) and the batches they judge."""
 
     def __init__(self, args: argparse.Namespace, folder: Path) -> None:
-        from policies import load_policy
-        from supervisor.app import Sidecar
-        from supervisor.settings import load_settings
-
-        policy = folder / "policy.yaml"
-        policy.write_text(POLICY)
-
-        def sidecar(track: bool) -> Any:
-            settings = load_settings(
-                None,
-                {
-                    "state_path": str(folder / f"state-{track}.db"),
-                    "track_runs": track,
-                    "tracked_runs": args.tracked_runs,
-                },
-            )
-            return Sidecar(settings, load_policy(policy))
-
-        self.off, self.on = sidecar(False), sidecar(True)
+        self.off = make_sidecar(folder, track=False, tracked_runs=args.tracked_runs)
+        self.on = make_sidecar(folder, track=True, tracked_runs=args.tracked_runs)
         self.pools = {
             0.0: make_requests(16, SPANS_PER_REQUEST, 0.0, seed=11),
             args.failure_rate: make_requests(16, SPANS_PER_REQUEST, args.failure_rate, seed=11),
@@ -122,30 +104,13 @@ class _Bench:
     def handle_all(
         self, sidecar: Any, payloads: Sequence[bytes]
     ) -> tuple[float, float, float, int]:
-        """What ``Sidecar.handle`` does, per stage: (judge, report, store) CPU µs, failures."""
-        from supervisor.ingest.queue import Batch
-
+        """Each request as ``Sidecar.handle`` runs it: (judge, report, store) CPU µs, failures."""
         judge = report = store = 0.0
         failures = 0
-        pipeline = sidecar.pipeline
         for payload in payloads:
-            received_ns = time.time_ns()
-            batch = Batch(None, payload, received_ns, "grpc", SPANS_PER_REQUEST)  # request: unread
-            t0 = time.thread_time()
-            outcomes, rest = pipeline.first_pass(payload, received_ns)
-            t1 = time.thread_time()
-            sidecar._report(outcomes, batch)
-            t2 = time.thread_time()
-            later = pipeline.rest_pass(rest)
-            t3 = time.thread_time()
-            sidecar._report(later, batch)
-            t4 = time.thread_time()
-            sidecar.actor.store_outcomes(outcomes + later)
-            t5 = time.thread_time()
-            judge += (t1 - t0) + (t3 - t2)
-            report += (t2 - t1) + (t4 - t3)
-            store += t5 - t4
-            failures += len(outcomes) + len(later)
+            parts = handle(sidecar, payload, time.time_ns(), time.thread_time)
+            judge, report, store = judge + parts[0], report + parts[1], store + parts[2]
+            failures += parts[3]
         return judge * 1e6, report * 1e6, store * 1e6, failures
 
     def close(self) -> None:
