@@ -25,6 +25,7 @@ COMPILED = [
     "supervisor/normalize/openinference.py",
     "supervisor/normalize/openllmetry.py",
     "supervisor/normalize/screen.py",
+    "supervisor/normalize/walk.py",
     "supervisor/normalize/wire.py",
     "supervisor/pipeline.py",
     "supervisor/runs.py",

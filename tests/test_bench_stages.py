@@ -58,7 +58,7 @@ def test_every_stage_and_the_cost_of_a_failure_are_printed() -> None:
     for name in [*stage_names, "dependency_of", "run tracker"]:
         assert figure(name) > 0
     whole = figure("whole path, tracker off, 20% injected")
-    # The whole path includes the wire view, which includes the decoding.
+    # The whole path includes the wire view.
     assert whole > figure("wire_spans") > 0
     parts = [figure(part) for part in ("judge", "report", "store")]
     # At a fifth of spans failing, judging and storing failures are real work.

@@ -50,6 +50,8 @@ from supervisor.normalize.screen import (
     may_fail_quietly,
     shows_failure_signal,
 )
+from supervisor.normalize.walk import COMPILED as WALK_COMPILED
+from supervisor.normalize.walk import Unsupported, walk_request
 from supervisor.normalize.wire import LazyConverted, LiteRequest, RawAttributes, raw_value
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
@@ -58,12 +60,14 @@ __all__ = [
     "WireSpan",
     "dependency_of",
     "failures",
+    "lite_spans",
     "may_fail_quietly",
     "normalize_payload",
     "normalize_request",
     "normalize_span",
     "normalize_wire",
     "shows_failure_signal",
+    "walked_spans",
     "wire_spans",
 ]
 
@@ -100,7 +104,7 @@ def normalize_request(request: ExportTraceServiceRequest) -> list[SpanRecord]:
     """Every span of an OTLP export request, normalized, in order."""
     out: list[SpanRecord] = []
     for resource_spans in request.resource_spans:
-        resource, service = _resource(resource_spans)
+        resource, service = _resource(resource_spans.resource)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 out.append(normalize_span(span, resource, service))
@@ -118,12 +122,40 @@ def normalize_payload(payload: bytes) -> list[SpanRecord]:
 
 
 def wire_spans(payload: bytes) -> list[WireSpan]:
-    """The spans of an encoded request, in order, with their resource and service."""
+    """The spans of an encoded request, in order, with their resource and service.
+
+    Compiled, :mod:`.walk` reads the request; what it leaves to the protobuf
+    runtime (layouts no encoder writes) is read with :data:`.wire.LiteRequest`.
+    """
+    if WALK_COMPILED:
+        try:
+            return walked_spans(payload)
+        except (Unsupported, IndexError, UnicodeDecodeError):
+            pass
+    return lite_spans(payload)
+
+
+def walked_spans(payload: bytes) -> list[WireSpan]:
+    """:func:`wire_spans` by :mod:`.walk`; raises what :func:`.walk.walk_request` raises."""
+    watched = WATCHED_KEYS.intersection
+    out: list[WireSpan] = []
+    for resource_message, spans in walk_request(payload):
+        if not spans:
+            continue
+        resource, service = _resource(resource_message)
+        for span in spans:
+            encoded = span.attributes
+            out.append((span, resource, service, watched(encoded), encoded))
+    return out
+
+
+def lite_spans(payload: bytes) -> list[WireSpan]:
+    """:func:`wire_spans` by the protobuf runtime, with the lite schema."""
     watched = WATCHED_KEYS.intersection
     request = LiteRequest.FromString(payload)
     out: list[WireSpan] = []
     for resource_spans in request.resource_spans:
-        resource, service = _resource(resource_spans)
+        resource, service = _resource(resource_spans.resource)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 encoded = span.attributes
@@ -142,9 +174,10 @@ def normalize_wire(item: WireSpan) -> SpanRecord:
         return _minimal(span, resource, service)
 
 
-def _resource(resource_spans: Any) -> tuple[Mapping[str, AttrValue], str]:
+def _resource(resource: Any) -> tuple[Mapping[str, AttrValue], str]:
+    """A ``Resource`` message's attributes, and the service they name."""
     try:
-        converted = convert_attributes(resource_spans.resource.attributes).values
+        converted = convert_attributes(resource.attributes).values
     except Exception:  # boundary: odd resources still yield records
         _count_failure()
         converted = {}

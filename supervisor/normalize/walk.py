@@ -1,0 +1,321 @@
+"""A reader of OTLP's wire format that builds only what the span path reads.
+
+Why: :data:`~supervisor.normalize.wire.LiteRequest` parses a request in C,
+but every field read afterwards goes through the protobuf runtime's Python
+objects: a lookup in a native map per attribute, a new ``str`` per key to
+intersect the keys with those the screens watch. Compiled (``setup.py``),
+this module walks the bytes once and hands out plain objects instead: a
+``dict`` from key to encoded ``AnyValue`` per span (keys interned, so their
+hashes are computed once), ids as ``bytes``, status as two fields. Events are
+kept encoded and parsed by the real runtime only when read, which is for
+failing spans.
+
+It reads what encoders write. Anything else (a message field written twice,
+which protobuf merges; a wire type that does not match the field; groups; a
+truncated or over-long length; invalid UTF-8) raises :class:`Unsupported`,
+and the caller parses the request with the real runtime instead, so the
+answer never depends on which reader ran: ``tests/test_normalize_walk.py``
+holds the two to the same spans. Interpreted, this module is slower than the
+runtime; :data:`COMPILED` tells the caller which to use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Final
+
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+__all__ = ["COMPILED", "Unsupported", "WalkedSpan", "WalkedStatus", "walk_request"]
+
+#: True when this module runs as a compiled extension (see ``setup.py``).
+COMPILED: Final = not __file__.endswith(".py")
+
+_LEN: Final = 2
+#: Interned attribute keys by their encoding; bounded (keys come from spans).
+_KEYS: Final[dict[bytes, str]] = {}
+_MAX_KEYS: Final = 4096
+_NO_EVENTS: Final[tuple[Any, ...]] = ()
+
+
+class Unsupported(ValueError):
+    """A layout this reader leaves to the protobuf runtime."""
+
+
+class WalkedStatus:
+    """A span's ``Status``: the two fields the span path reads."""
+
+    __slots__ = ("code", "message")
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        self.message = message
+
+
+_OK_STATUS: Final = WalkedStatus(0, "")
+
+
+class WalkedSpan:
+    """A span as the span path reads it; attribute names are OTLP's ``Span`` fields'."""
+
+    __slots__ = (
+        "_events",
+        "_raw_events",
+        "attributes",
+        "end_time_unix_nano",
+        "kind",
+        "name",
+        "parent_span_id",
+        "span_id",
+        "start_time_unix_nano",
+        "status",
+        "trace_id",
+    )
+
+    def __init__(self) -> None:
+        self.trace_id = b""
+        self.span_id = b""
+        self.parent_span_id = b""
+        self.name = ""
+        self.kind = 0
+        self.start_time_unix_nano = 0
+        self.end_time_unix_nano = 0
+        self.status = _OK_STATUS
+        #: Key to encoded ``AnyValue``, as the lite schema's attribute map holds them.
+        self.attributes: dict[str, bytes] = {}
+        self._raw_events: list[bytes] | None = None
+        self._events: list[Any] | None = None
+
+    @property
+    def events(self) -> Sequence[Any]:
+        """The span's ``Span.Event`` messages, parsed on first read."""
+        raw_events = self._raw_events
+        if raw_events is None:
+            return _NO_EVENTS
+        parsed = self._events
+        if parsed is None:
+            parsed = self._events = []
+            for raw in raw_events:
+                # Ingest parsed the whole request before: an event that does not
+                # parse here cannot come from it, and is left out, not raised.
+                with contextlib.suppress(DecodeError):
+                    parsed.append(Span.Event.FromString(raw))
+        return parsed
+
+
+def walk_request(data: bytes) -> list[tuple[Any, list[WalkedSpan]]]:
+    """An ``ExportTraceServiceRequest``'s spans by resource: (``Resource``, spans).
+
+    Raises :class:`Unsupported` (or ``IndexError``/``UnicodeDecodeError`` on
+    bytes that end early or are not UTF-8) where the runtime must decide.
+    """
+    out: list[tuple[Any, list[WalkedSpan]]] = []
+    pos = 0
+    end = len(data)
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        if tag == 0x0A:  # resource_spans
+            size, pos = _varint(data, pos)
+            stop = _within(pos, size, end)
+            out.append(_resource_spans(data, pos, stop))
+            pos = stop
+        else:
+            pos = _skip(data, pos, tag, end)
+    return out
+
+
+def _resource_spans(data: bytes, pos: int, end: int) -> tuple[Any, list[WalkedSpan]]:
+    resource: Any = None
+    spans: list[WalkedSpan] = []
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        if tag == 0x0A or tag == 0x12:  # noqa: PLR1714 - resource, scope_spans
+            size, pos = _varint(data, pos)
+            stop = _within(pos, size, end)
+            if tag == 0x12:
+                _scope_spans(data, pos, stop, spans)
+            elif resource is None:
+                try:
+                    resource = Resource.FromString(data[pos:stop])
+                except DecodeError as exc:
+                    raise Unsupported(f"a resource that does not parse: {exc}") from exc
+            else:
+                raise Unsupported("resource written twice")
+            pos = stop
+        else:
+            pos = _skip(data, pos, tag, end)
+    return (resource if resource is not None else Resource()), spans
+
+
+def _scope_spans(data: bytes, pos: int, end: int, spans: list[WalkedSpan]) -> None:
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        if tag == 0x12:  # spans
+            size, pos = _varint(data, pos)
+            stop = _within(pos, size, end)
+            spans.append(_span(data, pos, stop))
+            pos = stop
+        else:
+            pos = _skip(data, pos, tag, end)
+
+
+def _span(data: bytes, pos: int, end: int) -> WalkedSpan:
+    span = WalkedSpan()
+    attributes: dict[str, bytes] = {}
+    events: list[bytes] = []
+    status_seen = False
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        field = tag >> 3
+        if tag & 7 == _LEN and (1 <= field <= 5 or field == 9 or field == 11 or field == 15):  # noqa: PLR1714
+            size, pos = _varint(data, pos)
+            stop = _within(pos, size, end)
+            if field == 9:
+                _attribute(data, pos, stop, attributes)
+            elif field == 11:
+                events.append(data[pos:stop])
+            elif field == 1:
+                span.trace_id = data[pos:stop]
+            elif field == 2:
+                span.span_id = data[pos:stop]
+            elif field == 4:
+                span.parent_span_id = data[pos:stop]
+            elif field == 5:
+                span.name = data[pos:stop].decode("utf-8")
+            elif field == 15:
+                if status_seen:
+                    raise Unsupported("status written twice")
+                status_seen = True
+                span.status = _status(data, pos, stop)
+            pos = stop  # field 3, trace_state, is not read
+        elif tag == 0x30:  # kind
+            value, pos = _varint(data, pos)
+            span.kind = _int32(value)
+        elif tag == 0x39 or tag == 0x41:  # noqa: PLR1714 - start, end (fixed64)
+            stop = _within(pos, 8, end)
+            value = int.from_bytes(data[pos:stop], "little")
+            if tag == 0x39:
+                span.start_time_unix_nano = value
+            else:
+                span.end_time_unix_nano = value
+            pos = stop
+        elif field in _READ_FIELDS:
+            raise Unsupported(f"field {field} with wire type {tag & 7}")
+        else:
+            pos = _skip(data, pos, tag, end)
+    span.attributes = attributes
+    if events:
+        span._raw_events = events
+    return span
+
+
+#: Span fields read above: any other wire type for them is the runtime's to handle.
+_READ_FIELDS: Final = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 15})
+
+
+def _attribute(data: bytes, pos: int, end: int, attributes: dict[str, bytes]) -> None:
+    """A ``KeyValue`` read as a map entry: a missing key is "", a missing value b""."""
+    key = ""
+    value = b""
+    seen = 0
+    while pos < end:
+        tag = data[pos]
+        if tag != 0x0A and tag != 0x12:  # noqa: PLR1714 - only key and value
+            raise Unsupported("an attribute with other fields")
+        size = data[pos + 1]
+        if size < 0x80:
+            pos += 2
+        else:
+            size, pos = _varint(data, pos + 1)
+        stop = _within(pos, size, end)
+        if tag == 0x0A:
+            if seen & 1:
+                raise Unsupported("an attribute key written twice")
+            seen |= 1
+            raw = data[pos:stop]
+            found = _KEYS.get(raw)
+            if found is None:
+                found = raw.decode("utf-8")
+                if len(_KEYS) >= _MAX_KEYS:
+                    _KEYS.clear()  # bounded; rebuilt from the next spans
+                _KEYS[raw] = found
+            key = found
+        else:
+            if seen & 2:
+                raise Unsupported("an attribute value written twice")
+            seen |= 2
+            value = data[pos:stop]
+        pos = stop
+    attributes[key] = value  # a repeated key: the last wins, as in a map
+
+
+def _status(data: bytes, pos: int, end: int) -> WalkedStatus:
+    code = 0
+    message = ""
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        if tag == 0x12:  # message
+            size, pos = _varint(data, pos)
+            stop = _within(pos, size, end)
+            message = data[pos:stop].decode("utf-8")
+            pos = stop
+        elif tag == 0x18:  # code
+            value, pos = _varint(data, pos)
+            code = _int32(value)
+        elif (tag >> 3) in (2, 3):
+            raise Unsupported("a status field with another wire type")
+        else:
+            pos = _skip(data, pos, tag, end)
+    if code == 0 and not message:
+        return _OK_STATUS
+    return WalkedStatus(code, message)
+
+
+def _int32(value: int) -> int:
+    """An int32 field's varint as protobuf reads it (truncated, two's complement)."""
+    value &= 0xFFFFFFFF
+    return value - 0x100000000 if value >= 0x80000000 else value
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    byte = data[pos]
+    if byte < 0x80:
+        return byte, pos + 1
+    result = byte & 0x7F
+    shift = 7
+    while True:
+        pos += 1
+        byte = data[pos]
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos + 1
+        shift += 7
+        if shift > 63:
+            raise Unsupported("a varint over ten bytes")
+
+
+def _within(pos: int, size: int, end: int) -> int:
+    stop = pos + size
+    if stop > end:
+        raise Unsupported("a length past the end of its message")
+    return stop
+
+
+def _skip(data: bytes, pos: int, tag: int, end: int) -> int:
+    """The position after a field this reader does not use."""
+    wire_type = tag & 7
+    if tag >> 3 == 0:
+        raise Unsupported("field number 0")
+    if wire_type == 0:
+        return _varint(data, pos)[1]
+    if wire_type == 1:
+        return _within(pos, 8, end)
+    if wire_type == _LEN:
+        size, pos = _varint(data, pos)
+        return _within(pos, size, end)
+    if wire_type == 5:
+        return _within(pos, 4, end)
+    raise Unsupported(f"wire type {wire_type}")
