@@ -137,15 +137,13 @@ def wire_spans(payload: bytes) -> list[WireSpan]:
 
 def walked_spans(payload: bytes) -> list[WireSpan]:
     """:func:`wire_spans` by :mod:`.walk`; raises what :func:`.walk.walk_request` raises."""
-    watched = WATCHED_KEYS.intersection
     out: list[WireSpan] = []
-    for resource_message, spans in walk_request(payload):
+    for resource_message, spans in walk_request(payload, WATCHED_KEYS):
         if not spans:
             continue
         resource, service = _resource(resource_message)
         for span in spans:
-            encoded = span.attributes
-            out.append((span, resource, service, watched(encoded), encoded))
+            out.append((span, resource, service, span.present, span.attributes))
     return out
 
 

@@ -39,6 +39,7 @@ _LEN: Final = 2
 _KEYS: Final[dict[bytes, str]] = {}
 _MAX_KEYS: Final = 4096
 _NO_EVENTS: Final[tuple[Any, ...]] = ()
+_NONE_PRESENT: Final[frozenset[str]] = frozenset()
 
 
 class Unsupported(ValueError):
@@ -69,6 +70,7 @@ class WalkedSpan:
         "kind",
         "name",
         "parent_span_id",
+        "present",
         "span_id",
         "start_time_unix_nano",
         "status",
@@ -86,6 +88,8 @@ class WalkedSpan:
         self.status = _OK_STATUS
         #: Key to encoded ``AnyValue``, as the lite schema's attribute map holds them.
         self.attributes: dict[str, bytes] = {}
+        #: The attribute keys the caller watches for (see :func:`walk_request`).
+        self.present: frozenset[str] = _NONE_PRESENT
         self._raw_events: list[bytes] | None = None
         self._events: list[Any] | None = None
 
@@ -106,8 +110,10 @@ class WalkedSpan:
         return parsed
 
 
-def walk_request(data: bytes) -> list[tuple[Any, list[WalkedSpan]]]:
+def walk_request(data: bytes, watched: frozenset[str]) -> list[tuple[Any, list[WalkedSpan]]]:
     """An ``ExportTraceServiceRequest``'s spans by resource: (``Resource``, spans).
+
+    Each span's ``present`` holds those of its attribute keys that are in ``watched``.
 
     Raises :class:`Unsupported` (or ``IndexError``/``UnicodeDecodeError`` on
     bytes that end early or are not UTF-8) where the runtime must decide.
@@ -120,14 +126,16 @@ def walk_request(data: bytes) -> list[tuple[Any, list[WalkedSpan]]]:
         if tag == 0x0A:  # resource_spans
             size, pos = _varint(data, pos)
             stop = _within(pos, size, end)
-            out.append(_resource_spans(data, pos, stop))
+            out.append(_resource_spans(data, pos, stop, watched))
             pos = stop
         else:
             pos = _skip(data, pos, tag, end)
     return out
 
 
-def _resource_spans(data: bytes, pos: int, end: int) -> tuple[Any, list[WalkedSpan]]:
+def _resource_spans(
+    data: bytes, pos: int, end: int, watched: frozenset[str]
+) -> tuple[Any, list[WalkedSpan]]:
     resource: Any = None
     spans: list[WalkedSpan] = []
     while pos < end:
@@ -136,7 +144,7 @@ def _resource_spans(data: bytes, pos: int, end: int) -> tuple[Any, list[WalkedSp
             size, pos = _varint(data, pos)
             stop = _within(pos, size, end)
             if tag == 0x12:
-                _scope_spans(data, pos, stop, spans)
+                _scope_spans(data, pos, stop, spans, watched)
             elif resource is None:
                 try:
                     resource = Resource.FromString(data[pos:stop])
@@ -150,21 +158,24 @@ def _resource_spans(data: bytes, pos: int, end: int) -> tuple[Any, list[WalkedSp
     return (resource if resource is not None else Resource()), spans
 
 
-def _scope_spans(data: bytes, pos: int, end: int, spans: list[WalkedSpan]) -> None:
+def _scope_spans(
+    data: bytes, pos: int, end: int, spans: list[WalkedSpan], watched: frozenset[str]
+) -> None:
     while pos < end:
         tag, pos = _varint(data, pos)
         if tag == 0x12:  # spans
             size, pos = _varint(data, pos)
             stop = _within(pos, size, end)
-            spans.append(_span(data, pos, stop))
+            spans.append(_span(data, pos, stop, watched))
             pos = stop
         else:
             pos = _skip(data, pos, tag, end)
 
 
-def _span(data: bytes, pos: int, end: int) -> WalkedSpan:
+def _span(data: bytes, pos: int, end: int, watched: frozenset[str]) -> WalkedSpan:
     span = WalkedSpan()
     attributes: dict[str, bytes] = {}
+    present: list[str] = []
     events: list[bytes] = []
     status_seen = False
     while pos < end:
@@ -174,7 +185,7 @@ def _span(data: bytes, pos: int, end: int) -> WalkedSpan:
             size, pos = _varint(data, pos)
             stop = _within(pos, size, end)
             if field == 9:
-                _attribute(data, pos, stop, attributes)
+                _attribute(data, pos, stop, attributes, present=present, watched=watched)
             elif field == 11:
                 events.append(data[pos:stop])
             elif field == 1:
@@ -196,7 +207,7 @@ def _span(data: bytes, pos: int, end: int) -> WalkedSpan:
             span.kind = _int32(value)
         elif tag == 0x39 or tag == 0x41:  # noqa: PLR1714 - start, end (fixed64)
             stop = _within(pos, 8, end)
-            value = int.from_bytes(data[pos:stop], "little")
+            value = _fixed64(data, pos)
             if tag == 0x39:
                 span.start_time_unix_nano = value
             else:
@@ -207,6 +218,8 @@ def _span(data: bytes, pos: int, end: int) -> WalkedSpan:
         else:
             pos = _skip(data, pos, tag, end)
     span.attributes = attributes
+    if present:
+        span.present = frozenset(present)
     if events:
         span._raw_events = events
     return span
@@ -216,7 +229,15 @@ def _span(data: bytes, pos: int, end: int) -> WalkedSpan:
 _READ_FIELDS: Final = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 15})
 
 
-def _attribute(data: bytes, pos: int, end: int, attributes: dict[str, bytes]) -> None:
+def _attribute(
+    data: bytes,
+    pos: int,
+    end: int,
+    attributes: dict[str, bytes],
+    *,
+    present: list[str],
+    watched: frozenset[str],
+) -> None:
     """A ``KeyValue`` read as a map entry: a missing key is "", a missing value b""."""
     key = ""
     value = b""
@@ -250,6 +271,8 @@ def _attribute(data: bytes, pos: int, end: int, attributes: dict[str, bytes]) ->
             value = data[pos:stop]
         pos = stop
     attributes[key] = value  # a repeated key: the last wins, as in a map
+    if key in watched:
+        present.append(key)
 
 
 def _status(data: bytes, pos: int, end: int) -> WalkedStatus:
@@ -272,6 +295,13 @@ def _status(data: bytes, pos: int, end: int) -> WalkedStatus:
     if code == 0 and not message:
         return _OK_STATUS
     return WalkedStatus(code, message)
+
+
+def _fixed64(data: bytes, pos: int) -> int:
+    """Eight little-endian bytes; in native arithmetic (``int.from_bytes`` parses keywords)."""
+    low = data[pos] | data[pos + 1] << 8 | data[pos + 2] << 16 | data[pos + 3] << 24
+    high = data[pos + 4] | data[pos + 5] << 8 | data[pos + 6] << 16 | data[pos + 7] << 24
+    return high << 32 | low
 
 
 def _int32(value: int) -> int:
