@@ -38,6 +38,8 @@ _LEN: Final = 2
 #: Interned attribute keys by their encoding; bounded (keys come from spans).
 _KEYS: Final[dict[bytes, str]] = {}
 _MAX_KEYS: Final = 4096
+#: The watched keys of a span, as a frozenset, by the order they were read in.
+_PRESENT: Final[dict[tuple[str, ...], frozenset[str]]] = {}
 _NO_EVENTS: Final[tuple[Any, ...]] = ()
 _NONE_PRESENT: Final[frozenset[str]] = frozenset()
 
@@ -219,7 +221,7 @@ def _span(data: bytes, pos: int, end: int, watched: frozenset[str]) -> WalkedSpa
             pos = _skip(data, pos, tag, end)
     span.attributes = attributes
     if present:
-        span.present = frozenset(present)
+        span.present = _interned(present)
     if events:
         span._raw_events = events
     return span
@@ -227,6 +229,19 @@ def _span(data: bytes, pos: int, end: int, watched: frozenset[str]) -> WalkedSpa
 
 #: Span fields read above: any other wire type for them is the runtime's to handle.
 _READ_FIELDS: Final = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 15})
+
+
+def _interned(present: list[str]) -> frozenset[str]:
+    """One frozenset per distinct list of watched keys: spans of one kind share theirs,
+    and its hash, which the screens' memos compute, is computed once."""
+    key = tuple(present)
+    found = _PRESENT.get(key)
+    if found is None:
+        found = frozenset(present)
+        if len(_PRESENT) >= _MAX_KEYS:
+            _PRESENT.clear()  # bounded; rebuilt from the next spans
+        _PRESENT[key] = found
+    return found
 
 
 def _attribute(
