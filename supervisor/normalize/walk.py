@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-__all__ = ["COMPILED", "Unsupported", "WalkedSpan", "WalkedStatus", "walk_request"]
+__all__ = ["COMPILED", "Unsupported", "WalkedSpan", "WalkedStatus", "read_varint", "walk_request"]
 
 #: True when this module runs as a compiled extension (see ``setup.py``).
 COMPILED: Final = not __file__.endswith(".py")
@@ -79,7 +79,7 @@ class WalkedSpan:
         "trace_id",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, attributes: dict[str, bytes]) -> None:
         self.trace_id = b""
         self.span_id = b""
         self.parent_span_id = b""
@@ -89,7 +89,7 @@ class WalkedSpan:
         self.end_time_unix_nano = 0
         self.status = _OK_STATUS
         #: Key to encoded ``AnyValue``, as the lite schema's attribute map holds them.
-        self.attributes: dict[str, bytes] = {}
+        self.attributes = attributes
         #: The attribute keys the caller watches for (see :func:`walk_request`).
         self.present: frozenset[str] = _NONE_PRESENT
         self._raw_events: list[bytes] | None = None
@@ -121,17 +121,10 @@ def walk_request(data: bytes, watched: frozenset[str]) -> list[tuple[Any, list[W
     bytes that end early or are not UTF-8) where the runtime must decide.
     """
     out: list[tuple[Any, list[WalkedSpan]]] = []
-    pos = 0
-    end = len(data)
-    while pos < end:
-        tag, pos = _varint(data, pos)
-        if tag == 0x0A:  # resource_spans
-            size, pos = _varint(data, pos)
-            stop = _within(pos, size, end)
-            out.append(_resource_spans(data, pos, stop, watched))
-            pos = stop
-        else:
-            pos = _skip(data, pos, tag, end)
+    start, stop = _next(data, 0, len(data), 0x0A)  # resource_spans
+    while start >= 0:
+        out.append(_resource_spans(data, start, stop, watched))
+        start, stop = _next(data, stop, len(data), 0x0A)
     return out
 
 
@@ -141,9 +134,9 @@ def _resource_spans(
     resource: Any = None
     spans: list[WalkedSpan] = []
     while pos < end:
-        tag, pos = _varint(data, pos)
+        tag, pos = read_varint(data, pos)
         if tag == 0x0A or tag == 0x12:  # noqa: PLR1714 - resource, scope_spans
-            size, pos = _varint(data, pos)
+            size, pos = read_varint(data, pos)
             stop = _within(pos, size, end)
             if tag == 0x12:
                 _scope_spans(data, pos, stop, spans, watched)
@@ -163,28 +156,35 @@ def _resource_spans(
 def _scope_spans(
     data: bytes, pos: int, end: int, spans: list[WalkedSpan], watched: frozenset[str]
 ) -> None:
+    start, stop = _next(data, pos, end, 0x12)  # spans
+    while start >= 0:
+        spans.append(_span(data, start, stop, watched))
+        start, stop = _next(data, stop, end, 0x12)
+
+
+def _next(data: bytes, pos: int, end: int, tag: int) -> tuple[int, int]:
+    """(start, stop) of the next length-delimited field with this one-byte ``tag``
+    from ``pos``, other fields skipped; (-1, end) when there is none."""
     while pos < end:
-        tag, pos = _varint(data, pos)
-        if tag == 0x12:  # spans
-            size, pos = _varint(data, pos)
-            stop = _within(pos, size, end)
-            spans.append(_span(data, pos, stop, watched))
-            pos = stop
-        else:
-            pos = _skip(data, pos, tag, end)
+        found_tag, pos = read_varint(data, pos)
+        if found_tag == tag:
+            size, pos = read_varint(data, pos)
+            return pos, _within(pos, size, end)
+        pos = _skip(data, pos, found_tag, end)
+    return -1, end
 
 
 def _span(data: bytes, pos: int, end: int, watched: frozenset[str]) -> WalkedSpan:
-    span = WalkedSpan()
     attributes: dict[str, bytes] = {}
+    span = WalkedSpan(attributes)
     present: list[str] = []
     events: list[bytes] = []
     status_seen = False
     while pos < end:
-        tag, pos = _varint(data, pos)
+        tag, pos = read_varint(data, pos)
         field = tag >> 3
         if tag & 7 == _LEN and (1 <= field <= 5 or field == 9 or field == 11 or field == 15):  # noqa: PLR1714
-            size, pos = _varint(data, pos)
+            size, pos = read_varint(data, pos)
             stop = _within(pos, size, end)
             if field == 9:
                 _attribute(data, pos, stop, attributes, present=present, watched=watched)
@@ -205,7 +205,7 @@ def _span(data: bytes, pos: int, end: int, watched: frozenset[str]) -> WalkedSpa
                 span.status = _status(data, pos, stop)
             pos = stop  # field 3, trace_state, is not read
         elif tag == 0x30:  # kind
-            value, pos = _varint(data, pos)
+            value, pos = read_varint(data, pos)
             span.kind = _int32(value)
         elif tag == 0x39 or tag == 0x41:  # noqa: PLR1714 - start, end (fixed64)
             stop = _within(pos, 8, end)
@@ -219,7 +219,6 @@ def _span(data: bytes, pos: int, end: int, watched: frozenset[str]) -> WalkedSpa
             raise Unsupported(f"field {field} with wire type {tag & 7}")
         else:
             pos = _skip(data, pos, tag, end)
-    span.attributes = attributes
     if present:
         span.present = _interned(present)
     if events:
@@ -265,7 +264,7 @@ def _attribute(
         if size < 0x80:
             pos += 2
         else:
-            size, pos = _varint(data, pos + 1)
+            size, pos = read_varint(data, pos + 1)
         stop = _within(pos, size, end)
         if tag == 0x0A:
             if seen & 1:
@@ -294,14 +293,14 @@ def _status(data: bytes, pos: int, end: int) -> WalkedStatus:
     code = 0
     message = ""
     while pos < end:
-        tag, pos = _varint(data, pos)
+        tag, pos = read_varint(data, pos)
         if tag == 0x12:  # message
-            size, pos = _varint(data, pos)
+            size, pos = read_varint(data, pos)
             stop = _within(pos, size, end)
             message = data[pos:stop].decode("utf-8")
             pos = stop
         elif tag == 0x18:  # code
-            value, pos = _varint(data, pos)
+            value, pos = read_varint(data, pos)
             code = _int32(value)
         elif (tag >> 3) in (2, 3):
             raise Unsupported("a status field with another wire type")
@@ -325,7 +324,8 @@ def _int32(value: int) -> int:
     return value - 0x100000000 if value >= 0x80000000 else value
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """A base-128 varint at ``pos``: (value, position after it)."""
     byte = data[pos]
     if byte < 0x80:
         return byte, pos + 1
@@ -355,11 +355,11 @@ def _skip(data: bytes, pos: int, tag: int, end: int) -> int:
     if tag >> 3 == 0:
         raise Unsupported("field number 0")
     if wire_type == 0:
-        return _varint(data, pos)[1]
+        return read_varint(data, pos)[1]
     if wire_type == 1:
         return _within(pos, 8, end)
     if wire_type == _LEN:
-        size, pos = _varint(data, pos)
+        size, pos = read_varint(data, pos)
         return _within(pos, size, end)
     if wire_type == 5:
         return _within(pos, 4, end)

@@ -33,6 +33,7 @@ from supervisor.normalize.attributes import (
     MAX_VALUE_CHARS,
     convert_value,
 )
+from supervisor.normalize.walk import read_varint
 from supervisor.records import AttrValue
 
 __all__ = ["LazyConverted", "LiteRequest", "RawAttributes"]
@@ -116,20 +117,6 @@ _T = TypeVar("_T")
 _DOUBLE: Final = struct.Struct("<d")
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    """A base-128 varint at ``pos``: (value, position after it)."""
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
 def _any_value(data: bytes, pos: int, end: int) -> object:
     """The ``AnyValue`` encoded in ``data[pos:end]``, or ``_MISSING``.
 
@@ -145,19 +132,19 @@ def _any_value(data: bytes, pos: int, end: int) -> object:
         if size < 0x80:
             at = pos + 2
         else:
-            size, at = _varint(data, pos + 1)
+            size, at = read_varint(data, pos + 1)
         if at + size != end:
             return _MISSING
         if tag == 0x0A:
             return data[at:end].decode("utf-8", "replace")
         return _array(data, at, end)
     if tag == 0x18:  # int_value: int64 as a two's complement varint
-        value, after = _varint(data, pos + 1)
+        value, after = read_varint(data, pos + 1)
         if after != end:
             return _MISSING
         return value - (1 << 64) if value >= 1 << 63 else value
     if tag == 0x10:  # bool_value
-        value, after = _varint(data, pos + 1)
+        value, after = read_varint(data, pos + 1)
         return bool(value) if after == end else _MISSING
     if tag == 0x21 and pos + 9 == end:  # double_value (fixed64)
         return _DOUBLE.unpack_from(data, pos + 1)[0]
@@ -174,7 +161,7 @@ def _array(data: bytes, at: int, end: int) -> object:
         if size < 0x80:
             start = at + 2
         else:
-            size, start = _varint(data, at + 1)
+            size, start = read_varint(data, at + 1)
         stop = start + size
         if stop > end:
             return _MISSING
