@@ -27,7 +27,6 @@ ones at once); called from one thread (the pipeline's).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Final
@@ -141,7 +140,11 @@ class Governor:
         """
         limits = self.policy.limits
         if limits.retry_budget.enabled:
-            for dependency, count in Counter(map(_dependency_of, calls)).items():
+            counts: dict[str, int] = {}
+            for call in calls:  # not a Counter: its constructor runs interpreted
+                dependency = call[1]
+                counts[dependency] = counts.get(dependency, 0) + 1
+            for dependency, count in counts.items():
                 self.budget.record_call(dependency, count)
         if not limits.breakers_enabled:
             return
@@ -271,10 +274,6 @@ class Governor:
             if candidate != dependency and self.breaker_state(candidate) not in _BLOCKED:
                 return candidate, chain
         return None
-
-
-def _dependency_of(call: tuple[int, str, bool]) -> str:
-    return call[1]
 
 
 def _ended(call: tuple[int, str, bool]) -> int:

@@ -104,12 +104,17 @@ class Governor(Protocol):
 class RecoveryListener(Protocol):
     """What waits for a run's later successes (remediation verification).
 
-    ``dependencies`` is looked up on the success path, so it must be a set;
-    ``succeeded`` runs on the pipeline's thread and must not block.
+    ``dependencies`` and ``waiting`` are looked up on the success path
+    without a lock, so they must be a set and a dict (or alike); only a
+    (run, dependency) pair in ``waiting`` is passed to ``succeeded``, which
+    runs on the pipeline's thread and must not block.
     """
 
     @property
     def dependencies(self) -> Collection[str]: ...
+
+    @property
+    def waiting(self) -> Collection[tuple[str, str]]: ...
 
     def succeeded(self, run: str, dependency: str, span_id: str) -> None: ...
 
@@ -211,6 +216,8 @@ class Pipeline:
         self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
         # Dependencies with attempts counted: only their successes are looked up.
         self._attempted: set[str] = set()
+        # Which verifiers want a successful span: see _wanted.
+        self._wants = _WantedBy(None)
         #: Told when a dependency that a remediation waits for succeeds in a run.
         self.recovery: RecoveryListener | None = None
         #: Every span's run: progress, loops, stalls (None: not tracked).
@@ -313,8 +320,11 @@ class Pipeline:
         dependencies = [dependency_of(item) for item in ok]
         if runs is not None:
             runs.observe_all(ok, dependencies, now_s, detected)
+        wants = self._wants
+        if wants.verifiers is not verifiers:  # a new policy
+            wants = self._wants = _WantedBy(verifiers)
         for item, dependency in zip(ok, dependencies, strict=True):
-            if verifying and _verified(verifiers, item, dependency):
+            if verifying and wants.wanted(item, dependency):
                 verify.append(item)  # its output must pass a verifier: normalize it
             if not dependency:
                 continue
@@ -324,11 +334,7 @@ class Pipeline:
             if dependency in self._attempted:
                 self._attempts.pop((_run_of(item), dependency))
             if dependency in recovering and recovery is not None:
-                trace_id, span_id = span.trace_id.hex(), span.span_id.hex()
-                recovery.succeeded(trace_id, dependency, span_id)
-                run_id = _run_of(item)
-                if run_id != trace_id:
-                    recovery.succeeded(run_id, dependency, span_id)
+                _recovered(recovery, span.trace_id.hex(), _run_of(item), dependency, span.span_id)
 
     def _reset_attempts_early(self, later: list[WireSpan]) -> None:
         """Successes among the spans left for later reset their attempts now.
@@ -414,9 +420,7 @@ class Pipeline:
                     self._attempts.pop((r.run_id, r.dependency))
                 recovery = self.recovery
                 if recovery is not None and r.dependency in recovery.dependencies:
-                    recovery.succeeded(r.run_id, r.dependency, r.span_id)
-                    if r.run_id != r.trace_id:
-                        recovery.succeeded(r.trace_id, r.dependency, r.span_id)
+                    _recovered(recovery, r.trace_id, r.run_id, r.dependency, r.span_id)
         outcomes = self._judge(failing, received_ns, calls)
         if unverified:
             outcomes += self.judge_detected(unverified)
@@ -830,17 +834,87 @@ def detected_failure(found: Detection, received_ns: int) -> Failure:
 _UNNAMED_ROLES: Final[tuple[Role, ...]] = (Role.AGENT, Role.CHAIN, Role.OTHER)
 
 
-def _verified(verifiers: VerifierSet, item: WireSpan, dependency: str) -> bool:
-    """Whether some verifier looks at this successful span (it is then normalized)."""
-    span, _, service, _, _ = item
-    name: str = span.name
-    if dependency.startswith("tool:"):
-        return verifiers.wants(service, Role.TOOL, name)
-    if dependency.startswith("http:"):
-        return verifiers.wants(service, Role.HTTP, name)
-    if dependency:
-        return verifiers.wants(service, Role.LLM, name)
-    return any(verifiers.wants(service, role, name) for role in _UNNAMED_ROLES)
+def _recovered(
+    recovery: RecoveryListener, trace_id: str, run_id: str, dependency: str, span_id: str | bytes
+) -> None:
+    """Tell ``recovery`` of a success in a run (by run id and by trace id) it waits for.
+
+    Most successes of a watched dependency are in other runs: they cost two
+    lookups, not a call with a lock (nor the span id in hex).
+    """
+    waiting = recovery.waiting
+    by_run = (run_id, dependency) in waiting
+    by_trace = run_id != trace_id and (trace_id, dependency) in waiting
+    if not (by_run or by_trace):
+        return
+    span_hex = span_id if isinstance(span_id, str) else span_id.hex()
+    if by_run:
+        recovery.succeeded(run_id, dependency, span_hex)
+    if by_trace:
+        recovery.succeeded(trace_id, dependency, span_hex)
+
+
+class _WantedBy:
+    """Whether some verifier looks at a successful span (it is then normalized), memoized.
+
+    The answer depends on the span's service, name and role only, and asking
+    the verifier set (interpreted, a generator per span) cost more than the
+    rest of a successful span's bookkeeping. Span names are the agents' to
+    choose, so the memo is bounded: cleared when full.
+    """
+
+    __slots__ = ("_by_service", "_size", "verifiers")
+
+    def __init__(self, verifiers: VerifierSet | None) -> None:
+        self.verifiers = verifiers
+        # service -> span name -> a bit per role group (_TOOL, _HTTP, _LLM, _UNNAMED)
+        self._by_service: dict[str, dict[str, int]] = {}
+        self._size = 0
+
+    def wanted(self, item: WireSpan, dependency: str) -> bool:
+        span, _, service, _, _ = item
+        name: str = span.name
+        by_name = self._by_service.get(service)
+        if by_name is None:
+            by_name = self._by_service[service] = {}
+        bits = by_name.get(name)
+        if bits is None:
+            bits = self._ask(service, name)
+            if self._size >= _WANTED_ENTRIES:
+                self._by_service = {service: by_name}
+                by_name.clear()
+                self._size = 0
+            by_name[name] = bits
+            self._size += 1
+        if dependency.startswith("tool:"):
+            return bits & _TOOL != 0
+        if dependency.startswith("http:"):
+            return bits & _HTTP != 0
+        if dependency:
+            return bits & _LLM != 0
+        return bits & _UNNAMED != 0
+
+    def _ask(self, service: str, name: str) -> int:
+        verifiers = self.verifiers
+        if verifiers is None:
+            return 0
+        bits = 0
+        if verifiers.wants(service, Role.TOOL, name):
+            bits |= _TOOL
+        if verifiers.wants(service, Role.HTTP, name):
+            bits |= _HTTP
+        if verifiers.wants(service, Role.LLM, name):
+            bits |= _LLM
+        if any(verifiers.wants(service, role, name) for role in _UNNAMED_ROLES):
+            bits |= _UNNAMED
+        return bits
+
+
+_TOOL: Final = 1
+_HTTP: Final = 2
+_LLM: Final = 4
+_UNNAMED: Final = 8
+_WANTED_ENTRIES: Final = 4096
 
 
 def _verification_failure(

@@ -70,15 +70,16 @@ def database_url_for(settings: Settings) -> str | None:
 class RecoveryWatch:
     """(run, dependency) pairs that remediations wait to see succeed; see the module.
 
-    ``dependencies`` is read by the pipeline without a lock (a set lookup);
-    it is changed only under the lock, from the runner's thread.
+    ``dependencies`` and ``waiting`` are read by the pipeline without a
+    lock (a set and a dict lookup); they are changed only under the lock.
     """
 
     def __init__(self, notify: Callable[[str, Mapping[str, Any]], None]) -> None:
         self._notify = notify
         self._lock = threading.Lock()
         self.dependencies: set[str] = set()
-        self._by_key: dict[tuple[str, str], set[str]] = {}
+        #: (run, dependency) -> the remediations waiting for it to succeed.
+        self.waiting: dict[tuple[str, str], set[str]] = {}
         self._keys_of: dict[str, list[tuple[str, str]]] = {}
         #: Watches refused because ``_MAX_WATCHED`` were already kept.
         self.overflow = 0
@@ -91,18 +92,18 @@ class RecoveryWatch:
             keys = [(run, dependency) for run in dict.fromkeys(runs) if run]
             self._keys_of[remediation_id] = keys
             for key in keys:
-                self._by_key.setdefault(key, set()).add(remediation_id)
+                self.waiting.setdefault(key, set()).add(remediation_id)
             self.dependencies.add(dependency)
 
     def unwatch(self, remediation_id: str) -> None:
         with self._lock:
             for key in self._keys_of.pop(remediation_id, []):
-                waiting = self._by_key.get(key)
+                waiting = self.waiting.get(key)
                 if waiting is not None:
                     waiting.discard(remediation_id)
                     if not waiting:
-                        del self._by_key[key]
-            self.dependencies.intersection_update(dep for _, dep in self._by_key)
+                        del self.waiting[key]
+            self.dependencies.intersection_update(dep for _, dep in self.waiting)
 
     def succeeded(self, run: str, dependency: str, span_id: str) -> None:
         """A span of ``run`` shows ``dependency`` succeeding (from the pipeline's thread).
@@ -111,7 +112,7 @@ class RecoveryWatch:
         unwatches would only pile up messages nobody receives.
         """
         with self._lock:
-            waiting = list(self._by_key.get((run, dependency), ()))
+            waiting = list(self.waiting.get((run, dependency), ()))
         for remediation_id in waiting:
             self.unwatch(remediation_id)
             self._notify(remediation_id, {"run": run, "dependency": dependency, "span_id": span_id})

@@ -356,3 +356,30 @@ def test_a_success_of_the_dependency_ends_the_steps_attempts() -> None:
     assert attempt_of(_span(2, llm, error=error)) == [2]
     assert attempt_of(_span(3, llm)) == []  # the step went through
     assert attempt_of(_span(4, llm, error=error)) == [1]  # the next step starts afresh
+
+
+class _Waits:
+    """A RecoveryListener that waits for one (run, dependency) pair and records what it is told."""
+
+    def __init__(self, run: str, dependency: str) -> None:
+        self.dependencies = {dependency}
+        self.waiting = {(run, dependency): {"remediation-1"}}
+        self.told: list[tuple[str, str, str]] = []
+
+    def succeeded(self, run: str, dependency: str, span_id: str) -> None:
+        self.told.append((run, dependency, span_id))
+
+
+def test_successes_are_passed_on_only_for_the_runs_a_remediation_waits_for() -> None:
+    from tests.test_runs import TRACE, llm, payload, span
+
+    watched_run = TRACE.hex()
+    waits = _Waits(watched_run, "openai:gpt-4o")
+    pipeline = Pipeline(load_policy())
+    pipeline.recovery = waits
+    elsewhere = llm("fine")
+    elsewhere.trace_id = b"\x22" * 16
+    recovered = llm("fine")
+    unwatched = span("execute_tool search", {"gen_ai.tool.name": "search"})
+    pipeline.process_payload(payload(elsewhere, recovered, unwatched), received_ns=10**12)
+    assert waits.told == [(watched_run, "openai:gpt-4o", recovered.span_id.hex())]

@@ -55,3 +55,32 @@ verifiers:
     )
     outcomes = Pipeline(policy).process_payload(payload(root), received_ns=10**12)
     assert [o.failure.rule for o in outcomes] == ["verifier.answered"]
+
+
+def test_a_reloaded_policy_is_asked_again_which_spans_it_verifies() -> None:
+    """Which verifiers want a span is memoized per policy, not kept across a reload."""
+    pipeline = Pipeline(load_policy(text="version: 1\n"))
+    assert pipeline.process_payload(payload(llm("not json")), received_ns=10**12) == []
+    pipeline.policy = load_policy(text=POLICY)
+    outcomes = pipeline.process_payload(payload(llm("not json")), received_ns=10**12)
+    assert [o.failure.rule for o in outcomes] == ["verifier.answer_is_json"]
+
+
+def test_many_span_names_keep_the_memo_bounded_and_right() -> None:
+    policy = load_policy(
+        text="""\
+version: 1
+verifiers:
+  - name: found_something
+    match: {role: [tool], span_name: ["execute_tool search*"]}
+    output_empty: true
+"""
+    )
+    pipeline = Pipeline(policy)
+    names = [f"search{n}" for n in range(5000)] + ["other", "search0"]
+    spans = [tool(name, {"q": "x"}, **{"gen_ai.tool.call.result": ""}) for name in names]
+    outcomes = pipeline.process_payload(payload(*spans), received_ns=10**12)
+    flagged = {o.failure.span_id for o in outcomes}
+    assert flagged == {s.span_id.hex() for s in spans if s.name != "execute_tool other"}
+    memo = pipeline._wants
+    assert sum(len(by_name) for by_name in memo._by_service.values()) <= 4096
