@@ -216,7 +216,7 @@ class Pipeline:
         self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
         # Dependencies with attempts counted: only their successes are looked up.
         self._attempted: set[str] = set()
-        # Which verifiers want a successful span: see _wanted.
+        # Which verifiers want a successful span, memoized per policy (_WantedBy).
         self._wants = _WantedBy(None)
         #: Told when a dependency that a remediation waits for succeeds in a run.
         self.recovery: RecoveryListener | None = None
