@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -235,6 +236,16 @@ class Sidecar:
         data: dict[str, Any] = response.json()
         return data
 
+    def threads(self) -> dict[str, Any]:
+        """``GET /v1/threads``: the CPU seconds of each of the sidecar's threads."""
+        if self._client is None:
+            raise BenchError("the sidecar is not running")
+        response = self._client.get("/v1/threads")
+        if response.status_code != 200:
+            raise BenchError(f"/v1/threads answered {response.status_code}: {response.text[:200]}")
+        data: dict[str, Any] = response.json()
+        return data
+
     def processed(self) -> int:
         return int(self.stats()["pipeline"]["processed_spans"])
 
@@ -451,3 +462,38 @@ def sidecar_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
     if args.queue_spans is not None:
         env["SPANVISOR_INGEST_QUEUE_SPANS"] = str(args.queue_spans)
     return env
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def thread_groups(snapshot: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds by thread name, numbers folded (``dbos-executor-_3`` -> ``dbos-executor-_N``)."""
+    groups: dict[str, float] = {}
+    for thread in snapshot.get("threads", []):
+        name = _NUMBER.sub("N", str(thread.get("name", "?")))
+        groups[name] = groups.get(name, 0.0) + float(thread.get("cpu_s", 0.0))
+    return groups
+
+
+def cpu_split(before: dict[str, Any], after: dict[str, Any], spans: int, top: int = 8) -> str:
+    """Where the sidecar's CPU went between two ``/v1/threads`` snapshots, per span.
+
+    Threads are grouped by name (numbers folded); a thread that ended in
+    between is missing from ``after``, so the rows may sum to less than the
+    process's total, which is printed beside them.
+    """
+    if not after.get("supported") or spans <= 0:
+        return "CPU by thread: not available (no /proc)"
+    start, end = thread_groups(before), thread_groups(after)
+    used = {name: end[name] - start.get(name, 0.0) for name in end}
+    total = float(after["process_cpu_s"]) - float(before.get("process_cpu_s") or 0.0)
+    rows = [
+        [name, f"{cpu:.2f}", f"{cpu / spans * 1e6:.1f}", f"{cpu / total:.0%}" if total > 0 else "-"]
+        for name, cpu in sorted(used.items(), key=lambda item: -item[1])[:top]
+        if cpu > 0
+    ]
+    rows.append(["(process)", f"{total:.2f}", f"{total / spans * 1e6:.1f}", "100%"])
+    return "CPU by thread over the measured spans:\n" + table(
+        ["thread", "CPU s", "us/span", "share"], rows
+    )

@@ -34,6 +34,7 @@ from bench.harness import (
     add_sidecar_arguments,
     command_line,
     cpu_seconds,
+    cpu_split,
     make_sender,
     median,
     running_sidecar,
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             for transport in args.transports:  # warm-up: imports, JIT-free caches, connections
                 warm = ids.fresh(pool, min(20, n_requests))
                 measure(sidecar, transport, warm, sum(map(span_count, warm)), args)
-            before = sidecar.stats()
+            before, threads_before = sidecar.stats(), sidecar.threads()
             for rep in range(args.repeat):
                 for transport in args.transports:
                     payloads = ids.fresh(pool, n_requests)
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{m.per_cpu_s:,.0f} spans/CPU-s, throttled {m.throttled}",
                         flush=True,
                     )
-            after = sidecar.stats()
+            after, threads_after = sidecar.stats(), sidecar.threads()
     except BenchError as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(_counters(before, after))
+    print(cpu_split(threads_before, threads_after, spans * args.repeat * len(args.transports)))
     return 0
 
 

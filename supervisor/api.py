@@ -122,6 +122,10 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     async def stats() -> dict[str, Any]:
         return control.all_stats()
 
+    @app.get("/v1/threads", dependencies=auth, summary="CPU time of each thread (Linux)")
+    async def threads() -> dict[str, Any]:
+        return control.threads()
+
     @app.get("/v1/failures", dependencies=auth, summary="Recent failures (in memory)")
     async def failures(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> dict[str, Any]:
         return {"failures": control.failures(limit)}

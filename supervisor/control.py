@@ -30,6 +30,7 @@ from supervisor.errors import ConfigError
 from supervisor.inline import Question, decide
 from supervisor.settings import AgentDelivery, PullChannel
 from supervisor.store import ApprovalError, Store
+from supervisor.thread_cpu import thread_cpu
 
 MAX_WAIT_S = 30.0
 MAX_LIMIT = 1000
@@ -134,6 +135,10 @@ class Control:
 
     def all_stats(self) -> dict[str, Any]:
         return self.stats()
+
+    def threads(self) -> dict[str, Any]:
+        """CPU seconds of the process and of each of its threads (see :mod:`.thread_cpu`)."""
+        return thread_cpu()
 
     # -- incidents and commands -------------------------------------------
 

@@ -101,6 +101,7 @@ def test_routes_need_the_bearer_token(parts: tuple[TestClient, Actor, Governor])
 
     for method, path in [
         ("GET", "/v1/stats"),
+        ("GET", "/v1/threads"),
         ("GET", "/v1/incidents"),
         ("GET", "/v1/approvals"),
         ("POST", "/v1/approvals/x/approve"),
@@ -216,3 +217,13 @@ def test_the_same_span_recorded_twice_makes_one_command(
     assert len(client.get("/v1/incidents", headers=AUTH).json()["incidents"]) == 1
     assert len(client.get("/v1/commands/log", headers=AUTH).json()["commands"]) == 1
     assert actor.store.duplicates == 1
+
+
+def test_the_route_answers_with_the_token(parts: tuple[TestClient, Actor, Governor]) -> None:
+    client, _, _ = parts
+    answer = client.get("/v1/threads", headers=AUTH)
+    assert answer.status_code == 200
+    body = answer.json()
+    assert set(body) == {"supported", "process_cpu_s", "listed_cpu_s", "threads"}
+    if body["supported"]:
+        assert "MainThread" in {t["name"] for t in body["threads"]}
