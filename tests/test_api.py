@@ -219,7 +219,7 @@ def test_the_same_span_recorded_twice_makes_one_command(
     assert actor.store.duplicates == 1
 
 
-def test_the_route_answers_with_the_token(parts: tuple[TestClient, Actor, Governor]) -> None:
+def test_threads_lists_each_threads_cpu_time(parts: tuple[TestClient, Actor, Governor]) -> None:
     client, _, _ = parts
     answer = client.get("/v1/threads", headers=AUTH)
     assert answer.status_code == 200
