@@ -60,4 +60,5 @@ def handle(
     t4 = clock()
     sidecar.actor.store_outcomes(outcomes + later)
     t5 = clock()
+    sidecar.collector.between_batches()  # as the sidecar's worker does, outside the figures
     return (t1 - t0) + (t3 - t2), (t2 - t1) + (t4 - t3), t5 - t4, len(outcomes) + len(later)

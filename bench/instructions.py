@@ -68,13 +68,12 @@ def _child(args: argparse.Namespace) -> None:
 
     from bench.inprocess import handle, make_sidecar
     from bench.spans import make_requests, with_fresh_ids
-    from supervisor.app import tune_gc
 
     logging.disable(logging.WARNING)  # "no delivery channel": the commands are dead letters
     folder = Path(tempfile.mkdtemp(prefix="spanvisor-instructions-"))
     try:
         sidecar = make_sidecar(folder, track=args.track, tracked_runs=args.tracked_runs)
-        tune_gc()
+        sidecar.collector.take_over()  # as `spanvisor run` does
         pool = make_requests(16, SPANS_PER_REQUEST, 0.05, seed=11)
         # The same payloads for both run lengths: only how many are judged differs.
         payloads = [

@@ -150,8 +150,6 @@ def _time_stages(bench: _Bench, tracker: Any, timings: Timings, spans: int) -> N
 
 def measure(args: argparse.Namespace) -> tuple[Timings, dict[str, float]]:
     """Every stage ``args.repeat`` times; also the failures per span of each load."""
-    from supervisor.app import tune_gc
-
     logging.disable(logging.WARNING)  # "no delivery channel": the commands are dead letters
     folder = Path(tempfile.mkdtemp(prefix="spanvisor-stages-"))
     bench = _Bench(args, folder)
@@ -159,7 +157,8 @@ def measure(args: argparse.Namespace) -> tuple[Timings, dict[str, float]]:
     per_span: dict[str, float] = {}
     spans = args.batches * SPANS_PER_REQUEST
     try:
-        tune_gc()
+        for sidecar in (bench.off, bench.on):  # as `spanvisor run` does: between batches
+            sidecar.collector.take_over()
         rate = args.failure_rate
         # Warm-up: imports, memos, and the 'on' table full, so new runs evict old ones.
         warm = max(1, -(-args.tracked_runs * 8 // SPANS_PER_REQUEST))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import socket
@@ -42,6 +41,7 @@ from supervisor.actuators.command import CommandActuator
 from supervisor.actuators.webhook import WebhookActuator
 from supervisor.api import build_control_app, ensure_token
 from supervisor.bounded import LatencyWindow
+from supervisor.collector import Collector
 from supervisor.control import Control
 from supervisor.dispatch import Dispatcher, actuator_table
 from supervisor.downstream import Downstream, downstream_from_env
@@ -159,6 +159,8 @@ class Sidecar:
         self.reloads = {"ok": 0, "rejected": 0}
         self.failures = RecentFailures(settings.recent_failures)
         self.latency = LatencyWindow()
+        #: When cyclic garbage is collected; ``spanvisor run`` hands it the collector.
+        self.collector = Collector()
         self.tracer = tracer if tracer is not None else DecisionTracer(downstream)
         _check_remediators(policy)
         self.remediations = Remediations(
@@ -377,20 +379,24 @@ class Sidecar:
             log.warning("a server did not stop in time and was cancelled")
 
     async def _collect_periodically(self) -> None:
-        """Full collections on a timer instead of whenever the allocator says.
+        """Young collections when the loop is idle, full ones every ``gc_full_interval_s``.
 
-        The bounded state holds hundreds of thousands of objects; letting the
-        collector's own heuristics run a full pass mid-batch stalled decisions
-        by ~50 ms (see ``_tune_gc``). Young generations still collect as usual.
+        The bounded state holds hundreds of thousands of objects: a full pass
+        takes tens of milliseconds, so it runs on this timer, never because the
+        allocator says so (see :mod:`supervisor.collector`).
         """
         interval = self.settings.gc_full_interval_s
+        last_full = time.monotonic()
         while True:
-            await asyncio.sleep(interval)
-            started = time.perf_counter()
-            found = gc.collect()
+            await asyncio.sleep(1.0)
+            if time.monotonic() - last_full < interval:
+                self.collector.tick()
+                continue
+            last_full = time.monotonic()
+            found = self.collector.full()
             log.debug(
                 "full garbage collection",
-                extra={"ms": round((time.perf_counter() - started) * 1000, 1), "found": found},
+                extra={"ms": self.collector.stats().last_full_ms, "found": found},
             )
 
     # -- the pipeline worker ------------------------------------------------
@@ -407,6 +413,7 @@ class Sidecar:
             finally:
                 self.queue.task_done(batch)
                 self._busy = False
+            self.collector.between_batches()  # its decisions are out: a pause delays none
             await asyncio.sleep(0)  # let the receivers answer between batches
 
     def handle(self, batch: Batch) -> None:
@@ -570,6 +577,7 @@ class Sidecar:
             "retry_budget": {"denied": self.governor.budget.denied},
             "restart_intensity": {"escalated": self.governor.intensity.denied},
             "policy": {"source": self.policy.source, "reloads": dict(self.reloads)},
+            "gc": asdict(self.collector.stats()),
         }
 
 
@@ -640,19 +648,6 @@ def _percentiles(window: LatencyWindow) -> dict[str, float | None]:
         "p50": None if p50 is None else round(p50, 3),
         "p99": None if p99 is None else round(p99, 3),
     }
-
-
-def tune_gc() -> None:
-    """Keep the cyclic collector's full passes out of the span path.
-
-    What exists at start (modules, the compiled policy) is frozen out of every
-    future pass. The young generations collect more rarely (records are
-    freed by reference counting; few cycles are made per span) and the oldest
-    is collected on a timer by ``Sidecar._collect_periodically``.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 1_000_000)
 
 
 class BackgroundSidecar:

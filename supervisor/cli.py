@@ -405,7 +405,7 @@ def _policy(path: Path | None) -> Policy:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from supervisor.app import Sidecar, resolve_downstream, tune_gc  # heavy: only for `run`
+    from supervisor.app import Sidecar, resolve_downstream  # heavy: only for `run`
     from supervisor.settings import load_settings
 
     overrides = {
@@ -434,7 +434,7 @@ def _run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, sidecar.reload_policy)
         await sidecar.start()
-        tune_gc()
+        sidecar.collector.take_over()
         if settings.api_token is None:
             log.info("control API token written", extra={"token_file": str(settings.token_file)})
         await stop.wait()
