@@ -227,24 +227,21 @@ class Sidecar:
     def __exit__(self, *_: object) -> None:
         self.stop()
 
-    def stats(self) -> dict[str, Any]:
+    def _get(self, path: str) -> dict[str, Any]:
         if self._client is None:
             raise BenchError("the sidecar is not running")
-        response = self._client.get("/v1/stats")
+        response = self._client.get(path)
         if response.status_code != 200:
-            raise BenchError(f"/v1/stats answered {response.status_code}: {response.text[:200]}")
+            raise BenchError(f"{path} answered {response.status_code}: {response.text[:200]}")
         data: dict[str, Any] = response.json()
         return data
 
+    def stats(self) -> dict[str, Any]:
+        return self._get("/v1/stats")
+
     def threads(self) -> dict[str, Any]:
         """``GET /v1/threads``: the CPU seconds of each of the sidecar's threads."""
-        if self._client is None:
-            raise BenchError("the sidecar is not running")
-        response = self._client.get("/v1/threads")
-        if response.status_code != 200:
-            raise BenchError(f"/v1/threads answered {response.status_code}: {response.text[:200]}")
-        data: dict[str, Any] = response.json()
-        return data
+        return self._get("/v1/threads")
 
     def processed(self) -> int:
         return int(self.stats()["pipeline"]["processed_spans"])
