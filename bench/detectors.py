@@ -32,13 +32,14 @@ import sys
 import threading
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tempfile
 
-from bench.harness import BenchError, Sidecar, command_line, running_sidecar, table
+from bench.harness import BenchError, Sidecar, command_line, cpu_split, running_sidecar, table
 from bench.ingest import Measurement, _Ids, measure
 from bench.spans import make_requests
 
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             for sidecar in (sidecar_off, sidecar_on):  # warm-up: the 'on' table fills
                 warm = ids.fresh(pool, warm_requests)
                 measure(sidecar, args.transport, warm, warm_requests * args.spans_per_request, args)
+            threads_before = [sidecar_off.threads(), sidecar_on.threads()]
+            gc_before = [sidecar_off.stats().get("gc", {}), sidecar_on.stats().get("gc", {})]
             for rep in range(args.repeat):
                 if args.together:
                     payloads = ids.fresh(pool, n_requests)
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                     f" (on/off {on[-1].per_cpu_s / off[-1].per_cpu_s:.3f})",
                     flush=True,
                 )
+            threads_after = [sidecar_off.threads(), sidecar_on.threads()]
+            gc_after = [sidecar_off.stats().get("gc", {}), sidecar_on.stats().get("gc", {})]
             on_stats = sidecar_on.stats()
             tracked = on_stats.get("runs", {})
     except BenchError as exc:
@@ -176,10 +181,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     ratio = rate_on / rate_off
     print(f"on/off: {ratio:.3f} (medians), {pairs:.3f} (median of per-repetition ratios)")
+    for name, before, after in zip(("off", "on"), threads_before, threads_after, strict=True):
+        print(f"\nwhere the '{name}' sidecar's CPU went:")
+        print(cpu_split(before, after, spans * args.repeat))
+    for name, before, after in zip(("off", "on"), gc_before, gc_after, strict=True):
+        print(f"'{name}' sidecar, {_collections(before, after, spans * args.repeat)}")
     print(f"runs tracked by the 'on' sidecar at the end: {tracked}")
     print(f"its remediations: {on_stats.get('remediations', {})}")
     print(f"goal on/off >= {GOAL_RATIO}: {'yes' if ratio >= GOAL_RATIO else 'NO'}")
     return 0
+
+
+def _collections(before: dict[str, Any], after: dict[str, Any], spans: int) -> str:
+    """Garbage collection's share over the measured spans (``/v1/stats`` ``gc``)."""
+    if not after.get("managed"):
+        return "garbage collection: left to CPython (not measured)"
+    parts = []
+    for kind in ("young", "full"):
+        count = after[kind] - before.get(kind, 0)
+        ms = after[f"{kind}_total_ms"] - before.get(f"{kind}_total_ms", 0.0)
+        parts.append(f"{count} {kind} collections, {ms:,.0f} ms ({ms * 1e3 / spans:.2f} us/span)")
+    return "garbage collection: " + "; ".join(parts)
 
 
 def _range(ms: list[Measurement]) -> str:

@@ -49,6 +49,9 @@ class CollectorStats:
     young: int
     full: int
     max_young_pause_ms: float
+    #: Time spent in young and full collections since start: their share of the CPU.
+    young_total_ms: float
+    full_total_ms: float
     last_full_ms: float | None
 
 
@@ -67,6 +70,8 @@ class Collector:
         self._young = 0
         self._full = 0
         self._max_young_ms = 0.0
+        self._young_total_ms = 0.0
+        self._full_total_ms = 0.0
         self._last_full_ms: float | None = None
 
     def take_over(self) -> None:
@@ -92,6 +97,7 @@ class Collector:
         found = gc.collect()
         self._full += 1
         self._last_full_ms = (self._clock() - started) * 1000
+        self._full_total_ms += self._last_full_ms
         return found
 
     def stats(self) -> CollectorStats:
@@ -100,6 +106,8 @@ class Collector:
             young=self._young,
             full=self._full,
             max_young_pause_ms=round(self._max_young_ms, 3),
+            young_total_ms=round(self._young_total_ms, 3),
+            full_total_ms=round(self._full_total_ms, 3),
             last_full_ms=None if self._last_full_ms is None else round(self._last_full_ms, 3),
         )
 
@@ -107,4 +115,6 @@ class Collector:
         started = self._clock()
         self._young += 1
         gc.collect(0)
-        self._max_young_ms = max(self._max_young_ms, (self._clock() - started) * 1000)
+        pause_ms = (self._clock() - started) * 1000
+        self._young_total_ms += pause_ms
+        self._max_young_ms = max(self._max_young_ms, pause_ms)

@@ -72,3 +72,19 @@ def test_full_collections_find_what_young_ones_left(restore_gc: None) -> None:
     stats = collector.stats()
     assert stats.full == 1
     assert stats.last_full_ms is not None
+
+
+def test_time_in_collections_is_summed(restore_gc: None) -> None:
+    readings = iter([0.0, 0.002, 1.0, 1.005, 2.0, 2.1])  # start and end of each collection
+    collector = Collector(young_threshold=1, clock=lambda: next(readings))
+    collector.take_over()
+    for _ in range(2):
+        _leave_cycles(5)
+        collector.between_batches()
+    collector.full()
+    stats = collector.stats()
+    assert (stats.young, stats.full) == (2, 1)
+    assert stats.young_total_ms == pytest.approx(7.0)
+    assert stats.max_young_pause_ms == pytest.approx(5.0)
+    assert stats.full_total_ms == pytest.approx(100.0)
+    assert stats.last_full_ms == pytest.approx(100.0)
