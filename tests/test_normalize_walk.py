@@ -21,7 +21,14 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span, Status
 
-from supervisor.normalize import lite_spans, normalize_wire, walk, walked_spans, wire_spans
+from supervisor.normalize import (
+    SpanReader,
+    lite_spans,
+    normalize_wire,
+    walk,
+    walked_spans,
+    wire_spans,
+)
 from supervisor.normalize.walk import Unsupported
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -43,6 +50,27 @@ _FIELDS = (
 def same_spans(payload: bytes) -> int:
     """Assert both readers agree on ``payload``; returns the spans compared."""
     walked, lite = walked_spans(payload), lite_spans(payload)
+    alike(walked, lite)
+    for chunk in (1, 2, 100):
+        alike(read_in_chunks(payload, chunk), lite)
+    # Whichever reader wire_spans takes (the walker compiled), it gives these spans.
+    assert [item[0].span_id for item in wire_spans(payload)] == [item[0].span_id for item in lite]
+    return len(walked)
+
+
+def read_in_chunks(payload: bytes, chunk: int) -> list[Any]:
+    """What the pipeline reads: the walker's :class:`SpanReader`, ``chunk`` spans at a time."""
+    reader = SpanReader(payload, walk=True)
+    out: list[Any] = []
+    while spans := reader.read(chunk):
+        assert len(spans) <= chunk
+        out.extend(spans)
+    assert len(out) == len(reader)
+    assert reader.read(chunk) == []
+    return out
+
+
+def alike(walked: list[Any], lite: list[Any]) -> None:
     assert len(walked) == len(lite)
     for got, want in zip(walked, lite, strict=True):
         for name in _FIELDS:
@@ -54,9 +82,6 @@ def same_spans(payload: bytes) -> int:
         assert got[3] == want[3]  # watched keys present
         assert dict(got[4]) == dict(want[4])  # key -> encoded value
         assert normalize_wire(got) == normalize_wire(want)
-    # Whichever reader wire_spans takes (the walker compiled), it gives these spans.
-    assert [item[0].span_id for item in wire_spans(payload)] == [item[0].span_id for item in lite]
-    return len(walked)
 
 
 def test_the_benchmark_load_reads_alike() -> None:
@@ -178,8 +203,16 @@ def test_requests_without_spans_read_as_none() -> None:
 
 def _with_span_suffix(extra: bytes) -> bytes:
     """One span whose encoding ends with ``extra``, lengths fixed up."""
-    span = Span(**_ids(), name="s").SerializeToString() + extra
-    scope = b"\x12" + _len(span) + span
+    return _request(_suffixed(extra))
+
+
+def _suffixed(extra: bytes) -> bytes:
+    return Span(**_ids(), name="s").SerializeToString() + extra
+
+
+def _request(*spans: bytes) -> bytes:
+    """A request of one resource and one scope with these encoded spans."""
+    scope = b"".join(b"\x12" + _len(span) + span for span in spans)
     resource_spans = b"\x12" + _len(scope) + scope
     return b"\x0a" + _len(resource_spans) + resource_spans
 
@@ -216,6 +249,12 @@ def test_layouts_left_to_the_runtime_are_declined_and_read_by_it(extra: bytes) -
     got = wire_spans(payload)
     assert [item[0].name for item in got] == [item[0].name for item in expected]
     assert [dict(item[4]) for item in got] == [dict(item[4]) for item in expected]
+    # Among spans the walker reads, the reader leaves only this one to the runtime.
+    plain = Span(**_ids(), name="plain").SerializeToString()
+    mixed = _request(plain, _suffixed(extra), plain)
+    read = read_in_chunks(mixed, 2)
+    assert [type(item[0]) is walk.WalkedSpan for item in read] == [True, False, True]
+    alike(read, lite_spans(mixed))
 
 
 def test_resource_written_twice_is_declined() -> None:
@@ -228,6 +267,9 @@ def test_resource_written_twice_is_declined() -> None:
     with pytest.raises(Unsupported):
         walked_spans(payload)
     assert [item[2] for item in wire_spans(payload)] == ["a"]
+    # The spans cannot be found without the resource: the runtime reads the request.
+    (item,) = read_in_chunks(payload, 1)
+    assert type(item[0]) is not walk.WalkedSpan
 
 
 def test_events_are_parsed_only_when_read() -> None:

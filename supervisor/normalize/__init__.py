@@ -51,12 +51,19 @@ from supervisor.normalize.screen import (
     shows_failure_signal,
 )
 from supervisor.normalize.walk import COMPILED as WALK_COMPILED
-from supervisor.normalize.walk import Unsupported, walk_request
-from supervisor.normalize.wire import LazyConverted, LiteRequest, RawAttributes, raw_value
+from supervisor.normalize.walk import Unsupported, locate_spans, walk_request, walk_span
+from supervisor.normalize.wire import (
+    LazyConverted,
+    LiteRequest,
+    LiteSpan,
+    RawAttributes,
+    raw_value,
+)
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
 __all__ = [
     "UNKNOWN_SERVICE",
+    "SpanReader",
     "WireSpan",
     "dependency_of",
     "failures",
@@ -122,17 +129,75 @@ def normalize_payload(payload: bytes) -> list[SpanRecord]:
 
 
 def wire_spans(payload: bytes) -> list[WireSpan]:
-    """The spans of an encoded request, in order, with their resource and service.
+    """The spans of an encoded request, in order, with their resource and service."""
+    reader = SpanReader(payload)
+    return reader.read(len(reader))
 
-    Compiled, :mod:`.walk` reads the request; what it leaves to the protobuf
-    runtime (layouts no encoder writes) is read with :data:`.wire.LiteRequest`.
+
+class SpanReader:
+    """The spans of one encoded request, read a few at a time.
+
+    Why: a request of 500 spans holds about 700 KB of attributes, more than
+    a core's cache. Read whole, each pass over its spans found them evicted,
+    and the memory their objects were freed to was cold when the next
+    request reused it (allocating the attribute values was an eighth of the
+    pipeline's time). Read in chunks, a chunk's objects are still cached
+    while the screens and the success bookkeeping run over them, and the
+    next chunk reuses the memory they are freed to.
+
+    Compiled, :mod:`.walk` finds the spans and reads each one when asked. A
+    span it declines (a layout no encoder writes) is read alone by the
+    protobuf runtime with :data:`.wire.LiteSpan`, which parses it as it
+    would within the request; a request it cannot even find the spans of
+    is read whole by the runtime (:func:`lite_spans`). The spans are the
+    same whichever reader ran (``tests/test_normalize_walk.py``).
     """
-    if WALK_COMPILED:
-        try:
-            return walked_spans(payload)
-        except (Unsupported, IndexError, UnicodeDecodeError):
-            pass
-    return lite_spans(payload)
+
+    __slots__ = ("_done", "_lite", "_payload", "_positions", "_resources")
+
+    def __init__(self, payload: bytes, *, walk: bool = WALK_COMPILED) -> None:
+        """``walk`` false: read by the runtime (interpreted, the walker is the slower)."""
+        self._payload = payload
+        self._done = 0
+        self._lite: list[WireSpan] | None = None
+        self._resources: list[tuple[Mapping[str, AttrValue], str]] = []
+        self._positions: list[int] = []
+        if walk:
+            try:
+                messages, self._positions = locate_spans(payload)
+            except (Unsupported, IndexError, UnicodeDecodeError):
+                pass
+            else:
+                self._resources = [_resource(message) for message in messages]
+                return
+        self._lite = lite_spans(payload)
+
+    def __len__(self) -> int:
+        lite = self._lite
+        return len(lite) if lite is not None else len(self._positions) // 3
+
+    def read(self, count: int) -> list[WireSpan]:
+        """The next ``count`` spans, fewer at the end; [] once all were read."""
+        start = self._done
+        stop = min(start + count, len(self))
+        self._done = max(start, stop)
+        lite = self._lite
+        if lite is not None:
+            return lite[start:stop]
+        payload, positions, resources = self._payload, self._positions, self._resources
+        out: list[WireSpan] = []
+        for i in range(start * 3, stop * 3, 3):
+            resource, service = resources[positions[i]]
+            begin, end = positions[i + 1], positions[i + 2]
+            try:
+                span = walk_span(payload, begin, end, WATCHED_KEYS)
+            except (Unsupported, IndexError, UnicodeDecodeError):
+                alone = LiteSpan.FromString(payload[begin:end])
+                encoded = alone.attributes
+                out.append((alone, resource, service, WATCHED_KEYS.intersection(encoded), encoded))
+                continue
+            out.append((span, resource, service, span.present, span.attributes))
+        return out
 
 
 def walked_spans(payload: bytes) -> list[WireSpan]:

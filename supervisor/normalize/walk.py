@@ -29,7 +29,16 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-__all__ = ["COMPILED", "Unsupported", "WalkedSpan", "WalkedStatus", "read_varint", "walk_request"]
+__all__ = [
+    "COMPILED",
+    "Unsupported",
+    "WalkedSpan",
+    "WalkedStatus",
+    "locate_spans",
+    "read_varint",
+    "walk_request",
+    "walk_span",
+]
 
 #: True when this module runs as a compiled extension (see ``setup.py``).
 COMPILED: Final = not __file__.endswith(".py")
@@ -120,26 +129,47 @@ def walk_request(data: bytes, watched: frozenset[str]) -> list[tuple[Any, list[W
     Raises :class:`Unsupported` (or ``IndexError``/``UnicodeDecodeError`` on
     bytes that end early or are not UTF-8) where the runtime must decide.
     """
-    out: list[tuple[Any, list[WalkedSpan]]] = []
-    start, stop = _next(data, 0, len(data), 0x0A)  # resource_spans
-    while start >= 0:
-        out.append(_resource_spans(data, start, stop, watched))
-        start, stop = _next(data, stop, len(data), 0x0A)
+    resources, where = locate_spans(data)
+    out: list[tuple[Any, list[WalkedSpan]]] = [(resource, []) for resource in resources]
+    for i in range(0, len(where), 3):
+        out[where[i]][1].append(walk_span(data, where[i + 1], where[i + 2], watched))
     return out
 
 
-def _resource_spans(
-    data: bytes, pos: int, end: int, watched: frozenset[str]
-) -> tuple[Any, list[WalkedSpan]]:
+def locate_spans(data: bytes) -> tuple[list[Any], list[int]]:
+    """Where a request's spans are, without reading them: (resources, positions).
+
+    ``resources`` holds each ``ResourceSpans``' ``Resource`` in order;
+    ``positions`` three numbers per span, in order: the index of its
+    resource, and the start and stop of its bytes, for :func:`walk_span`.
+    A span's bytes parse alone as they parse in the request (each element
+    of a repeated field is a message of its own). Raises as
+    :func:`walk_request` does on the layout around the spans.
+    """
+    resources: list[Any] = []
+    positions: list[int] = []
+    start, stop = _next(data, 0, len(data), 0x0A)  # resource_spans
+    while start >= 0:
+        resources.append(_locate(data, start, stop, len(resources), positions))
+        start, stop = _next(data, stop, len(data), 0x0A)
+    return resources, positions
+
+
+def _locate(data: bytes, pos: int, end: int, index: int, positions: list[int]) -> Any:
+    """One ``ResourceSpans``: its spans' positions appended, its ``Resource`` returned."""
     resource: Any = None
-    spans: list[WalkedSpan] = []
     while pos < end:
         tag, pos = read_varint(data, pos)
         if tag == 0x0A or tag == 0x12:  # noqa: PLR1714 - resource, scope_spans
             size, pos = read_varint(data, pos)
             stop = _within(pos, size, end)
             if tag == 0x12:
-                _scope_spans(data, pos, stop, spans, watched)
+                start, span_stop = _next(data, pos, stop, 0x12)  # spans
+                while start >= 0:
+                    positions.append(index)
+                    positions.append(start)
+                    positions.append(span_stop)
+                    start, span_stop = _next(data, span_stop, stop, 0x12)
             elif resource is None:
                 try:
                     resource = Resource.FromString(data[pos:stop])
@@ -150,16 +180,7 @@ def _resource_spans(
             pos = stop
         else:
             pos = _skip(data, pos, tag, end)
-    return (resource if resource is not None else Resource()), spans
-
-
-def _scope_spans(
-    data: bytes, pos: int, end: int, spans: list[WalkedSpan], watched: frozenset[str]
-) -> None:
-    start, stop = _next(data, pos, end, 0x12)  # spans
-    while start >= 0:
-        spans.append(_span(data, start, stop, watched))
-        start, stop = _next(data, stop, end, 0x12)
+    return resource if resource is not None else Resource()
 
 
 def _next(data: bytes, pos: int, end: int, tag: int) -> tuple[int, int]:
@@ -174,7 +195,9 @@ def _next(data: bytes, pos: int, end: int, tag: int) -> tuple[int, int]:
     return -1, end
 
 
-def _span(data: bytes, pos: int, end: int, watched: frozenset[str]) -> WalkedSpan:
+def walk_span(data: bytes, pos: int, end: int, watched: frozenset[str]) -> WalkedSpan:
+    """The span whose bytes are ``data[pos:end]`` (see :func:`locate_spans`); raises as
+    :func:`walk_request` does."""
     attributes: dict[str, bytes] = {}
     span = WalkedSpan(attributes)
     present: list[str] = []

@@ -36,7 +36,7 @@ from supervisor.normalize.attributes import (
 from supervisor.normalize.walk import read_varint
 from supervisor.records import AttrValue
 
-__all__ = ["LazyConverted", "LiteRequest", "RawAttributes"]
+__all__ = ["LazyConverted", "LiteRequest", "LiteSpan", "RawAttributes"]
 
 _F: Final = descriptor_pb2.FieldDescriptorProto
 _OPTIONAL, _REPEATED = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
@@ -111,6 +111,10 @@ def _build_lite_request() -> Any:
 
 #: ``ExportTraceServiceRequest``'s wire format, read with lazy span attributes.
 LiteRequest: Any = _build_lite_request()
+#: One ``Span`` of it, for a span read alone.
+LiteSpan: Any = message_factory.GetMessageClass(
+    descriptor_pool.Default().FindMessageTypeByName("spanvisor.lite.Span")
+)
 
 _MISSING: Final = object()
 _T = TypeVar("_T")
