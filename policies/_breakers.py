@@ -31,12 +31,12 @@ from typing import Any
 
 import pybreaker
 
-log = logging.getLogger("spanvisor.breakers")
+from policies._limit_settings import (
+    BreakerSettings,
+    check_int,
+)
 
-#: Upper bounds that keep a typo in a policy from disabling a breaker for good.
-MAX_FAIL_MAX = 10_000
-MAX_SUCCESS_THRESHOLD = 10_000
-MAX_RESET_TIMEOUT_S = 86_400.0
+log = logging.getLogger("spanvisor.breakers")
 
 
 class BreakerState(str, Enum):
@@ -61,25 +61,6 @@ _OUTCOME_REASONS: dict[tuple[BreakerState, BreakerState], str] = {
     (BreakerState.HALF_OPEN, BreakerState.OPEN): "trial_failed",
     (BreakerState.HALF_OPEN, BreakerState.CLOSED): "trial_succeeded",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class BreakerSettings:
-    """How one dependency's breaker trips and recovers.
-
-    ``fail_max`` consecutive failures open it; it stays open ``reset_timeout_s``
-    seconds, then lets trial calls through (half-open); ``success_threshold``
-    successful trials close it, one failed trial opens it again.
-    """
-
-    fail_max: int = 5
-    reset_timeout_s: float = 30.0
-    success_threshold: int = 2
-
-    def __post_init__(self) -> None:
-        _check_int("fail_max", self.fail_max, 1, MAX_FAIL_MAX)
-        _check_seconds("reset_timeout_s", self.reset_timeout_s, MAX_RESET_TIMEOUT_S)
-        _check_int("success_threshold", self.success_threshold, 1, MAX_SUCCESS_THRESHOLD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,12 +207,13 @@ class BreakerBoard:
         max_breakers: int = 10_000,
         storage_factory: Callable[[str], pybreaker.CircuitBreakerStorage] | None = None,
     ) -> None:
-        _check_int("max_breakers", max_breakers, 1, None)
+        check_int("max_breakers", max_breakers, 1, None)
         if settings is None:
             settings = BreakerSettings()
         if isinstance(settings, BreakerSettings):
             fixed = settings
-            self._settings_for: Callable[[str], BreakerSettings] = lambda _dependency: fixed
+            # object: the check below says what is wrong (compiled, a cast would raise first).
+            self._settings_for: Callable[[str], object] = lambda _dependency: fixed
         else:
             self._settings_for = settings
         self._on_change = on_change
@@ -540,21 +522,6 @@ class BreakerBoard:
                     first = self.listener_errors == 1
                 if first:
                     log.exception("breaker on_change listener raised (logged once): %r", change)
-
-
-def _check_int(name: str, value: object, low: int, high: int | None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
-
-
-def _check_seconds(name: str, value: object, high: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or not 0 < value <= high:
-        raise ValueError(f"{name} must be more than 0 and at most {high:g} seconds, got {value}")
 
 
 def _closed_equivalent(outcomes: Sequence[bool], failures: int, fail_max: int) -> Sequence[bool]:

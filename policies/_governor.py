@@ -29,17 +29,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from operator import itemgetter
 from typing import Final
 
 import pybreaker
 
-from policies._breakers import BreakerBoard, BreakerChange, BreakerSettings, BreakerState
-from policies._budget import BudgetSettings, RetryBudget
+from policies._breakers import BreakerBoard, BreakerChange, BreakerState
+from policies._budget import RetryBudget
 from policies._cascade import Cascade, CascadeDetector
 from policies._intensity import IntensitySettings, RestartIntensity
+from policies._limit_settings import BreakerSettings, BudgetSettings
 from policies._policy import Policy
 from supervisor.records import Action, AttrValue, Decision, Failure
 
+#: A call's end time: the sort key, in C (a compiled function is called through Python).
+_ENDED: Final = itemgetter(0)
 _BLOCKED: Final[tuple[BreakerState, ...]] = (BreakerState.OPEN, BreakerState.ISOLATED)
 _CORRECTIVE: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK)
 #: What an open breaker turns into a fallback or fail_fast: every decision about its
@@ -153,7 +157,7 @@ class Governor:
         # already, and those that fail in this very batch.
         relevant = watched | {call[1] for call in calls if not call[2]}
         ordered = [call for call in calls if call[1] in relevant]
-        ordered.sort(key=_ended)  # stable: a tie keeps arrival order
+        ordered.sort(key=_ENDED)  # stable: a tie keeps arrival order
         by_dependency: dict[str, list[bool]] = {}
         for _, dependency, ok in ordered:
             outcomes = by_dependency.get(dependency)
@@ -274,10 +278,6 @@ class Governor:
             if candidate != dependency and self.breaker_state(candidate) not in _BLOCKED:
                 return candidate, chain
         return None
-
-
-def _ended(call: tuple[int, str, bool]) -> int:
-    return call[0]
 
 
 def _command_for(action: Action) -> str:

@@ -12,13 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies._breakers import (
-    BreakerBoard,
-    BreakerChange,
-    BreakerInfo,
-    BreakerSettings,
-    BreakerState,
-)
+from policies._breakers import BreakerBoard, BreakerChange, BreakerInfo, BreakerState
+from policies._limit_settings import BreakerSettings
 
 CLOSED = BreakerState.CLOSED
 OPEN = BreakerState.OPEN

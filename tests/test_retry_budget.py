@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies._budget import BudgetSettings, BudgetSnapshot, RetryBudget
+from policies._budget import BudgetSnapshot, RetryBudget
+from policies._limit_settings import BudgetSettings
 
 DEP = "openai:gpt-4o"
 
