@@ -51,6 +51,7 @@ from supervisor.normalize import (
 )
 from supervisor.normalize.attributes import as_str
 from supervisor.normalize.screen import SESSION_KEYS
+from supervisor.normalize.walk import ended_at
 from supervisor.normalize.wire import value_of
 from supervisor.records import (
     Action,
@@ -337,7 +338,7 @@ class Pipeline:
                 continue
             span = item[0]
             if counting:
-                calls.append((span.end_time_unix_nano, dependency, True))
+                calls.append((ended_at(span), dependency, True))
             if dependency in self._attempted:
                 self._attempts.pop((_run_of(item), dependency))
             if dependency in recovering and recovery is not None:

@@ -53,6 +53,7 @@ from supervisor.normalize.screen import (
     TOOL_ARGUMENT_KEYS,
     WireSpan,
 )
+from supervisor.normalize.walk import identity_of
 from supervisor.normalize.wire import RawAttributes, raw_value, value_of
 
 __all__ = [
@@ -452,7 +453,7 @@ class RunTracker:
         token counts (memoized by their encoding).
         """
         span, _, service, present, encoded = item
-        trace: bytes = span.trace_id
+        trace, span_id, child, name = identity_of(span)
         batch = self._batch
         run = batch.get(trace)
         if run is None or run.gone or (run.key == trace and _any_of(SESSION_KEYS, present)):
@@ -461,12 +462,10 @@ class RunTracker:
         run.last_seen = now
         run.spans += 1
         run.stalled = False
-        span_id: bytes = span.span_id
         run.last_span = span_id
-        self._turn(run, bool(span.parent_span_id), encoded, present, failed=not repeats)
+        self._turn(run, child, encoded, present, failed=not repeats)
         if not dependency or dependency.startswith("http:"):
             return
-        name: str = span.name
         run.step = name
         run.last_dependency = dependency
         settings = self._settings_memo.get(service) or self.settings_for(service)

@@ -51,7 +51,13 @@ from supervisor.normalize.screen import (
     shows_failure_signal,
 )
 from supervisor.normalize.walk import COMPILED as WALK_COMPILED
-from supervisor.normalize.walk import Unsupported, locate_spans, walk_request, walk_span
+from supervisor.normalize.walk import (
+    Unsupported,
+    kind_and_name,
+    locate_spans,
+    walk_request,
+    walk_span,
+)
 from supervisor.normalize.wire import (
     LazyConverted,
     LiteRequest,
@@ -413,7 +419,8 @@ def dependency_of(item: WireSpan) -> str:
     """
     span, _, _, present, encoded = item
     try:
-        server = span.kind == _SPAN_KIND_SERVER
+        kind, name = kind_and_name(span)
+        server = kind == _SPAN_KIND_SERVER
         reads = _READS.get(present)
         if reads is not None:
             keys, uses_name = reads
@@ -422,20 +429,20 @@ def dependency_of(item: WireSpan) -> str:
                 server,
                 keys,
                 _raw_values(encoded, keys),
-                uses_name and span.name,
+                uses_name and name,
             )
             found = _IDENTITIES.get(memo_key)
             if found is not None:
                 return found
         recorder = _Recorder(RawAttributes(encoded))
-        dependency, uses_name = _identified(recorder, present, span.kind, span.name)
+        dependency, uses_name = _identified(recorder, present, kind, name)
         keys = tuple(dict.fromkeys(recorder.read))
         if len(_READS) >= _MEMO_ENTRIES or len(_IDENTITIES) >= _MEMO_ENTRIES:
             _READS.clear()  # bounded; rebuilt from the next spans
             _IDENTITIES.clear()
         _READS[present] = (keys, uses_name)
         values = _raw_values(encoded, keys)
-        _IDENTITIES[(present, server, keys, values, uses_name and span.name)] = dependency
+        _IDENTITIES[(present, server, keys, values, uses_name and name)] = dependency
         return dependency
     except Exception:  # boundary: an unreadable span counts for no dependency
         return ""

@@ -34,6 +34,7 @@ from supervisor.normalize.evidence import (
     detect_swallowed,
     failing_finish,
 )
+from supervisor.normalize.walk import error_status_or_events
 from supervisor.normalize.wire import LazyConverted, RawAttributes, raw_value
 from supervisor.records import AttrValue, Role
 
@@ -190,7 +191,7 @@ def shows_failure_signal(item: WireSpan) -> bool:
     :func:`may_fail_quietly`.
     """
     span, _, _, present, encoded = item
-    if span.status.code == _STATUS_ERROR or len(span.events):
+    if error_status_or_events(span, _STATUS_ERROR):
         return True
     if _SIGNAL_KEYS.isdisjoint(present):
         return False
