@@ -171,110 +171,118 @@ _OI_KEYS: Final = tuple(
 )
 
 
-class _Repeats:
-    """Per (dependency, digest): where it was seen among a run's last ``window`` calls.
+def _repeated(
+    run: _Run,
+    digest: int,
+    instance: int,
+    *,
+    tool: bool,
+    span_id: bytes,
+    name: str,
+    repeats: int,
+    window: int,
+    span: Any,
+    now_ns: int,
+) -> tuple[bytes, str, int] | None:
+    """Count one call in its run; (where its first repeat was, its name, occurrence) at ``repeats``.
 
-    One entry per distinct call. A call seen once (the usual case) is one
-    integer, its sequence number and its 32-bit instance packed together: no
-    container for the garbage collector to count (collections ran a third
-    more often with the tracker on before), and below 2**62, a machine
-    integer to the compiled code rather than an arbitrary-precision one. A
-    call that repeats becomes a flat list ``[first repeat or None, seq,
-    instance, seq, instance...]`` of its last ``repeats - 1`` occurrences,
-    each instance tagged above 32 bits so that it never equals a sequence
-    number (a run would need 4 billion calls); a new occurrence counts those
-    still in the window. O(1) per call; entries out of the window are pruned
-    when the dictionary grows past a few windows' worth.
+    Per (dependency, digest), where it was seen among the run's last
+    ``window`` calls of its kind (``tool``: tool calls, else LLM outputs),
+    one entry per distinct call in the run's table of that kind. A call seen
+    once (the usual case) is one integer, its sequence number and its 32-bit
+    instance packed together: no container for the garbage collector to
+    count, and below 2**62, a machine integer to the compiled code. A call
+    that repeats becomes a flat list ``[first repeat or None, seq, instance,
+    seq, instance...]`` of its last ``repeats - 1`` occurrences, each
+    instance tagged above 32 bits so that it never equals a sequence number
+    (a run would need 4 billion calls); a new occurrence counts those still
+    in the window. O(1) per call; entries out of the window are pruned when
+    the table grows past a few windows' worth. The tables and counters are
+    the run's own fields, not an object of their own: runs are made and
+    evicted every few spans of a busy sidecar, and each object a run holds is
+    allocated, traversed by young collections and freed with it.
+
+    ``instance`` tells calls apart: the span id's hash (a span re-sent by an
+    exporter is not a repeat), or for an LLM call its prompt's size (the
+    same prompt answered again is a retry, not a loop). After a report, only
+    calls that started after it count towards the next: calls made before
+    the agent could be told (a backlog exported at once) are not evidence
+    that it ignored what it was told.
     """
-
-    __slots__ = ("reported", "seen", "seq", "window")
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self.seq = 0
-        #: digest -> seq << 32 | instance, or [first repeat, seq, instance, ...] once repeated
-        self.seen: dict[int, int | list[Any]] = {}
-        #: digest -> (times reported, when last: Unix ns)
-        self.reported: dict[int, tuple[int, int]] | None = None
-
-    def add(
-        self,
-        digest: int,
-        instance: int,
-        span_id: bytes,
-        name: str,
-        repeats: int,
-        *,
-        span: Any,
-        now_ns: int,
-    ) -> tuple[bytes, str, int] | None:
-        """Count one call; (where its first repeat was, occurrence) at ``repeats``, else None.
-
-        ``instance`` (32 bits) tells calls apart: the span id's hash (a span
-        re-sent by an exporter is not a repeat), or for an LLM call its
-        prompt's size (the same prompt answered again is a retry, not a
-        loop). After a report,
-        only calls that started after it count towards the next: calls made
-        before the agent could be told (a backlog exported at once) are not
-        evidence that it ignored what it was told.
-        """
-        reported = self.reported
-        if reported is not None:
-            last = reported.get(digest)
-            if last is not None and span.start_time_unix_nano < last[1]:
-                return None
-        self.seq += 1
-        seq = self.seq
-        found = self.seen.get(digest)
-        if found is None:  # the usual case: a call not made lately
-            if len(self.seen) >= 4 * self.window:
-                self._prune(seq - self.window)
-            self.seen[digest] = (seq << _INSTANCE_BITS) | instance
+    reported = run.loops_reported
+    if reported is not None:
+        last = reported.get(digest)
+        if last is not None and span.start_time_unix_nano < last[1]:
             return None
-        tagged = instance | _TAG
-        if isinstance(found, int):
-            if found & _INSTANCE_MASK == instance:
-                self.seq -= 1  # the same call again (a re-sent span): nothing changes
-                return None
-            # Repeated: counted in place from now on.
-            entry: list[Any] = [None, found >> _INSTANCE_BITS, (found & _INSTANCE_MASK) | _TAG]
-            self.seen[digest] = entry
-        else:
-            entry = found
-            if tagged in entry:
-                self.seq -= 1
-                return None
-        oldest = seq - self.window
-        while len(entry) > 1 and entry[1] <= oldest:
-            del entry[1:3]
-        if len(entry) == 1:
-            entry[0] = None  # what was seen fell out of the window: start again
-        elif entry[0] is None:
-            entry[0] = (span_id, name)  # this call is the first repeat
-        entry.append(seq)
-        entry.append(tagged)
-        count = (len(entry) - 1) // 2
-        if count > repeats - 1 and count > 1:
-            del entry[1:3]
-        first: tuple[bytes, str] | None = entry[0]
-        if count < repeats or first is None:
+    seen = run.tools_seen if tool else run.outputs_seen
+    if seen is None:
+        seen = _new_table(run, tool, {})
+    seq = (run.tool_seq if tool else run.output_seq) + 1
+    found = seen.get(digest)
+    if found is None:  # the usual case: a call not made lately
+        if len(seen) >= 4 * window:
+            pruned = {k: v for k, v in seen.items() if _last_seq(v) > seq - window}
+            seen = _new_table(run, tool, pruned)
+        seen[digest] = (seq << _INSTANCE_BITS) | instance
+        _counted(run, tool, seq)
+        return None
+    tagged = instance | _TAG
+    if isinstance(found, int):
+        if found & _INSTANCE_MASK == instance:
+            return None  # the same call again (a re-sent span): nothing changes
+        # Repeated: counted in place from now on.
+        entry: list[Any] = [None, found >> _INSTANCE_BITS, (found & _INSTANCE_MASK) | _TAG]
+        seen[digest] = entry
+    else:
+        entry = found
+        if tagged in entry:
             return None
-        if reported is None:
-            reported = self.reported = {}
-        previous = reported.get(digest)
-        occurrence = 1 if previous is None else previous[0] + 1
-        if occurrence > MAX_LOOP_REPORTS or (occurrence == 1 and len(reported) >= 256):
-            return None
-        reported[digest] = (occurrence, now_ns)
-        # Count again from here: a loop that goes on is reported after as many repeats.
-        self.seen[digest] = (seq << _INSTANCE_BITS) | instance
-        return first[0], first[1], occurrence
+    _counted(run, tool, seq)
+    oldest = seq - window
+    while len(entry) > 1 and entry[1] <= oldest:
+        del entry[1:3]
+    if len(entry) == 1:
+        entry[0] = None  # what was seen fell out of the window: start again
+    elif entry[0] is None:
+        entry[0] = (span_id, name)  # this call is the first repeat
+    entry.append(seq)
+    entry.append(tagged)
+    count = (len(entry) - 1) // 2
+    if count > repeats - 1 and count > 1:
+        del entry[1:3]
+    first: tuple[bytes, str] | None = entry[0]
+    if count < repeats or first is None:
+        return None
+    if reported is None:
+        reported = run.loops_reported = {}
+    previous = reported.get(digest)
+    occurrence = 1 if previous is None else previous[0] + 1
+    if occurrence > MAX_LOOP_REPORTS or (occurrence == 1 and len(reported) >= 256):
+        return None
+    reported[digest] = (occurrence, now_ns)
+    # Count again from here: a loop that goes on is reported after as many repeats.
+    seen[digest] = (seq << _INSTANCE_BITS) | instance
+    return first[0], first[1], occurrence
 
-    def _prune(self, oldest: int) -> None:
-        self.seen = {k: v for k, v in self.seen.items() if _last_seq(v) > oldest}
+
+def _new_table(
+    run: _Run, tool: bool, seen: dict[int, int | list[Any]]
+) -> dict[int, int | list[Any]]:
+    if tool:
+        run.tools_seen = seen
+    else:
+        run.outputs_seen = seen
+    return seen
 
 
-#: What tells two calls with the same digest apart (see ``_Repeats``): 32 bits of the
+def _counted(run: _Run, tool: bool, seq: int) -> None:
+    if tool:
+        run.tool_seq = seq
+    else:
+        run.output_seq = seq
+
+
+#: What tells two calls with the same digest apart (see ``_repeated``): 32 bits of the
 #: span id's hash, or of the prompt's token count. Two spans of a call that agree on
 #: them (1 in 4 billion) count as one.
 _INSTANCE_BITS: Final = 32
@@ -304,12 +312,14 @@ class _Run:
         "last_seen",
         "last_span",
         "llm_calls",
-        "llm_outputs",
+        "loops_reported",
         "model",
         "model_info",
         "objective",
         "open",
+        "output_seq",
         "output_tokens",
+        "outputs_seen",
         "pressured",
         "service",
         "spans",
@@ -318,7 +328,8 @@ class _Run:
         "started",
         "step",
         "tool_calls",
-        "tools",
+        "tool_seq",
+        "tools_seen",
         "tools_since_llm",
         "trace",
     )
@@ -355,8 +366,15 @@ class _Run:
         self.model_info: ModelInfo | None = None
         #: Tokens and cost so far (policies._budgets), from the first call with usage.
         self.spend: RunSpend | None = None
-        self.tools: _Repeats | None = None
-        self.llm_outputs: _Repeats | None = None
+        #: Recent tool calls and LLM outputs, for loops (see ``_repeated``): digest ->
+        #: seq << 32 | instance, or [first repeat, seq, instance, ...] once repeated.
+        self.tools_seen: dict[int, int | list[Any]] | None = None
+        self.outputs_seen: dict[int, int | list[Any]] | None = None
+        #: Tool calls and LLM outputs counted in them.
+        self.tool_seq = 0
+        self.output_seq = 0
+        #: digest -> (times reported, when last: Unix ns)
+        self.loops_reported: dict[int, tuple[int, int]] | None = None
         #: What names the tool calls the last LLM response asked for (raw values).
         self.last_llm: dict[str, bytes] | None = None
         #: Tools called since (made when the first is: most runs never need it).
@@ -477,9 +495,7 @@ class RunTracker:
                 _called_since(run, dependency[5:])
             if not settings.loops or not repeats:
                 return
-            seen = run.tools
-            if seen is None:
-                seen = run.tools = _Repeats(settings.loop_window)
+            tool = True
             raw = _first_present(encoded, present, TOOL_ARGUMENT_KEYS)
             instance = _instance_of(span_id)
             what = _SAME_CALL
@@ -498,19 +514,20 @@ class RunTracker:
             raw = _first_present(encoded, present, _LLM_TEXT_KEYS) or messages
             if not settings.loops or not repeats or not raw:
                 return  # no output recorded: nothing to compare
-            seen = run.llm_outputs
-            if seen is None:
-                seen = run.llm_outputs = _Repeats(settings.loop_window)
+            tool = False
             # The same answer to the same prompt (as long: its token count) is a call
             # tried again; a loop answers the same to a context that keeps growing.
             instance = prompt & _INSTANCE_MASK if prompt else _instance_of(span_id)
             what = _SAME_OUTPUT
-        first = seen.add(
+        first = _repeated(
+            run,
             _digest(raw) ^ hash(dependency),
             instance,
-            span_id,
-            name,
-            settings.loop_repeats,
+            tool=tool,
+            span_id=span_id,
+            name=name,
+            repeats=settings.loop_repeats,
+            window=settings.loop_window,
             span=span,
             now_ns=int(now * 1e9),
         )

@@ -169,6 +169,17 @@ def test_a_loop_needs_its_repeats_within_the_window() -> None:
     assert feed(tracker, payload(*spans)) == []
 
 
+def test_tool_calls_and_llm_outputs_count_in_windows_of_their_own() -> None:
+    # Each tool call below follows an LLM call: a window shared by both kinds would hold
+    # two of the three repeats only, and miss the loop.
+    tracker = RunTracker(settings=lambda s: DetectorSettings(loop_repeats=3, loop_window=3))
+    spans = []
+    for n in range(3):
+        spans += [llm(f"thinking {n}"), tool("search", {"q": "weather"})]
+    (loop,) = feed(tracker, payload(*spans))
+    assert loop.dependency == "tool:search" and loop.span_id == spans[3].span_id.hex()
+
+
 def test_the_same_llm_output_to_a_growing_context_is_a_loop() -> None:
     tracker = RunTracker()
     again = "I will check again."
@@ -469,7 +480,7 @@ def test_a_run_of_100_000_spans_keeps_bounded_state() -> None:
             spans = [tool("search", {"q": f"{start}-{n}"}) for n in range(2_000)]
     run = next(iter(tracker._runs.values()))
     assert run.spans == 100_000
-    assert run.tools is not None and len(run.tools.seen) <= 4 * 20
+    assert run.tools_seen is not None and len(run.tools_seen) <= 4 * 20
     assert len(run.tools_since_llm or ()) <= 64
 
 
