@@ -454,25 +454,28 @@ class DurableRunner:
     async def _start(self, request: dict[str, Any]) -> str:
         rid = str(request["id"])
         try:
-            found = await DBOS.get_workflow_status_async(rid)
-            if found is not None:
-                # Started before (a re-sent span, or a restart): nothing new starts. A
-                # finished one is no longer active; a pending one is being resumed.
-                if found.status not in ("PENDING", "ENQUEUED"):
-                    with self._lock:
-                        self._active.discard(rid)
-                self.counts["duplicates"] += 1
-                return rid
-            self.counts["dispatched"] += 1
+            # A workflow id starts its workflow once: DBOS records the start and the
+            # id in one insert, and a second start finds the row and runs nothing.
             with SetWorkflowID(rid):
                 handle = await DBOS.start_workflow_async(_remediation_workflow, request)
+            if getattr(handle, "task", None) is not None:  # it runs here, from now on
+                self.counts["dispatched"] += 1
+                return handle.get_workflow_id()
+            # Started before (a re-sent span, or a restart). Asked only now, not before
+            # every start: that was one of a remediation's six or so transactions.
+            found = await DBOS.get_workflow_status_async(rid)
+            if found is None or found.status not in ("PENDING", "ENQUEUED"):
+                # A finished one is no longer active; a pending one is being resumed.
+                with self._lock:
+                    self._active.discard(rid)
+            self.counts["duplicates"] += 1
+            return rid
         except Exception:
             self.counts["errors"] += 1
             with self._lock:
                 self._active.discard(str(request["id"]))
             log.exception("could not start a remediation", extra={"remediation": request["id"]})
             raise
-        return handle.get_workflow_id()
 
     def notify_recovery(self, remediation_id: str, evidence: Mapping[str, Any]) -> None:
         """The run's later spans show the failed part succeeding (from the pipeline)."""

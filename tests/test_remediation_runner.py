@@ -216,10 +216,13 @@ def test_the_same_remediation_dispatched_twice_runs_once(
     runner.dispatch(request)  # while it runs, or after: the workflow id dedupes
     view = _wait(runner, request["id"])
     time.sleep(0.2)
-    runner.dispatch(request)
+    again = runner.dispatch(request)  # finished: DBOS finds its row and starts nothing
+    assert again is not None and again.result(10) == request["id"]
     assert view["outcome"] == "failed"  # no recovery, nothing to follow with
     mine = [c for c in gateway.commands if c.startswith(request["id"])]
     assert len(mine) == 1
+    assert (runner.counts["dispatched"], runner.counts["duplicates"]) == (1, 2)
+    assert runner.stats()["active"] == 0  # a finished duplicate does not hold a slot
 
 
 def test_a_tool_outside_the_allowlist_is_refused_and_recorded_as_an_error(
