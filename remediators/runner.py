@@ -462,7 +462,7 @@ class DurableRunner:
                 self.counts["dispatched"] += 1
                 return handle.get_workflow_id()
             # Started before (a re-sent span, or a restart). Asked only now, not before
-            # every start: that was one of a remediation's six or so transactions.
+            # every start: that was one more transaction for every remediation.
             found = await DBOS.get_workflow_status_async(rid)
             if found is None or found.status not in ("PENDING", "ENQUEUED"):
                 # A finished one is no longer active; a pending one is being resumed.
