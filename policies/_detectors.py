@@ -8,6 +8,7 @@ first matching glob wins, key by key: a service override that sets only
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from policies._budgets import ContextPressureSpec, ModelTable, RunBudgetSpec, SloSpec
@@ -75,6 +76,13 @@ class CompiledDetectors:
         self.budget = budget or RunBudgetSpec()
         #: Context windows and prices: the built-in table under the policy's overrides.
         self.models = ModelTable.builtin(self.pressure.models)
+
+    @property
+    def shortest_idle_s(self) -> float:
+        """The shortest ``idle_seconds`` of any service with stalls on (inf: stalls off)."""
+        specs = [self._base.stalls or StallsSpec()]
+        specs += [spec.stalls for _, spec in self._services if spec.stalls is not None]
+        return min((s.idle_seconds for s in specs if s.enabled), default=math.inf)
 
     def for_service(self, service: str) -> DetectorSettings:
         loops, stalls = self._base.loops or LoopsSpec(), self._base.stalls or StallsSpec()

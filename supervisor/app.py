@@ -136,6 +136,7 @@ class Sidecar:
             slo=policy.detectors.slo,
             max_runs=settings.tracked_runs,
         )
+        self.runs.stall_horizon_s = policy.detectors.shortest_idle_s
         if settings.track_runs:
             self.pipeline.runs = self.runs
         self.store = Store.open(
@@ -488,6 +489,7 @@ class Sidecar:
         self.governor.set_policy(policy)
         self.runs.reset_settings()
         self.runs.models = policy.detectors.models
+        self.runs.stall_horizon_s = policy.detectors.shortest_idle_s
         self.runs.set_slo(policy.detectors.slo)
 
         self.reloads["ok"] += 1

@@ -415,12 +415,21 @@ class RunTracker:
         self._settings_memo: dict[str, DetectorSettings] = {}
         self.max_runs = max_runs
         self.max_idle_s = max_idle_s
+        #: No run silent for less than this can stall: the policy's shortest
+        #: ``idle_seconds`` (0: not known, the timer looks at every run). Runs are
+        #: kept least recently active first, so the timer stops at the first run
+        #: this recent instead of visiting a full table (~1 ms a second, cold caches).
+        self.stall_horizon_s = 0.0
         self._clock = clock
         #: run key (trace id, or a session's encoded name, marked) -> state, least recently
         #: active first
         self._runs: OrderedDict[bytes, _Run] = OrderedDict()
-        #: trace -> session run key, for a session's spans that do not name it
-        self._sessions: OrderedDict[bytes, bytes] = OrderedDict()
+        #: trace -> session run key, for a session's spans that do not name it. Two
+        #: generations: the older is dropped whole when the newer holds half the
+        #: bound, which costs a new trace a dict insert (an LRU's eviction per trace
+        #: cost more, and a trace is looked up mostly while it is recent).
+        self._sessions: dict[bytes, bytes] = {}
+        self._sessions_before: dict[bytes, bytes] = {}
         self.evicted = 0
         self.expired = 0
         #: trace -> run, for the spans of the batch being observed: a batch holds
@@ -711,6 +720,8 @@ class RunTracker:
         key: bytes = trace
         sessions = self._sessions
         known = sessions.get(trace) if sessions else None
+        if known is None and self._sessions_before:
+            known = self._sessions_before.get(trace)
         if known is not None:
             key = known  # a trace never changes session: its spans need not be read again
         elif _any_of(SESSION_KEYS, present):
@@ -807,11 +818,11 @@ class RunTracker:
             run.go_on_at = max(run.go_on_at, after)
 
     def _remember_session(self, trace: bytes, session: bytes) -> None:
+        """``trace`` belongs to ``session`` (a trace not remembered yet)."""
         sessions = self._sessions
-        if trace in sessions:
-            return
-        if len(sessions) >= self.max_runs:
-            sessions.popitem(last=False)
+        if len(sessions) >= max(1, self.max_runs // 2):
+            self._sessions_before = sessions
+            sessions = self._sessions = {}
         sessions[trace] = session
 
     # -- the timer ------------------------------------------------------------
@@ -820,12 +831,16 @@ class RunTracker:
         """Runs silent past their ``idle_seconds``, each once per silence; drops expired runs."""
         now = self._clock() if now is None else now
         found: list[Detection] = []
-        for run in list(self._runs.values()):  # least recently active first
+        horizon = min(self.stall_horizon_s, self.max_idle_s)
+        expired: list[_Run] = []
+        for run in self._runs.values():  # least recently active first
             idle = now - run.last_seen
+            if 0 <= idle < horizon:
+                # The runs after it were active later (a run seen "in the future"
+                # after the clock went back is passed over, not taken as recent).
+                break
             if idle >= self.max_idle_s:
-                del self._runs[run.key]
-                run.gone = True
-                self.expired += 1
+                expired.append(run)
                 continue
             if run.stalled or not run.open:
                 continue
@@ -851,6 +866,10 @@ class RunTracker:
                     role="agent",
                 )
             )
+        for run in expired:
+            del self._runs[run.key]
+            run.gone = True
+            self.expired += 1
         return found
 
     # -- views ---------------------------------------------------------------

@@ -112,6 +112,17 @@ def test_spans_of_a_session_make_one_run_across_traces() -> None:
     assert view.run_id == "conv-9" and view.spans == 3
 
 
+def test_which_session_a_trace_is_in_is_remembered_for_recent_traces_and_bounded() -> None:
+    tracker = RunTracker(max_runs=10)
+    traces = [bytes([i + 1]) * 16 for i in range(25)]
+    for i, trace in enumerate(traces):
+        feed(tracker, payload(span("step", {"session.id": f"s-{i}"}, trace=trace)))
+    remembered = {**tracker._sessions_before, **tracker._sessions}
+    assert 5 <= len(remembered) <= 10 and traces[-1] in remembered
+    feed(tracker, payload(span("untagged child", {}, trace=traces[-1])))
+    assert tracker.snapshot()[0].run_id == "s-24" and tracker.snapshot()[0].spans == 2
+
+
 def test_the_same_tool_call_three_times_is_one_loop_at_the_first_repeat() -> None:
     tracker = RunTracker()
     calls = [tool("search", {"q": "weather"}) for _ in range(4)]
@@ -469,6 +480,41 @@ def test_a_clock_going_back_or_leaping_ahead_neither_crashes_nor_stalls_wrongly(
     assert stall.details["idle_s"] == 150.0
     assert tracker.stalled(now=10**9) == []  # a leap ahead: the run expires, counted
     assert tracker.stats()["expired"] == 1
+
+
+def test_the_stall_timer_stops_at_the_first_recent_run_and_finds_the_same_stalls() -> None:
+    def tracker_fed() -> RunTracker:
+        tracker = RunTracker(settings=lambda s: DetectorSettings(idle_seconds=60), max_idle_s=600)
+        for i, at in enumerate((100.0, 1000.0, 1030.0, 1050.0)):
+            trace = bytes([i + 1]) * 16
+            feed(tracker, payload(span("step", {}, trace=trace)), now=at)
+        return tracker
+
+    scanned, bounded = tracker_fed(), tracker_fed()
+    bounded.stall_horizon_s = 60
+    for now in (1065.0, 1095.0, 1200.0):
+        assert [d.run_id for d in bounded.stalled(now)] == [d.run_id for d in scanned.stalled(now)]
+    assert bounded.stats() == scanned.stats() == {"tracked": 3, "evicted": 0, "expired": 1}
+    # The clock went back: runs seen "in the future" are passed over, not taken as recent.
+    feed(bounded, payload(span("step", {}, trace=b"\x09" * 16)), now=500.0)
+    (stall,) = bounded.stalled(now=561.0)
+    assert stall.run_id == (b"\x09" * 16).hex()
+
+
+def test_the_shortest_idle_time_is_over_every_service_with_stalls_on() -> None:
+    policy = load_policy(
+        text="""
+version: 1
+detectors:
+  stalls: {idle_seconds: 300}
+  services:
+    "batch-*": {stalls: {idle_seconds: 30, enabled: false}}
+    "chat-*": {stalls: {idle_seconds: 45}}
+"""
+    )
+    assert policy.detectors.shortest_idle_s == 45
+    off = load_policy(text="version: 1\ndetectors: {stalls: {enabled: false}}\n")
+    assert off.detectors.shortest_idle_s == float("inf")
 
 
 def test_a_run_of_100_000_spans_keeps_bounded_state() -> None:
