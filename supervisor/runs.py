@@ -530,7 +530,7 @@ class RunTracker:
             what = _SAME_OUTPUT
         first = _repeated(
             run,
-            _digest(raw) ^ hash(dependency),
+            _digest(raw or b"", dependency),  # a tool called without arguments: b""
             instance,
             tool=tool,
             span_id=span_id,
@@ -742,7 +742,7 @@ class RunTracker:
                 # Marked, not looked for in the batch's cache: with a full table
                 # every new run evicts one, and clearing the cache each time
                 # made most spans look their run up again.
-                runs.popitem(last=False)[1].gone = True
+                runs.popitem(False)[1].gone = True  # positional: no keyword call
                 self.evicted += 1
             run = runs[key] = _Run(key, service, trace, now)
         else:
@@ -993,16 +993,17 @@ def _instance_of(span_id: bytes) -> int:
     )
 
 
-def _digest(raw: bytes | None) -> int:
-    """What a repeat is compared by: the whole value when short, else its length and ends.
+def _digest(raw: bytes, dependency: str) -> int:
+    """What a repeat is compared by: the call's dependency and value (its ends, when long).
 
     Hashing a long answer cost microseconds per span; two answers of the same
     length with the same first and last 256 bytes are the same answer in any
-    loop worth reporting.
+    loop worth reporting. One hash of a tuple: XOR-ing two hashes took the
+    compiled code's arbitrary-precision path (hashes exceed its machine ints).
     """
-    if raw is None or len(raw) <= 512:
-        return hash(raw)
-    return hash((len(raw), raw[:256], raw[-256:]))
+    if len(raw) <= 512:
+        return hash((raw, dependency))
+    return hash((len(raw), raw[:256], raw[-256:], dependency))
 
 
 def _any_of(keys: tuple[str, ...], present: frozenset[str]) -> bool:
