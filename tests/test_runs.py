@@ -483,17 +483,31 @@ def test_a_clock_going_back_or_leaping_ahead_neither_crashes_nor_stalls_wrongly(
 
 
 def test_the_stall_timer_stops_at_the_first_recent_run_and_finds_the_same_stalls() -> None:
-    def tracker_fed() -> RunTracker:
-        tracker = RunTracker(settings=lambda s: DetectorSettings(idle_seconds=60), max_idle_s=600)
+    def tracker_fed(asked: list[str]) -> RunTracker:
+        def settings(service: str) -> DetectorSettings:
+            asked.append(service)  # one service per run: which runs the timer looked at
+            return DetectorSettings(idle_seconds=60)
+
+        tracker = RunTracker(settings=settings, max_idle_s=600)
         for i, at in enumerate((100.0, 1000.0, 1030.0, 1050.0)):
             trace = bytes([i + 1]) * 16
-            feed(tracker, payload(span("step", {}, trace=trace)), now=at)
+            feed(tracker, payload(span("step", {}, trace=trace), service=f"s{i}"), now=at)
+        tracker.reset_settings()
+        asked.clear()
         return tracker
 
-    scanned, bounded = tracker_fed(), tracker_fed()
+    asked_scanned: list[str] = []
+    asked_bounded: list[str] = []
+    scanned, bounded = tracker_fed(asked_scanned), tracker_fed(asked_bounded)
     bounded.stall_horizon_s = 60
-    for now in (1065.0, 1095.0, 1200.0):
-        assert [d.run_id for d in bounded.stalled(now)] == [d.run_id for d in scanned.stalled(now)]
+
+    def stalls(tracker: RunTracker, now: float) -> list[str]:
+        return [d.run_id for d in tracker.stalled(now)]
+
+    assert stalls(bounded, 1065.0) == stalls(scanned, 1065.0) == [(b"\x02" * 16).hex()]
+    assert asked_scanned == ["s1", "s2", "s3"] and asked_bounded == ["s1"]  # it stopped at s2
+    for now in (1095.0, 1200.0):
+        assert stalls(bounded, now) == stalls(scanned, now)
     assert bounded.stats() == scanned.stats() == {"tracked": 3, "evicted": 0, "expired": 1}
     # The clock went back: runs seen "in the future" are passed over, not taken as recent.
     feed(bounded, payload(span("step", {}, trace=b"\x09" * 16)), now=500.0)
