@@ -24,6 +24,7 @@ import logging
 import sqlite3
 import threading
 import time
+import types
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import Future
@@ -403,7 +404,7 @@ class DurableRunner:
             # DBOS pings every connection it takes from its pool (a SELECT 1), which
             # guards against a Postgres server that dropped it; a SQLite file's
             # connection cannot go stale (bench/remediation.py: 2-3% less CPU without).
-            config["db_engine_kwargs"] = {"pool_pre_ping": False}
+            config["db_engine_kwargs"] = {"pool_pre_ping": False, "module": _SQLITE_NORMAL_SYNC}
         DBOS(config=config)
         DBOS.launch()  # on this loop: resumed async workflows run here
 
@@ -799,6 +800,36 @@ def _summary(status: Any) -> dict[str, Any]:
         "recovery_attempts": status.recovery_attempts,
         "error": None if status.error is None else str(status.error)[:_MAX_TEXT],
     }
+
+
+class _SqliteNormalSync(types.ModuleType):
+    """``sqlite3`` whose connections commit without waiting for the disk (``synchronous=NORMAL``).
+
+    Given to SQLAlchemy as the DBAPI module of DBOS's SQLite engine, so the
+    URL is parsed, and DBOS's own connect hook runs, as with ``sqlite3``.
+    SQLite's default (FULL) syncs the WAL at every commit, and a remediation
+    commits several times: NORMAL cut its CPU by a fifth to a quarter
+    (bench/remediation.py --only throughput --backends sqlite). In WAL mode a
+    commit still survives the process being killed, which is what recovery
+    is for; only a power loss can take back the last commits, and then a
+    step runs again, as DBOS steps may (tool calls carry idempotency keys).
+    The span store makes the same choice (:mod:`supervisor.store`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__("sqlite3")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sqlite3, name)
+
+    @staticmethod
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        db: sqlite3.Connection = sqlite3.connect(*args, **kwargs)
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
+
+
+_SQLITE_NORMAL_SYNC: Final = _SqliteNormalSync()
 
 
 def _use_wal(url: str) -> None:

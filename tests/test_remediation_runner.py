@@ -315,3 +315,20 @@ def test_cancel_stops_a_waiting_remediation(
     assert runner.cancel("rem_unknown") is False
     listed: list[Mapping[str, Any]] = runner.list(limit=100)
     assert request["id"] in {w["id"] for w in listed}
+
+
+def test_the_sqlite_database_commits_without_syncing_but_keeps_dboss_connection_setup(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    # The module's other tests run remediations through this engine.
+    """WAL with synchronous=NORMAL on DBOS's own engine, and DBOS's connect hook still ran."""
+    from dbos._dbos import _get_dbos_instance  # the engine DBOS made from our URL
+
+    engine = _get_dbos_instance()._sys_db.engine
+    with engine.connect() as connection:
+        raw = connection.connection.dbapi_connection
+        assert raw is not None
+        assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert raw.execute("PRAGMA synchronous").fetchone() == (1,)  # NORMAL; FULL is 2
+        assert raw.execute("PRAGMA busy_timeout").fetchone() == (30000,)  # DBOS's hook
+        assert raw.isolation_level == "IMMEDIATE"
