@@ -595,6 +595,52 @@ def test_commands_added_after_an_incident_are_deduplicated_by_their_key(store: S
     assert len(store.commands()) == 3
 
 
+def test_every_planned_command_is_named_by_its_key_which_is_what_deduplicates_it() -> None:
+    """The commands table has no index on ``key``: its primary key, the id, is the key's."""
+    from supervisor.commands import approval_result, plan_commands
+    from supervisor.records import Action, Decision, ErrorEvidence, Failure, FailureClass, Role
+
+    failure = Failure(
+        trace_id=TRACE,
+        span_id=span(7),
+        parent_span_id="",
+        service="agent",
+        span_name="chat gpt-4o",
+        run_id="run-1",
+        role=Role.LLM,
+        failure_class=FailureClass.TRANSIENT,
+        kind="rate_limit",
+        dependency="openai:gpt-4o",
+        rule="builtin.openai.rate_limit",
+        message="429",
+        evidence=ErrorEvidence(status_error=True),
+        received_ns=0,
+    )
+    decisions = [
+        Decision(Action.RETRY, "p", {"delay_s": 1.0}),
+        Decision(Action.FALLBACK, "p", {"to": "anthropic:claude"}),
+        Decision(Action.FAIL_FAST, "p", {"breaker_reopens_in_s": 30.0}),
+        Decision(Action.FAIL_FAST, "p"),
+        Decision(Action.ESCALATE, "p"),
+    ]
+    planned = [c for d in decisions for c in plan_commands(failure, d, T0)]
+    planned.append(
+        approval_result(
+            {"trace_id": TRACE, "span_id": span(7), "rule": failure.rule},
+            approval_id="apr_1",
+            incident="incident-1",
+            approved=True,
+            by="oncall@example.com",
+            note="",
+            proposal_body={"where": {"service": "agent", "run_id": "run-1"}},
+            now=T0,
+        )
+    )
+    assert len(planned) == 7  # fail_fast with a breaker: pause and resume
+    for command in planned:
+        assert command.id == "cmd_" + command.idempotency_key[:24]
+
+
 # -- housekeeping and durability -------------------------------------------------
 
 
