@@ -82,12 +82,13 @@ class RunnerSettings:
     #: Remediations running at once; past it a dispatch is refused and counted.
     max_active: int = 256
     #: How often DBOS looks for a waiting remediation's messages on SQLite: one
-    #: query per waiting remediation each time (at 0.05 s, 256 remediations
-    #: waiting for approvals kept a core busy; at 1 s, the remediations a loop
-    #: detector started in bench/ingest.py cost 4% of the sidecar's CPU). The
-    #: sidecar sends every message and wakes its waiter at once
-    #: (:func:`_wake_waiters`); this is the safety net.
-    poll_interval_s: float = 5.0
+    #: query per waiting remediation each time, so a remediation verifying for the
+    #: default 120 s costs 120 / poll_interval_s queries (at 0.05 s, 256
+    #: remediations waiting for approvals kept a core busy; at 5 s, the poller
+    #: took 3% of the sidecar's CPU in bench/ingest.py once its loop detections'
+    #: remediations piled up). The sidecar sends every message and wakes its
+    #: waiter at once (:func:`_wake_waiters`); this is the safety net.
+    poll_interval_s: float = 30.0
     start_timeout_s: float = 60.0
 
 
