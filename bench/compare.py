@@ -36,8 +36,7 @@ from bench.harness import (
     sidecar_env,
     table,
 )
-from bench.ingest import Measurement, _Ids, measure
-from bench.spans import make_requests
+from bench.ingest import Measurement, _Ids, measure, repetition_load
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,11 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(command_line(), flush=True)
-    n_requests = math.ceil(args.spans / args.spans_per_request)
-    spans = n_requests * args.spans_per_request
-    pool = make_requests(
-        min(args.pool, n_requests), args.spans_per_request, args.failure_rate, seed=11
-    )
+    n_requests, spans, pool = repetition_load(args)
     ids = _Ids()
     names = ("before", "after")
     results: tuple[list[Measurement], list[Measurement]] = ([], [])

@@ -40,8 +40,7 @@ if __package__ in (None, ""):
 import tempfile
 
 from bench.harness import BenchError, Sidecar, command_line, cpu_split, running_sidecar, table
-from bench.ingest import Measurement, _Ids, measure
-from bench.spans import make_requests
+from bench.ingest import Measurement, _Ids, measure, repetition_load
 
 GOAL_RATIO = 0.90
 #: Detections are decided but not acted on (see the module docstring).
@@ -109,11 +108,7 @@ def measure_together(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(command_line(), flush=True)
-    n_requests = math.ceil(args.spans / args.spans_per_request)
-    spans = n_requests * args.spans_per_request
-    pool = make_requests(
-        min(args.pool, n_requests), args.spans_per_request, args.failure_rate, seed=11
-    )
+    n_requests, spans, pool = repetition_load(args)
     ids = _Ids()
     off: list[Measurement] = []
     on: list[Measurement] = []

@@ -138,14 +138,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    print(command_line(), flush=True)
+def repetition_load(args: argparse.Namespace) -> tuple[int, int, list[bytes]]:
+    """(requests, spans, pool) of one repetition: ``--spans`` in whole requests of
+    ``--spans-per-request``, sent as copies of ``--pool`` generated requests."""
     n_requests = math.ceil(args.spans / args.spans_per_request)
-    spans = n_requests * args.spans_per_request
     pool = make_requests(
         min(args.pool, n_requests), args.spans_per_request, args.failure_rate, seed=11
     )
+    return n_requests, n_requests * args.spans_per_request, pool
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(command_line(), flush=True)
+    n_requests, spans, pool = repetition_load(args)
     payload_kib = sum(map(len, pool)) / len(pool) / 1024
     ids = _Ids()
     results: dict[str, list[Measurement]] = {t: [] for t in args.transports}
