@@ -141,9 +141,12 @@ class _HttpReceiver:
         """Decompress, decode and validate; the bytes are what gets forwarded."""
         payload = codec.decompress(body, content_encoding=coding, max_bytes=self._max_body_bytes)
         request = codec.decode_payload(payload, media=media)
-        validation = codec.validate_spans(request)
-        if media == codec.PROTOBUF and not validation.rejected:
-            return request, payload, validation
+        if media == codec.PROTOBUF:
+            validation = codec.validate_payload(request, payload)
+            if not validation.rejected:
+                return request, payload, validation
+        else:
+            validation = codec.validate_spans(request)
         raw = request.SerializeToString() if validation.accepted else b""
         return request, raw, validation
 
