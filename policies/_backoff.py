@@ -21,6 +21,9 @@ from policies._schema import ExponentialWait, FixedWait
 
 Jitter = Literal["none", "full", "equal"]
 
+#: Attempts whose waits a Backoff remembers.
+_MAX_REMEMBERED: Final = 64
+
 #: Only a carrier for RetryCallState; never runs anything.
 _RETRYING: Final = Retrying()
 
@@ -36,11 +39,14 @@ def jitter_fraction(trace_id: str, span_id: str, policy: str) -> float:
 class Backoff:
     """When to stop and how long to wait after a failed attempt."""
 
-    __slots__ = ("_floor", "_stop", "_wait", "jitter", "max_attempts")
+    __slots__ = ("_ceilings", "_floor", "_stop", "_wait", "jitter", "max_attempts")
 
     def __init__(self, spec: FixedWait | ExponentialWait, max_attempts: int) -> None:
         self.max_attempts = max_attempts
         self._stop = stop_after_attempt(max_attempts)
+        #: Attempt -> tenacity's wait before jitter, or None past the last attempt: both
+        #: depend on the attempt only, and asking tenacity builds a RetryCallState.
+        self._ceilings: dict[int, float | None] = {}
         self._wait: wait_base
         if isinstance(spec, FixedWait):
             self._wait = wait_fixed(spec.seconds)
@@ -58,16 +64,25 @@ class Backoff:
 
         ``fraction`` in [0, 1) places the delay within the jitter's range.
         """
-        state = _state(attempt)
-        if self._stop(state):
+        ceilings = self._ceilings
+        if attempt in ceilings:
+            ceiling = ceilings[attempt]
+        else:
+            ceiling = self._ceiling(attempt)
+            if len(ceilings) < _MAX_REMEMBERED:  # attempts count up from 1: a few entries
+                ceilings[attempt] = ceiling
+        if ceiling is None:
             return None
-        ceiling = float(self._wait(state))
         if self.jitter == "full":
             # tenacity's wait_random_exponential: uniform between min and the ceiling.
             return self._floor + fraction * max(0.0, ceiling - self._floor)
         if self.jitter == "equal":
             return max(self._floor, ceiling / 2 + fraction * ceiling / 2)
         return ceiling
+
+    def _ceiling(self, attempt: int) -> float | None:
+        state = _state(attempt)
+        return None if self._stop(state) else float(self._wait(state))
 
 
 def _state(attempt: int) -> RetryCallState:

@@ -210,7 +210,7 @@ def _command_row(
         command.idempotency_key,
         incident_key,
         command.service,
-        command.type.value,
+        command.type._value_,
         channel,
         status,
         _dumps(command.to_json()),

@@ -89,6 +89,18 @@ def test_exponential_delays_double_up_to_the_cap_then_attempts_run_out() -> None
     assert delays(p, failure(kind="timeout"), range(1, 8)) == [0.5, 1.0, 2.0, 4.0, 4.0, None, None]
 
 
+def test_a_schedule_read_in_any_order_and_past_what_is_remembered_stays_tenacitys() -> None:
+    """Backoff remembers the first 64 attempts' waits; later ones are asked each time."""
+    p = policy((EXPONENTIAL % "none").replace("max_attempts: 6", "max_attempts: 100"))
+    f = failure(kind="timeout")
+    expected = [min(4.0, 0.5 * 2.0 ** (a - 1)) for a in range(1, 100)] + [None, None]
+
+    backwards = delays(p, f, range(101, 0, -1))[::-1]
+
+    assert backwards == expected
+    assert delays(p, f, range(1, 102)) == expected
+
+
 def test_fixed_delays_are_constant() -> None:
     p = policy(
         """
