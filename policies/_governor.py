@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from operator import itemgetter
 from typing import Final
 
@@ -289,9 +288,11 @@ def _revised(
 ) -> Decision:
     """``decision`` turned into ``action``; the reason says what changed it and why."""
     kept = {k: v for k, v in decision.params.items() if k in ("attempt", "max_attempts")}
-    return replace(
-        decision,
+    # Built whole, not by dataclasses.replace, which looks the fields up each call.
+    return Decision(
         action=action,
+        policy=decision.policy,
         params={**kept, **params},
         reason=f"{decision.reason}; {why}: {action._value_}" if decision.reason else why,
+        observe_only=decision.observe_only,
     )
