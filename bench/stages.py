@@ -9,6 +9,10 @@ at a time over the same batches (``bench/ingest.py``'s: 500 spans, fresh
 ids) and times each with this thread's CPU clock, ``--repeat`` times,
 alternating; it prints medians with their range:
 
+* ingest's check of each span's ids, as the receivers make it
+  (:func:`supervisor.ingest.codec.validate_payload`: compiled, the ids are
+  read from the bytes) and through the protobuf runtime's objects
+  (``validate_spans``, which it falls back on), on requests already decoded;
 * the stages every span passes: the wire view of its spans
   (:func:`supervisor.normalize.wire_spans`, which reads the request: compiled,
   with its own wire reader; interpreted, with the protobuf runtime, whose
@@ -122,6 +126,11 @@ class _Bench:
 
 def _time_stages(bench: _Bench, tracker: Any, timings: Timings, spans: int) -> None:
     """One repetition of the stages every span passes, each over the same new batches."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    from supervisor.ingest.codec import validate_payload, validate_spans
     from supervisor.normalize import dependency_of, wire_spans
     from supervisor.normalize.screen import may_fail_quietly, shows_failure_signal
     from supervisor.normalize.wire import LiteRequest
@@ -130,6 +139,10 @@ def _time_stages(bench: _Bench, tracker: Any, timings: Timings, spans: int) -> N
     items: list[Any] = []
     deps: list[str] = []
     timings.add("decode", _cpu_us(lambda: [LiteRequest.FromString(p) for p in ok]) / spans)
+    decoded = [ExportTraceServiceRequest.FromString(p) for p in ok]
+    checked = _cpu_us(lambda: [validate_payload(r, p) for r, p in zip(decoded, ok, strict=True)])
+    timings.add("id check", checked / spans)
+    timings.add("id check, runtime", _cpu_us(lambda: [validate_spans(r) for r in decoded]) / spans)
     timings.add("wire_spans", _cpu_us(lambda: items.extend(map(wire_spans, ok))) / spans)
     flat = [item for batch in items for item in batch]
     signal = _cpu_us(lambda: [shows_failure_signal(i) for i in flat])
@@ -220,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.repeat} repetitions of {args.batches} batches of {SPANS_PER_REQUEST} spans,"
         f" {build} build, {time.monotonic() - started:.0f} s; CPU µs per span, medians"
     )
-    stages = ["decode", "wire_spans", "shows_failure_signal", "may_fail_quietly"]
+    stages = ["decode", "id check", "id check, runtime", "wire_spans", "shows_failure_signal"]
+    stages += ["may_fail_quietly"]
     stages += ["dependency_of", "run tracker"]
     wholes = [f"tracker {name}, {load} injected" for name in ("off", "on") for load in ("0%", rate)]
     rows = [
@@ -234,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         table(
-            ["stage (decode: the runtime, for reference)", "µs/span", "min-max", "of whole"], rows
+            ["stage (decode, id check runtime: for reference)", "µs/span", "min-max", "of whole"],
+            rows,
         )
     )
     print()

@@ -55,8 +55,9 @@ def test_every_stage_and_the_cost_of_a_failure_are_printed() -> None:
         return float(found.group(1))
 
     stage_names = ["decode", "wire_spans", "shows_failure_signal", "may_fail_quietly"]
-    for name in [*stage_names, "dependency_of", "run tracker"]:
+    for name in [*stage_names, "dependency_of", "run tracker", "id check, runtime"]:
         assert figure(name) > 0
+    assert figure("id check") >= 0
     whole = figure("whole path, tracker off, 20% injected")
     # The whole path includes the wire view.
     assert whole > figure("wire_spans") > 0
