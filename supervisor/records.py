@@ -355,6 +355,8 @@ class Command:
 #: remembered second missed every other call; formatting a date is the costly part.
 _SECONDS: Final[dict[int, str]] = {}
 _MAX_SECONDS: Final = 512
+#: ".000Z" to ".999Z": a lookup, not a format spec, per time written.
+_MILLIS: Final[tuple[str, ...]] = tuple(f".{ms:03d}Z" for ms in range(1000))
 
 
 def _rfc3339(unix_s: float) -> str:
@@ -365,14 +367,15 @@ def _rfc3339(unix_s: float) -> str:
         if len(_SECONDS) >= _MAX_SECONDS:
             _SECONDS.clear()
         text = _SECONDS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-    return f"{text}.{fraction // 1000:03d}Z"
+    return text + _MILLIS[fraction // 1000]
 
 
 def _jsonable(value: object) -> object:
     """Tuples and read-only mappings as JSON lists and objects."""
     if isinstance(value, (str, int, float)) or value is None:  # nearly every value
         return value
-    if isinstance(value, Mapping):
+    # dict first: the ABC's isinstance is a slow path, and params are nearly always dicts.
+    if isinstance(value, dict) or isinstance(value, Mapping):  # noqa: SIM101
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
         return [_jsonable(v) for v in value]
