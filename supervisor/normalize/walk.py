@@ -270,6 +270,8 @@ def _ids_well_formed(data: bytes, pos: int, end: int) -> bool:
             pos += 1
         else:
             tag, pos = read_varint(data, pos)
+        if tag >> 3 == 13:  # links: their ids are for the caller's slow path
+            return False
         if tag & 7 == _LEN:
             size = data[pos]
             if size < 0x80:
@@ -283,11 +285,7 @@ def _ids_well_formed(data: bytes, pos: int, end: int) -> bool:
                 span_at, span_stop = pos, stop
             elif tag == 0x22:  # parent_span_id
                 parent_size = size
-            elif tag == 0x6A:  # links: their ids are for the caller's slow path
-                return False
             pos = stop
-        elif tag >> 3 == 13:
-            return False
         else:
             pos = _skip(data, pos, tag, end)
     return (
