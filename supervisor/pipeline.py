@@ -131,6 +131,11 @@ class Outcome:
     failure: Failure
     decision: Decision
 
+    def __init__(self, failure: Failure, decision: Decision) -> None:
+        # Written out: see supervisor.records, whose records do the same.
+        object.__setattr__(self, "failure", failure)
+        object.__setattr__(self, "decision", decision)
+
 
 @dataclass(frozen=True, slots=True)
 class PipelineStats:
