@@ -13,10 +13,10 @@ import os
 
 from setuptools import setup
 
-# Not compiled: supervisor/store.py (SQLite-bound, and tests subclass Store), the
-# restart intensity (once per corrective action), and the settings of breakers and
-# budgets (policies/_limit_settings.py: compiled, a dataclass would reject a wrong
-# type with a bare TypeError before its own clear check).
+# Not compiled: supervisor/store.py (SQLite-bound, and tests subclass Store), and the
+# settings of breakers, budgets and restart intensity (policies/_limit_settings.py:
+# compiled, a dataclass would reject a wrong type with a bare TypeError before its
+# own clear check).
 COMPILED = [
     "supervisor/normalize/__init__.py",
     "supervisor/normalize/attributes.py",
@@ -47,6 +47,7 @@ COMPILED = [
     "policies/_detectors.py",
     "policies/_breakers.py",
     "policies/_budget.py",
+    "policies/_intensity.py",
     "policies/_cascade.py",
     "policies/_match.py",
     "policies/_policy.py",

@@ -1,4 +1,4 @@
-"""The settings of breakers and retry budgets, checked when they are made.
+"""The settings of breakers, retry budgets and restart intensity, checked when they are made.
 
 Why a module of its own: the breaker and budget state machines are compiled
 (``setup.py``), and a compiled dataclass rejects a value of the wrong type
@@ -18,6 +18,7 @@ __all__ = [
     "MAX_SUCCESS_THRESHOLD",
     "BreakerSettings",
     "BudgetSettings",
+    "IntensitySettings",
     "check_int",
 ]
 
@@ -25,6 +26,8 @@ __all__ = [
 MAX_FAIL_MAX = 10_000
 MAX_SUCCESS_THRESHOLD = 10_000
 MAX_RESET_TIMEOUT_S = 86_400.0
+MAX_ACTIONS = 10_000
+MAX_PERIOD_S = 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,31 @@ class BudgetSettings:
         if not 0 <= self.min_retries <= 1_000_000:
             raise ValueError(f"min_retries must be between 0 and 1000000, got {self.min_retries}")
         _check_float("window_s", self.window_s, 1.0, 3600.0, low_open=False)
+
+
+@dataclass(frozen=True, slots=True)
+class IntensitySettings:
+    """At most ``max_actions`` corrective actions per run within ``period_s`` seconds.
+
+    ``max_actions`` 0 escalates every action (Erlang's intensity 0).
+    """
+
+    max_actions: int = 5
+    period_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        value = self.max_actions
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"max_actions must be an integer, got {value!r}")
+        if not 0 <= value <= MAX_ACTIONS:
+            raise ValueError(f"max_actions must be between 0 and {MAX_ACTIONS}, got {value}")
+        period = self.period_s
+        if not isinstance(period, (int, float)) or isinstance(period, bool):
+            raise ValueError(f"period_s must be a number of seconds, got {period!r}")
+        if not math.isfinite(period) or not 0 < period <= MAX_PERIOD_S:
+            raise ValueError(
+                f"period_s must be more than 0 and at most {MAX_PERIOD_S:g} seconds, got {period}"
+            )
 
 
 def check_int(name: str, value: object, low: int, high: int | None) -> None:
