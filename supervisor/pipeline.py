@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
-from typing import Final, NamedTuple, Protocol
+from typing import Final, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -149,21 +149,33 @@ class PipelineStats:
     evictions: int
 
 
-class _Signature(NamedTuple):
-    """What attribution compares of an origin; small, so many can be remembered."""
+class _Signature:
+    """What attribution compares of an origin; small, so many can be remembered.
 
-    failure_class: FailureClass
-    kind: str
-    exception_tail: str
-    text: str
+    Plain classes, not NamedTuples, here and in :class:`_Reported`: compiled,
+    a NamedTuple is built by its interpreted ``__new__``, a plain class natively.
+    """
+
+    __slots__ = ("exception_tail", "failure_class", "kind", "text")
+
+    def __init__(
+        self, failure_class: FailureClass, kind: str, exception_tail: str, text: str
+    ) -> None:
+        self.failure_class = failure_class
+        self.kind = kind
+        self.exception_tail = exception_tail
+        self.text = text
 
 
-class _Reported(NamedTuple):
+class _Reported:
     """An origin reported in a trace, for ancestors that end in a later request."""
 
-    start_ns: int
-    end_ns: int
-    sig: _Signature
+    __slots__ = ("end_ns", "sig", "start_ns")
+
+    def __init__(self, start_ns: int, end_ns: int, sig: _Signature) -> None:
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.sig = sig
 
 
 #: Origins remembered per trace for attribution through spans that did not fail.
@@ -325,7 +337,10 @@ class Pipeline:
         recovering = recovery.dependencies if recovery is not None else ()
         runs = self.runs
         verifiers = self.policy.verifiers
-        verifying = len(verifiers) > 0
+        wants = self._wants
+        if wants.verifiers is not verifiers:  # a new policy
+            wants = self._wants = _WantedBy(verifiers)
+        verifying = wants.verifying
         if not ok or not (
             counting or runs is not None or verifying or self._attempted or recovering
         ):
@@ -333,9 +348,6 @@ class Pipeline:
         dependencies = [dependency_of(item) for item in ok]
         if runs is not None:
             runs.observe_all(ok, dependencies, now_s, detected)
-        wants = self._wants
-        if wants.verifiers is not verifiers:  # a new policy
-            wants = self._wants = _WantedBy(verifiers)
         for item, dependency in zip(ok, dependencies, strict=True):
             if verifying and wants.wanted(item, dependency):
                 verify.append(item)  # its output must pass a verifier: normalize it
@@ -876,10 +888,12 @@ class _WantedBy:
     choose, so the memo is bounded: cleared when full.
     """
 
-    __slots__ = ("_by_service", "_size", "verifiers")
+    __slots__ = ("_by_service", "_size", "verifiers", "verifying")
 
     def __init__(self, verifiers: VerifierSet | None) -> None:
         self.verifiers = verifiers
+        #: Whether there are any (``len`` of the set runs interpreted: asked once).
+        self.verifying = verifiers is not None and len(verifiers) > 0
         # service -> span name -> a bit per role group (_TOOL, _HTTP, _LLM, _UNNAMED)
         self._by_service: dict[str, dict[str, int]] = {}
         self._size = 0
