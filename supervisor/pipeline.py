@@ -51,7 +51,7 @@ from supervisor.normalize import (
 )
 from supervisor.normalize.attributes import as_str
 from supervisor.normalize.screen import SESSION_KEYS
-from supervisor.normalize.walk import ended_at
+from supervisor.normalize.walk import ended_at, has_exception_event
 from supervisor.normalize.wire import value_of
 from supervisor.records import (
     Action,
@@ -996,7 +996,7 @@ def _failed(item: WireSpan) -> bool:
     span, _, _, present, _ = item
     if span.status.code == _STATUS_ERROR or "error.type" in present:
         return True
-    return any(event.name == "exception" for event in span.events)
+    return has_exception_event(span)
 
 
 def _only_calls_tools(item: WireSpan, record: SpanRecord) -> bool:

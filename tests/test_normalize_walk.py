@@ -29,7 +29,7 @@ from supervisor.normalize import (
     walked_spans,
     wire_spans,
 )
-from supervisor.normalize.walk import Unsupported
+from supervisor.normalize.walk import Unsupported, has_exception_event
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.spans import make_requests
@@ -77,6 +77,7 @@ def alike(walked: list[Any], lite: list[Any]) -> None:
             assert getattr(got[0], name) == getattr(want[0], name), name
         assert got[0].status.code == want[0].status.code
         assert got[0].status.message == want[0].status.message
+        assert has_exception_event(got[0]) == has_exception_event(want[0])
         assert list(got[0].events) == list(want[0].events)
         assert got[1] == want[1] and got[2] == want[2]  # resource, service
         assert got[3] == want[3]  # watched keys present
@@ -98,7 +99,22 @@ values = st.one_of(
     st.just(AnyValue()),
 )
 attributes = st.lists(
-    st.tuples(st.sampled_from(["a", "gen_ai.system", "error.type", "", "é"]) | texts, values),
+    st.tuples(
+        st.sampled_from(
+            [
+                "a",
+                "gen_ai.system",
+                "error.type",
+                "",
+                "é",
+                "exception.type",
+                "exception.message",
+                "exception.stacktrace",
+            ]
+        )
+        | texts,
+        values,
+    ),
     max_size=6,
 ).map(lambda pairs: [KeyValue(key=k, value=v) for k, v in pairs])
 events = st.lists(
@@ -280,6 +296,69 @@ def test_events_are_parsed_only_when_read() -> None:
     assert item[0].events is item[0].events  # parsed once
     (plain,) = walked_spans(_span_bytes(Span(**_ids())))
     assert len(plain[0].events) == 0
+
+
+def _exception(**attributes: AnyValue) -> Span.Event:
+    return Span.Event(
+        name="exception", attributes=[KeyValue(key=k, value=v) for k, v in attributes.items()]
+    )
+
+
+@pytest.mark.parametrize(
+    ("events", "want"),
+    [
+        ([], None),
+        ([Span.Event(name="log")], None),
+        (
+            [
+                Span.Event(name="log"),
+                _exception(
+                    **{
+                        "exception.type": AnyValue(string_value="openai.RateLimitError"),
+                        "exception.message": AnyValue(string_value="Error code: 429"),
+                    }
+                ),
+                _exception(**{"exception.type": AnyValue(string_value="ValueError")}),
+            ],
+            ("openai.RateLimitError", "Error code: 429"),
+        ),
+        (
+            [
+                _exception(
+                    **{
+                        "exception.stacktrace": AnyValue(
+                            string_value='Traceback (most recent call last):\n  File "a.py"'
+                            ", line 1\nhttpx.ConnectTimeout: timed out"
+                        )
+                    }
+                )
+            ],
+            ("httpx.ConnectTimeout", ""),
+        ),
+        # Not a string: the runtime reads it ("" for a string field it does not hold).
+        ([_exception(**{"exception.type": AnyValue(int_value=7)})], ("", "")),
+    ],
+)
+def test_exception_events_are_read_without_the_runtime(
+    events: list[Span.Event], want: tuple[str, str] | None
+) -> None:
+    payload = _span_bytes(
+        Span(**_ids(), status=Status(code=Status.StatusCode.STATUS_CODE_ERROR), events=events)
+    )
+    (walked,) = walked_spans(payload)
+    (lite,) = lite_spans(payload)
+
+    got = normalize_wire(walked).error
+    assert got is not None
+    assert (got.exception_type, got.exception_message) == (want or ("", ""))
+    assert normalize_wire(lite) == normalize_wire(walked)
+    assert has_exception_event(walked[0]) is has_exception_event(lite[0]) is (want is not None)
+    plain_strings = all(
+        kv.value.WhichOneof("value") in (None, "string_value")
+        for event in events
+        for kv in event.attributes
+    )
+    assert (walked[0]._events is None) is plain_strings  # parsed only to fall back
 
 
 def test_interned_keys_stay_bounded() -> None:

@@ -53,8 +53,12 @@ from supervisor.normalize.screen import (
 from supervisor.normalize.walk import COMPILED as WALK_COMPILED
 from supervisor.normalize.walk import (
     Unsupported,
+    WalkedSpan,
+    event_attributes,
+    event_name,
     kind_and_name,
     locate_spans,
+    string_value,
     walk_request,
     walk_span,
 )
@@ -303,7 +307,7 @@ def _normalize(
         or (draft.grpc_code is not None and draft.grpc_code != 0)
         or (bool(draft.finish_reasons) and failing_finish(draft.finish_reasons))
     )
-    exception = _exception_event(span.events) if len(span.events) else None
+    exception = _exception_of(span)
     swallowed: Swallowed | None = None
     if not failing and exception is None and role is Role.TOOL and draft.output_text:
         swallowed = detect_swallowed(draft.output_text)
@@ -520,18 +524,57 @@ def _identified(
     return _dependency(draft, role, name[:_MAX_SPAN_NAME])[1], uses_name
 
 
+def _exception_of(span: Any) -> tuple[str, str] | None:
+    """Type and message of the span's first ``exception`` event, if any.
+
+    A walked span's events are read from their encoding: parsing them with the
+    runtime was a fifth of normalizing a failing span. Any layout the walker
+    declines is read by the runtime, which gives the same answer.
+    """
+    raw_events = span._raw_events if isinstance(span, WalkedSpan) else None
+    if raw_events is not None:
+        try:
+            return _walked_exception_event(raw_events)
+        except (Unsupported, IndexError, UnicodeDecodeError):
+            pass
+    return _exception_event(span.events) if len(span.events) else None
+
+
+def _scanned(count: int) -> Any:
+    """The indices of events looked at: all, or the first and last ``_EVENT_SCAN``."""
+    if count <= 2 * _EVENT_SCAN:
+        return range(count)
+    return (*range(_EVENT_SCAN), *range(count - _EVENT_SCAN, count))
+
+
+def _walked_exception_event(raw_events: list[bytes]) -> tuple[str, str] | None:
+    """:func:`_exception_event` of encoded events; raises as the walker does."""
+    for i in _scanned(len(raw_events)):
+        raw = raw_events[i]
+        if event_name(raw) != "exception":
+            continue
+        attributes = event_attributes(raw)
+        exc_type = _string_of(attributes, "exception.type")
+        message = _string_of(attributes, "exception.message")
+        if not exc_type:
+            exc_type = _last_traceback_type(_string_of(attributes, "exception.stacktrace"))
+        return bounded(exc_type, MAX_NAME_CHARS), message[:SCAN_CHARS]
+    return None
+
+
+def _string_of(attributes: dict[str, bytes], key: str) -> str:
+    encoded = attributes.get(key)
+    return string_value(encoded) if encoded is not None else ""
+
+
 def _exception_event(events: Any) -> tuple[str, str] | None:
     """Type and message of the first ``exception`` event, if any."""
-    count = len(events)
-    if count <= 2 * _EVENT_SCAN:
-        indices: Any = range(count)
-    else:
-        indices = (*range(_EVENT_SCAN), *range(count - _EVENT_SCAN, count))
-    for i in indices:
+    for i in _scanned(len(events)):
         event = events[i]
         if event.name != "exception":
             continue
-        exc_type = message = stacktrace = ""
+        exc_type = message = ""
+        traceback: Any = None  # read only without a type: a stack trace can be long
         for kv in event.attributes:
             key = kv.key
             if key == "exception.type":
@@ -539,9 +582,9 @@ def _exception_event(events: Any) -> tuple[str, str] | None:
             elif key == "exception.message":
                 message = kv.value.string_value
             elif key == "exception.stacktrace":
-                stacktrace = kv.value.string_value
-        if not exc_type and stacktrace:
-            exc_type = _last_traceback_type(stacktrace)
+                traceback = kv
+        if not exc_type and traceback is not None:
+            exc_type = _last_traceback_type(traceback.value.string_value)
         return bounded(exc_type, MAX_NAME_CHARS), message[:SCAN_CHARS]
     return None
 

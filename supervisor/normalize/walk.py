@@ -7,8 +7,9 @@ intersect the keys with those the screens watch. Compiled (``setup.py``),
 this module walks the bytes once and hands out plain objects instead: a
 ``dict`` from key to encoded ``AnyValue`` per span (keys interned, so their
 hashes are computed once), ids as ``bytes``, status as two fields. Events are
-kept encoded and parsed by the real runtime only when read, which is for
-failing spans.
+kept encoded: a failing span's are searched for an ``exception`` event here
+(:func:`event_name`, :func:`event_attributes`), and parsed by the real
+runtime only when read otherwise.
 
 It reads what encoders write. Anything else (a message field written twice,
 which protobuf merges; a wire type that does not match the field; groups; a
@@ -36,10 +37,14 @@ __all__ = [
     "WalkedStatus",
     "ended_at",
     "error_status_or_events",
+    "event_attributes",
+    "event_name",
+    "has_exception_event",
     "identity_of",
     "kind_and_name",
     "locate_spans",
     "read_varint",
+    "string_value",
     "walk_request",
     "walk_span",
     "well_formed_spans",
@@ -151,6 +156,73 @@ def error_status_or_events(span: Any, error_code: int) -> bool:
         raw_events = span._raw_events
         return span.status.code == error_code or (raw_events is not None and len(raw_events) > 0)
     return bool(span.status.code == error_code or len(span.events))
+
+
+def has_exception_event(span: Any) -> bool:
+    """Whether any of the span's events is named ``exception`` (events not parsed when walked)."""
+    if isinstance(span, WalkedSpan):
+        raw_events = span._raw_events
+        if raw_events is None:
+            return False
+        try:
+            return any(event_name(raw) == "exception" for raw in raw_events)
+        except (Unsupported, IndexError, UnicodeDecodeError):
+            pass  # the runtime reads them
+    return any(event.name == "exception" for event in span.events)
+
+
+def event_name(raw: bytes) -> str:
+    """The name of an encoded ``Span.Event``; raises as :func:`walk_span` does."""
+    name = ""
+    pos, end = 0, len(raw)
+    while pos < end:
+        tag, pos = read_varint(raw, pos)
+        if tag == 0x12:  # name; written twice, the last wins
+            size, pos = read_varint(raw, pos)
+            stop = _within(pos, size, end)
+            name = raw[pos:stop].decode("utf-8")
+            pos = stop
+        elif tag >> 3 == 2:
+            raise Unsupported("an event name with another wire type")
+        else:
+            pos = _skip(raw, pos, tag, end)
+    return name
+
+
+def event_attributes(raw: bytes) -> dict[str, bytes]:
+    """An encoded ``Span.Event``'s attributes, key to encoded ``AnyValue`` (the last of a
+    repeated key); raises as :func:`walk_span` does."""
+    attributes: dict[str, bytes] = {}
+    present: list[str] = []
+    pos, end = 0, len(raw)
+    while pos < end:
+        tag, pos = read_varint(raw, pos)
+        if tag == 0x1A:
+            size, pos = read_varint(raw, pos)
+            stop = _within(pos, size, end)
+            _attribute(raw, pos, stop, attributes, present=present, watched=_NONE_PRESENT)
+            pos = stop
+        elif tag >> 3 == 3:
+            raise Unsupported("event attributes with another wire type")
+        else:
+            pos = _skip(raw, pos, tag, end)
+    return attributes
+
+
+def string_value(encoded: bytes) -> str:
+    """``AnyValue.string_value`` of an encoded ``AnyValue`` holding a string or nothing.
+
+    Only the layout encoders write is read; anything else raises :class:`Unsupported`.
+    """
+    end = len(encoded)
+    if end == 0:
+        return ""
+    if encoded[0] != 0x0A:
+        raise Unsupported("a value that is not a string")  # rare: the runtime reads it
+    size, pos = read_varint(encoded, 1)
+    if pos + size != end:
+        raise Unsupported("a string value followed by more fields")
+    return encoded[pos:end].decode("utf-8")
 
 
 def ended_at(span: Any) -> int:
