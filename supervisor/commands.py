@@ -35,6 +35,7 @@ from supervisor.records import (
     Decision,
     Failure,
     command_key,
+    params_dict,
 )
 
 __all__ = ["approval_result", "failure_summary", "incident_key", "plan_commands", "proposal"]
@@ -87,7 +88,7 @@ def plan_commands(failure: Failure, decision: Decision, now: float) -> list[Comm
     if decision.observe_only:
         return []
     base: dict[str, AttrValue] = {"dependency": failure.dependency, "reason": decision.reason}
-    params = {**base, **decision.params}
+    params = {**base, **params_dict(decision.params)}
     action = decision.action
     if action is Action.RETRY:
         delay = decision.params.get("delay_s")

@@ -7,6 +7,7 @@ from collections import deque
 from typing import Any
 
 from supervisor.pipeline import Outcome
+from supervisor.records import params_dict
 
 log = logging.getLogger("spanvisor.failures")
 
@@ -29,7 +30,7 @@ def outcome_json(outcome: Outcome) -> dict[str, Any]:
         "rule": f.rule,
         "action": d.action._value_,
         "policy": d.policy,
-        "params": dict(d.params),
+        "params": params_dict(d.params),
         "observe_only": d.observe_only,
         "reason": d.reason,
         "message": f.message,
