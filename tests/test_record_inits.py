@@ -84,7 +84,10 @@ def _required(cls: type[Any]) -> int:
 
 @pytest.mark.parametrize("cls", SAMPLES, ids=lambda cls: cls.__name__)
 def test_init_is_written_out(cls: type[Any]) -> None:
-    assert "__init__" in vars(cls)
+    # dataclass generates its __init__ from source text it compiles as "<string>";
+    # a written-out one is the module's own (compiled: a native slot, with no code object).
+    code = getattr(cls.__init__, "__code__", None)
+    assert code is None or code.co_filename != "<string>"
 
 
 @pytest.mark.parametrize("cls", SAMPLES, ids=lambda cls: cls.__name__)
