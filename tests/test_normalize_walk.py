@@ -371,3 +371,39 @@ def test_interned_keys_stay_bounded() -> None:
     (item,) = walked_spans(_span_bytes(span))
     assert len(item[4]) == walk._MAX_KEYS + 10
     assert len(walk._KEYS) <= walk._MAX_KEYS
+
+
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_keys_read_alike_whatever_key_came_before(repeat: int) -> None:
+    """The walker first tries the key that followed the previous one last time
+    (``walk._Key``). Right guesses, wrong ones, orders that change from span to
+    span, keys of one length that differ in one byte, a key written twice, and
+    a key a span watches that an exception event also carries: all read as the
+    runtime reads them."""
+    orders = [
+        ["gen_ai.operation.name", "session.id", "llm.tools.0.tool.name", "llm.tools.1.tool.name"],
+        ["gen_ai.operation.name", "llm.tools.1.tool.name", "session.id", "llm.tools.0.tool.name"],
+        ["gen_ai.operation.name", "llm.tools.2.tool.name", "llm.tools.0.tool.name"],
+        ["session.id", "gen_ai.operation.name", "error.type"],
+        ["llm.tools.1.tool.name", "llm.tools.1.tool.name", "session.id"],
+        [],
+    ]
+    for _ in range(repeat):
+        for keys in orders:
+            event = Span.Event(
+                name="exception",
+                attributes=[
+                    KeyValue(key="exception.type", value=AnyValue(string_value="TimeoutError")),
+                    KeyValue(key="session.id", value=AnyValue(string_value="from the event")),
+                ],
+            )
+            span = Span(
+                **_ids(),
+                attributes=[
+                    KeyValue(key=key, value=AnyValue(string_value=f"{key}={i}"))
+                    for i, key in enumerate(keys)
+                ],
+                events=[event],
+                status=Status(code=Status.STATUS_CODE_ERROR),
+            )
+            assert same_spans(_span_bytes(span)) == 1
