@@ -205,10 +205,14 @@ _SHORT_ENTRIES: Final = 4096
 def raw_value(encoded: Any, key: str) -> bytes | None:
     """The encoded value of ``key`` in a span's attribute map, None when absent.
 
-    Twice as fast as the map's ``get`` (which parses its arguments as
-    keywords): a lookup, then a subscript only of a key known present (on a
-    protobuf map, subscripting a missing key would insert it).
+    The walker's maps are dicts: one lookup. On a protobuf map (the runtime's
+    path) that is twice as fast as its ``get``, which parses its arguments as
+    keywords: a lookup, then a subscript only of a key known present
+    (subscripting a missing key would insert it).
     """
+    if isinstance(encoded, dict):
+        walked: dict[str, bytes] = encoded
+        return walked.get(key)
     if key in encoded:
         found: bytes = encoded[key]
         return found
