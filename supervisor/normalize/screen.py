@@ -182,6 +182,24 @@ WATCHED_KEYS: Final = (
 )
 
 
+#: Whether a set of present keys meets :data:`_SIGNAL_KEYS` and :data:`_QUIET_KEYS`,
+#: by the set. The walker interns one set per kind of span, so this is one lookup
+#: by a cached hash instead of two set intersections per span. Bounded.
+_MEETS: Final[dict[frozenset[str], tuple[bool, bool]]] = {}
+_MEETS_ENTRIES: Final = 4096
+
+
+def _meets(present: frozenset[str]) -> tuple[bool, bool]:
+    """(has a signal key, has a quiet key) for these present keys."""
+    found = _MEETS.get(present)
+    if found is None:
+        found = (not _SIGNAL_KEYS.isdisjoint(present), not _QUIET_KEYS.isdisjoint(present))
+        if len(_MEETS) >= _MEETS_ENTRIES:
+            _MEETS.clear()  # bounded; rebuilt from the next spans
+        _MEETS[present] = found
+    return found
+
+
 def shows_failure_signal(item: WireSpan) -> bool:
     """A cheap look, before normalizing, for the usual signs of a failure.
 
@@ -193,7 +211,7 @@ def shows_failure_signal(item: WireSpan) -> bool:
     span, _, _, present, encoded = item
     if error_status_or_events(span, _STATUS_ERROR):
         return True
-    if _SIGNAL_KEYS.isdisjoint(present):
+    if not _meets(present)[0]:
         return False
     if "error.type" in present:
         return True
@@ -222,7 +240,7 @@ def may_fail_quietly(item: WireSpan) -> bool:
     every one's reading is tested, since normalization keeps only the first.
     """
     _, _, _, present, encoded = item
-    if _QUIET_KEYS.isdisjoint(present):
+    if not _meets(present)[1]:
         return False
     try:
         return _quiet_failure(LazyConverted(RawAttributes(encoded)), present)
