@@ -246,6 +246,8 @@ def _counters(before: dict[str, object], after: dict[str, object]) -> str:
         ("processed", ("pipeline", "processed_spans")),
         ("pipeline failures", ("pipeline", "failures")),
         ("decisions", ("decisions", "emitted")),
+        ("remediations started", ("remediations", "dispatched")),
+        ("refused as too many running", ("remediations", "busy")),
     ):
         parts.append(f"{label} {get(after, *path) - get(before, *path):,}")
     return "sidecar counters over the measured batches: " + ", ".join(parts)

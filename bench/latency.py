@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as `python bench/latency.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     latency = after["decisions"]["latency_ms"]
     decisions = after["decisions"]["emitted"] - before["decisions"]["emitted"]
+    remediations = _started(after) - _started(before)
     throttled_spans = after["ingest"]["throttled_spans"] - before["ingest"]["throttled_spans"]
     p99 = latency["p99"]
     ok = p99 is not None and p99 < GOAL_P99_MS
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["throttled requests (client)", f"{sent.throttled:,}"],
                 ["throttled spans (sidecar)", f"{throttled_spans:,}"],
                 ["decisions in this run", f"{decisions:,}"],
+                ["remediations started", f"{remediations:,}"],
                 ["decision latency p50 (ms)", _ms(latency["p50"])],
                 ["decision latency p99 (ms)", _ms(p99)],
                 ["latency samples (window)", f"{min(latency['count'], 10_000):,}"],
@@ -184,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def _started(stats: dict[str, Any]) -> int:
+    """Remediations the runner started; 0 before the first one launched it."""
+    return int(stats.get("remediations", {}).get("dispatched", 0))
 
 
 def _ms(value: float | None) -> str:
