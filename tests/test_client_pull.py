@@ -355,6 +355,64 @@ def test_an_ack_after_the_lease_ran_out_is_still_taken(
     assert puller.poll(wait_s=VISIBILITY_S * 1.5) == []
 
 
+class Unplugged(httpx.BaseTransport):
+    """Real HTTP to the sidecar, except while :attr:`down`: then the connection is refused."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.down = False
+        self.refused: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            self.refused.append(f"{request.method} {request.url.path}")
+            raise httpx.ConnectError("connection refused", request=request)
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_an_ack_that_could_not_reach_the_sidecar_is_sent_before_the_next_lease(
+    sidecar: Sidecar,
+) -> None:
+    # The sidecar restarts between a lease and its ack: the ack is kept, and the
+    # next poll sends it before leasing, though the lease ran out meanwhile.
+    wire = Unplugged()
+    with CommandPuller(SERVICE, sidecar.url, TOKEN, transport=wire) as puller:
+        [first, second] = sidecar.add(retry(), retry())
+        leased = puller.poll(wait_s=0)
+        assert {c.id for c in leased} == {first.command.id, second.command.id}
+        wire.down = True
+        assert [puller.ack(c) for c in leased] == [False, False]
+        assert puller.poll(wait_s=0) == []  # still down: no lease tried after a failed ack
+        assert len(wire.refused) == 3
+        assert wire.refused[-1].endswith("/ack")
+        wire.down = False
+
+        assert puller.poll(wait_s=VISIBILITY_S * 1.5) == []  # not handed out again
+
+        assert sidecar.status(first.command.id) == "delivered"
+        assert sidecar.status(second.command.id) == "delivered"
+        assert puller.acks_dropped == 0
+
+
+def test_acks_kept_for_an_unreachable_sidecar_are_bounded_and_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("supervisor.client.pull.MAX_UNSENT_ACKS", 2)
+    wire = Unplugged()
+    wire.down = True
+    with CommandPuller(
+        SERVICE, f"http://127.0.0.1:{_free_port()}", TOKEN, transport=wire
+    ) as puller:
+        assert [puller.ack(f"cmd_{n}") for n in range(5)] == [False] * 5
+        assert puller.acks_dropped == 3
+        wire.refused.clear()
+        assert puller.poll(wait_s=0) == []
+        assert wire.refused == ["POST /v1/commands/cmd_3/ack"]  # the oldest kept, first
+
+
 # -- what the agent cannot read ------------------------------------------------------------
 
 
@@ -500,7 +558,9 @@ def test_a_sidecar_that_is_down_gives_no_commands_and_one_warning_until_it_is_ba
         finally:
             sidecar.stop()
         assert [r.getMessage() for r in caplog.records] == [
-            f"pulling commands from spanvisor at http://127.0.0.1:{port} again"
+            # the ack kept while it was down, sent first: the sidecar never knew it
+            "ack of cmd_whatever not taken: HTTP 404",
+            f"pulling commands from spanvisor at http://127.0.0.1:{port} again",
         ]
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -44,6 +45,9 @@ log = logging.getLogger("spanvisor.client")
 
 #: Longest long poll the sidecar accepts (its API bounds ``wait`` to 30 s).
 MAX_WAIT_S = 30.0
+
+#: Acks that could not reach the sidecar, kept to send again before the next lease.
+MAX_UNSENT_ACKS = 1024
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -131,6 +135,11 @@ class CommandPuller:
     use it as a context manager). Commands that fail to parse are logged,
     counted in :attr:`malformed` and acknowledged, so a command the agent can
     never read does not come back forever.
+
+    An ack that cannot reach the sidecar (it is down or restarting) is kept,
+    up to :data:`MAX_UNSENT_ACKS`, and sent again before the next lease: the
+    command is not handed out again only because its ack was lost on the way.
+    Acks dropped past that bound are counted in :attr:`acks_dropped`.
     """
 
     def __init__(
@@ -152,7 +161,9 @@ class CommandPuller:
         self.limit = limit
         self.timeout_s = timeout_s
         self.malformed = 0
+        self.acks_dropped = 0
         self._down = False
+        self._unsent_acks: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         token = token or _default_token()
         headers = {"Accept": "application/json", "User-Agent": "spanvisor-client"}
@@ -184,6 +195,8 @@ class CommandPuller:
         """
         # NaN passes min/max unchanged and would reach the socket as its timeout.
         wait_s = 0.0 if math.isnan(wait_s) else min(max(wait_s, 0.0), MAX_WAIT_S)
+        if not self._send_unsent_acks():
+            return []  # the sidecar is still unreachable: the lease would fail as well
         try:
             response = self._http.get(
                 "/v1/commands",
@@ -222,10 +235,20 @@ class CommandPuller:
         once acknowledged, it is not handed out after). Returns False when the
         sidecar no longer waits for this ack (acknowledged already, by this or
         another poller, or dead-lettered), does not know the command for this
-        service, or cannot be reached; in that last case the command may come
-        again, and the agent's idempotency check is what drops it.
+        service, or cannot be reached. An ack that could not reach the sidecar
+        is sent again before the next :meth:`poll` leases anything; if this
+        process ends first, the command comes again after its lease, and the
+        agent's idempotency check is what drops it.
         """
         command_id = command if isinstance(command, str) else command.id
+        sent = self._post_ack(command_id)
+        if sent is None:
+            self._keep_unsent(command_id)
+            return False
+        return sent
+
+    def _post_ack(self, command_id: str) -> bool | None:
+        """True if the sidecar took the ack, False if it refused it, None if unreachable."""
         try:
             response = self._http.post(
                 f"/v1/commands/{quote(command_id, safe='')}/ack",
@@ -234,7 +257,7 @@ class CommandPuller:
             )
         except httpx.HTTPError as exc:
             self._unreachable(f"{type(exc).__name__}: {exc}")
-            return False
+            return None
         if response.status_code in (401, 403):
             raise SupervisorClientError(
                 f"spanvisor refused the API token ({response.status_code}); set SPANVISOR_API_TOKEN"
@@ -243,6 +266,25 @@ class CommandPuller:
             log.info("ack of %s not taken: HTTP %s", command_id, response.status_code)
             return False
         return True
+
+    def _keep_unsent(self, command_id: str) -> None:
+        with self._lock:
+            self._unsent_acks[command_id] = None
+            while len(self._unsent_acks) > MAX_UNSENT_ACKS:
+                self._unsent_acks.popitem(last=False)
+                self.acks_dropped += 1
+
+    def _send_unsent_acks(self) -> bool:
+        """Send the acks kept while the sidecar was unreachable; False if it still is."""
+        while True:
+            with self._lock:
+                if not self._unsent_acks:
+                    return True
+                command_id = next(iter(self._unsent_acks))
+            if self._post_ack(command_id) is None:
+                return False
+            with self._lock:
+                self._unsent_acks.pop(command_id, None)
 
     def _drop(self, item: object, why: MalformedCommand) -> None:
         with self._lock:
