@@ -7,6 +7,7 @@ cost most of a second); each test dispatches remediations with ids of its own.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -74,12 +75,43 @@ class Sleeper(Remediator):
         return Verdict.ACTED
 
 
+class SlowReader(Remediator):
+    """Reads the run's spans through a tool that is slow (see :class:`HoldingGateway`)."""
+
+    name = "slow_reader"
+    tools = frozenset({"recent_spans"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        await ctx.call("recent_spans", limit=HOLD)
+        return Verdict.FAILED
+
+
+#: ``recent_spans`` with this limit blocks until :attr:`HoldingGateway.release` is set.
+HOLD = 37
+
+
+class HoldingGateway(RecordingGateway):
+    """A RecordingGateway whose ``recent_spans(limit=HOLD)`` blocks: a tool that hangs."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.release = threading.Event()
+        self.held = 0
+
+    def recent_spans(self, trigger: Trigger, limit: int) -> list[dict[str, Any]]:
+        if limit == HOLD:
+            with self._lock:
+                self.held += 1
+            self.release.wait(30)
+        return super().recent_spans(trigger, limit)
+
+
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DurableRunner, Any]]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider(id_generator=PresetIdGenerator())
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    gateway = RecordingGateway(chains={"openai:gpt-4o": ["openai:gpt-4o", "anthropic:claude"]})
+    gateway = HoldingGateway(chains={"openai:gpt-4o": ["openai:gpt-4o", "anthropic:claude"]})
     db = Path(tmp_path_factory.mktemp("dbos")) / "remediations.sqlite"
     runner = DurableRunner(
         gateway,
@@ -225,6 +257,38 @@ def test_the_same_remediation_dispatched_twice_runs_once(
     counts = (runner.counts["dispatched"], runner.counts["duplicates"])
     assert (counts[0] - before[0], counts[1] - before[1]) == (1, 2)
     assert request["id"] not in runner._active  # a finished duplicate holds no slot
+
+
+def test_tools_that_hang_do_not_hold_up_other_remediations(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    # More hanging tool calls than DBOS has threads: tools run on threads of
+    # their own, so the database work of another remediation still gets done.
+    runner, _ = rig
+    gateway: Any = runner.gateway
+    hanging = runner.settings.db_threads + 2
+    assert hanging <= runner.settings.tool_threads
+    slow = [
+        _request(f"{__name__}:SlowReader", tools=frozenset({"recent_spans"}))
+        for _ in range(hanging)
+    ]
+    try:
+        for request in slow:
+            runner.dispatch(request)
+        _until(lambda: gateway.held == hanging)
+        request = _request("fallback_switch", verify_s=0, on_unresolved="none")
+        runner.dispatch(request)
+        view = _wait(runner, request["id"])
+        assert view["outcome"] == "failed"  # acted, no recovery window: nothing verified
+        assert [
+            c["command"]
+            for c in gateway.commands.values()
+            if c["run_id"] == request["trigger"]["run_id"]
+        ] == ["switch_fallback"]
+        assert all(runner.show(r["id"])["status"] == "PENDING" for r in slow)
+    finally:
+        gateway.release.set()
+    assert all(_wait(runner, r["id"])["outcome"] == "failed" for r in slow)
 
 
 def test_a_tool_outside_the_allowlist_is_refused_and_recorded_as_an_error(
