@@ -40,7 +40,8 @@ at a steady ``--rate`` per second, then ``--burst`` sent all at once from
 ``tests/test_remediation_runner.py``) on SQLite and on Postgres, each in a
 subprocess of its own (DBOS is one per process): ``--remediations`` requests
 (default 500) of the built-in ``compact_context`` remediator (one tool call;
-verification with a 0 s window; ``on_unresolved: none``) are dispatched as
+verification with a 0 s window, or ``--verify-window`` seconds that no
+recovery ends; ``on_unresolved: none``) are dispatched as
 fast as the runner takes them (never more than ``--max-active`` running, the
 sidecar's own cap) and the batch ends when every one has an outcome.
 Repeated ``--repeat`` times after a warm-up batch; medians are reported.
@@ -552,7 +553,7 @@ class BackendCpu:
         return sum(_proc_cpu(pid) - self._before.get(pid, 0.0) for pid in pids)
 
 
-def _requests(count: int, tag: str) -> list[dict[str, Any]]:
+def _requests(count: int, tag: str, verify_window_s: float = 0.0) -> list[dict[str, Any]]:
     from remediators.base import Budget, Trigger
     from remediators.builtin import CompactContext
     from remediators.runner import build_request
@@ -588,7 +589,7 @@ def _requests(count: int, tag: str) -> list[dict[str, Any]]:
                 tools=CompactContext.tools,
                 budget=Budget(),
                 params={},
-                verify_window_s=0.0,
+                verify_window_s=verify_window_s,
                 on_unresolved="none",
                 dispatched_at=0.0,  # set when dispatched
             )
@@ -657,7 +658,7 @@ def worker(args: argparse.Namespace) -> int:
         launch_s = time.perf_counter() - started
         run_batch(runner, _requests(args.warmup_remediations, "warm-up"), args.timeout)
         for number in range(args.repeat):
-            requests = _requests(args.remediations, f"batch-{number}")
+            requests = _requests(args.remediations, f"batch-{number}", args.verify_window)
             exporter.clear()
             pg.start()
             cpu, wall = time.process_time(), time.perf_counter()
@@ -756,6 +757,8 @@ def run_worker(args: argparse.Namespace, backend: str, database_url: str) -> dic
         str(args.max_active),
         "--timeout",
         str(args.timeout),
+        "--verify-window",
+        str(args.verify_window),
     ]
     try:
         done = subprocess.run(  # this very script, with our own arguments
@@ -827,7 +830,8 @@ def report_throughput(args: argparse.Namespace, results: Sequence[dict[str, Any]
     print()
     print(
         "Remediations per second, DurableRunner in process (RecordingGateway; compact_context:"
-        f" one tool call, verify 0 s, on_unresolved none; at most {args.max_active} running);"
+        f" one tool call, verify {args.verify_window:g} s, on_unresolved none;"
+        f" at most {args.max_active} running);"
         f" medians of {args.repeat} batches after {args.warmup_remediations} of warm-up"
     )
     header = [
@@ -893,6 +897,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-active", type=int, default=256, help="running at once, as the sidecar caps it (256)"
     )
     part.add_argument(
+        "--verify-window",
+        type=float,
+        default=0.0,
+        help="seconds each remediation waits for a recovery that does not come (0: none)",
+    )
+    part.add_argument(
         "--backends",
         type=_backends,
         default=list(DEFAULT_BACKENDS),
@@ -920,6 +930,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--remediations and --repeat must be >= 1, --warmup-remediations >= 0")
     if args.max_active < 1:
         parser.error("--max-active must be >= 1")
+    if not 0 <= args.verify_window <= 60:
+        parser.error("--verify-window must be in [0, 60] seconds")
     if not 0 < args.rate <= 10_000:
         parser.error("--rate must be in (0, 10000]")
     if not 0 < args.timeout <= 3600:

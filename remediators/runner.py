@@ -5,8 +5,9 @@ verification window, and the sidecar may be killed meanwhile. The workflow's
 id is the idempotency key of (triggering span, rule)
 (:func:`supervisor.records.remediation_ids`), so dispatching it twice starts
 it once; completed steps are recorded, so a restart replays their results and
-does not repeat them; sleeps and receives keep their deadlines in the
-database, so no thread is held while a remediation waits.
+does not repeat them; sleeps, approval waits and verification windows keep
+their deadlines across a restart, and no thread is held while a remediation
+waits.
 
 Lifecycle: :meth:`DurableRunner.start` once (a thread with its own event loop
 launches DBOS there; workflows left pending by a crash resume then);
@@ -61,7 +62,6 @@ T = TypeVar("T")
 #: The workflow contract's version: recovery needs the same one, whatever else changed.
 APP_VERSION: Final = "spanvisor-remediation-1"
 _WORKFLOW: Final = "spanvisor.remediate"
-_RECOVERY: Final = "recovery"
 _APPROVAL: Final = "approval"
 #: Longest text recorded on a span or in a result (characters).
 _MAX_TEXT: Final = 512
@@ -83,14 +83,15 @@ class RunnerSettings:
     executor_id: str = "local"
     #: Remediations running at once; past it a dispatch is refused and counted.
     max_active: int = 256
-    #: How often DBOS looks for a waiting remediation's messages on SQLite: one
-    #: query per waiting remediation each time, so a remediation verifying for the
-    #: default 120 s costs 120 / poll_interval_s queries (at 0.05 s, 256
-    #: remediations waiting for approvals kept a core busy; at 5 s, the poller
-    #: took 3% of the sidecar's CPU in bench/ingest.py once its loop detections'
-    #: remediations piled up). The sidecar sends every message and wakes its
-    #: waiter at once (:func:`_wake_waiters`); this is the safety net.
-    poll_interval_s: float = 30.0
+    #: How often DBOS looks for the messages of a remediation waiting for an
+    #: approval on SQLite: one query per waiting remediation each time (at
+    #: 0.05 s, 256 remediations waiting for approvals kept a core busy). The
+    #: sidecar sends every answer and wakes its waiter at once
+    #: (:func:`_wake_waiters`); this is the safety net. Recoveries are not
+    #: messages (see :meth:`DurableRunner.notify_recovery`), so few wait here.
+    #: It also bounds :meth:`DurableRunner.close`: DBOS's shutdown waits for
+    #: its poller to finish sleeping, up to 10 s (at 30 s, every stop took 10 s).
+    poll_interval_s: float = 2.0
     start_timeout_s: float = 60.0
     #: DBOS's threads, which do its database work. A remediation's statements
     #: are short, and more threads than cores only take turns at the
@@ -286,16 +287,30 @@ class _Context:
         return await self.recovered_within(timeout_s)
 
     async def recovered_within(self, timeout_s: float) -> bool:
-        """The wait itself; the runner's verification uses it without charging a step."""
+        """The wait itself; the runner's verification uses it without charging a step.
+
+        One durable step that waits in memory and records what it saw, with the
+        wait's span. Its deadline counts from the last recorded step, so a
+        remediation resumed after a crash waits out the same window, and one
+        that had recorded its answer replays it without waiting. (DBOS's
+        ``recv`` with a timeout, and a step for the span, took 15 statements
+        and 7 commits a remediation; this is 4 and 2.)
+        """
         if timeout_s <= 0:
             return False  # no window: nothing to wait for, nothing to record
-        self._runner.gateway.watch_recovery(self._trigger, self.remediation_id)
-        try:
-            got = await DBOS.recv_async(_RECOVERY, timeout_seconds=max(0.0, float(timeout_s)))
-        finally:
-            self._runner.gateway.unwatch(self.remediation_id)
-        await self._waited("recovery", {"spanvisor.wait.recovered": got is not None})
-        return got is not None
+        runner, root, trigger = self._runner, self._root, self._trigger
+        rid = self.remediation_id
+        deadline = self._last_at + float(timeout_s)
+
+        async def wait() -> tuple[bool, float]:
+            recovered = await runner.wait_for_recovery(trigger, rid, deadline)
+            runner.trace_event(
+                root, "spanvisor.wait recovery", {"spanvisor.wait.recovered": recovered}
+            )
+            return recovered, time.time()
+
+        recovered, self._last_at = await self._durable("waited:recovery", wait)
+        return recovered
 
     async def wait_for_approval(
         self, approval_id: str, timeout_s: float
@@ -361,6 +376,8 @@ class DurableRunner:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._active: set[str] = set()
+        #: Remediations waiting for their run to recover, by id (the runner's loop only).
+        self._recovery_waiters: dict[str, asyncio.Event] = {}
         self._tool_pool = ThreadPoolExecutor(
             max_workers=settings.tool_threads, thread_name_prefix="spanvisor-remediate-tool"
         )
@@ -498,8 +515,40 @@ class DurableRunner:
             raise
 
     def notify_recovery(self, remediation_id: str, evidence: Mapping[str, Any]) -> None:
-        """The run's later spans show the failed part succeeding (from the pipeline)."""
-        self._submit(self._send(remediation_id, dict(evidence), _RECOVERY))
+        """The run's later spans show the failed part succeeding (from the pipeline).
+
+        Wakes the remediation's wait in memory: the wait records its answer as
+        a durable step as soon as it wakes, so a message in the database would
+        keep a recovery only for the milliseconds before that step commits.
+        """
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            log.warning("remediation runner is not running; recovery of %s dropped", remediation_id)
+            self.counts["errors"] += 1
+            return
+        loop.call_soon_threadsafe(self._recovered, remediation_id)
+
+    def _recovered(self, remediation_id: str) -> None:
+        waiter = self._recovery_waiters.get(remediation_id)
+        if waiter is not None:
+            waiter.set()
+
+    async def wait_for_recovery(
+        self, trigger: Trigger, remediation_id: str, deadline: float
+    ) -> bool:
+        """Whether the run recovers (:meth:`notify_recovery`) before ``deadline`` (unix s)."""
+        waiter = self._recovery_waiters[remediation_id] = asyncio.Event()
+        self.gateway.watch_recovery(trigger, remediation_id)
+        try:
+            remaining = deadline - time.time()
+            if remaining > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.wait(), remaining)
+            return waiter.is_set()
+        finally:
+            self.gateway.unwatch(remediation_id)
+            if self._recovery_waiters.get(remediation_id) is waiter:
+                del self._recovery_waiters[remediation_id]
 
     def answer_approval(self, remediation_id: str, answer: Mapping[str, Any]) -> None:
         """A person answered the approval a remediation waits for."""

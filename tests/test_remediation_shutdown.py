@@ -24,6 +24,17 @@ class Patient(Remediator):
         return Verdict.FAILED
 
 
+class Retrier(Remediator):
+    """Asks for one retry at once; the runner then verifies it."""
+
+    name = "retrier"
+    tools = frozenset({"retry_step"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        await ctx.call("retry_step")
+        return Verdict.ACTED
+
+
 def _status(db: Path, workflow: str) -> str:
     with sqlite3.connect(db) as conn:
         row = conn.execute(
@@ -32,13 +43,8 @@ def _status(db: Path, workflow: str) -> str:
     return str(row[0]) if row else ""
 
 
-def test_a_stopped_runner_leaves_the_remediation_pending_and_the_next_resumes_it(
-    tmp_path: Path,
-) -> None:
-    db = tmp_path / "remediations.sqlite"
-    trace_id, span_id = "c" * 32, "d" * 16
-    workflow, trace = remediation_ids(trace_id, span_id, "r")
-    trigger = Trigger(
+def _trigger(workflow: str, trace: str, trace_id: str, span_id: str) -> Trigger:
+    return Trigger(
         trace_id,
         span_id,
         "agent",
@@ -51,8 +57,16 @@ def test_a_stopped_runner_leaves_the_remediation_pending_and_the_next_resumes_it
         "",
         {"remediation_id": workflow, "remediation_trace_id": trace},
     )
+
+
+def test_a_stopped_runner_leaves_the_remediation_pending_and_the_next_resumes_it(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "remediations.sqlite"
+    trace_id, span_id = "c" * 32, "d" * 16
+    workflow, trace = remediation_ids(trace_id, span_id, "r")
     request = build_request(
-        trigger,
+        _trigger(workflow, trace, trace_id, span_id),
         remediator="patient",
         use=f"{__name__}:Patient",
         tools=frozenset({"retry_step"}),
@@ -83,3 +97,58 @@ def test_a_stopped_runner_leaves_the_remediation_pending_and_the_next_resumes_it
         assert [c["command"] for c in second_gateway.commands.values()] == ["retry_step"]
     finally:
         second.close()
+
+
+def test_a_verification_window_resumed_after_a_stop_keeps_its_deadline(tmp_path: Path) -> None:
+    # Stopped while verifying, the remediation waits out the rest of its window
+    # when the next runner resumes it (the window counts from the recorded act),
+    # not a whole new window from the restart.
+    window_s, stopped_after_s = 6.0, 2.5
+    db = tmp_path / "remediations.sqlite"
+    trace_id, span_id = "e" * 32, "f" * 16
+    workflow, trace = remediation_ids(trace_id, span_id, "r")
+    request = build_request(
+        _trigger(workflow, trace, trace_id, span_id),
+        remediator="retrier",
+        use=f"{__name__}:Retrier",
+        tools=frozenset({"retry_step"}),
+        budget=Budget(),
+        params={},
+        verify_window_s=window_s,
+        on_unresolved="none",
+        dispatched_at=time.time(),
+    )
+    first_gateway = RecordingGateway()
+    first = DurableRunner(first_gateway, RunnerSettings(database_url=f"sqlite:///{db}"))
+    first.start()
+    try:
+        first.dispatch(request)
+        deadline = time.monotonic() + 15
+        while workflow not in first_gateway.watched and time.monotonic() < deadline:
+            time.sleep(0.02)
+        acted_at = time.time()  # just after the act: the window's start, within polling
+        assert [c["command"] for c in first_gateway.commands.values()] == ["retry_step"]
+        while time.time() < acted_at + stopped_after_s:
+            time.sleep(0.05)  # part of the window passes before the stop
+    finally:
+        first.close()
+    assert _status(db, workflow) == "PENDING"
+
+    second_gateway = RecordingGateway()
+    second = DurableRunner(second_gateway, RunnerSettings(database_url=f"sqlite:///{db}"))
+    second.start()
+    resumed_at = time.time()
+    try:
+        deadline = time.monotonic() + 20
+        while _status(db, workflow) != "SUCCESS" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended_at = time.time()
+        view = second.show(workflow)
+    finally:
+        second.close()
+    assert view is not None
+    assert (view["outcome"], view["reason"]) == ("failed", f"no recovery within {window_s:g} s")
+    assert not second_gateway.commands  # the act was replayed, not repeated
+    # Ended at the first window's end, well before a new window from the restart would.
+    assert ended_at < acted_at + window_s + 1.0
+    assert ended_at - resumed_at < window_s - 1.0
