@@ -67,6 +67,16 @@ _APPROVAL: Final = "approval"
 _MAX_TEXT: Final = 512
 
 
+class _RecoveryWait:
+    """One remediation's wait for its run's recovery, on the runner's loop."""
+
+    __slots__ = ("event", "evidence")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.evidence: dict[str, Any] = {}
+
+
 class _Active:
     """The process's one runner (DBOS is one per process): workflows find it here."""
 
@@ -303,11 +313,13 @@ class _Context:
         deadline = self._last_at + float(timeout_s)
 
         async def wait() -> tuple[bool, float]:
-            recovered = await runner.wait_for_recovery(trigger, rid, deadline)
-            runner.trace_event(
-                root, "spanvisor.wait recovery", {"spanvisor.wait.recovered": recovered}
-            )
-            return recovered, time.time()
+            evidence = await runner.wait_for_recovery(trigger, rid, deadline)
+            attributes: dict[str, Any] = {"spanvisor.wait.recovered": evidence is not None}
+            span_id = (evidence or {}).get("span_id")
+            if isinstance(span_id, str) and span_id:
+                attributes["spanvisor.wait.recovered_by"] = span_id[:32]  # the agent's span
+            runner.trace_event(root, "spanvisor.wait recovery", attributes)
+            return evidence is not None, time.time()
 
         recovered, self._last_at = await self._durable("waited:recovery", wait)
         return recovered
@@ -377,7 +389,7 @@ class DurableRunner:
         self._lock = threading.Lock()
         self._active: set[str] = set()
         #: Remediations waiting for their run to recover, by id (the runner's loop only).
-        self._recovery_waiters: dict[str, asyncio.Event] = {}
+        self._recovery_waiters: dict[str, _RecoveryWait] = {}
         self._tool_pool = ThreadPoolExecutor(
             max_workers=settings.tool_threads, thread_name_prefix="spanvisor-remediate-tool"
         )
@@ -526,25 +538,29 @@ class DurableRunner:
             log.warning("remediation runner is not running; recovery of %s dropped", remediation_id)
             self.counts["errors"] += 1
             return
-        loop.call_soon_threadsafe(self._recovered, remediation_id)
+        loop.call_soon_threadsafe(self._recovered, remediation_id, dict(evidence))
 
-    def _recovered(self, remediation_id: str) -> None:
+    def _recovered(self, remediation_id: str, evidence: dict[str, Any]) -> None:
         waiter = self._recovery_waiters.get(remediation_id)
-        if waiter is not None:
-            waiter.set()
+        if waiter is not None and not waiter.event.is_set():
+            waiter.evidence = evidence
+            waiter.event.set()
 
     async def wait_for_recovery(
         self, trigger: Trigger, remediation_id: str, deadline: float
-    ) -> bool:
-        """Whether the run recovers (:meth:`notify_recovery`) before ``deadline`` (unix s)."""
-        waiter = self._recovery_waiters[remediation_id] = asyncio.Event()
+    ) -> dict[str, Any] | None:
+        """What showed the run recovering before ``deadline`` (unix s), or None.
+
+        Woken by :meth:`notify_recovery`; the evidence is what it was given.
+        """
+        waiter = self._recovery_waiters[remediation_id] = _RecoveryWait()
         self.gateway.watch_recovery(trigger, remediation_id)
         try:
             remaining = deadline - time.time()
             if remaining > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waiter.wait(), remaining)
-            return waiter.is_set()
+                    await asyncio.wait_for(waiter.event.wait(), remaining)
+            return waiter.evidence if waiter.event.is_set() else None
         finally:
             self.gateway.unwatch(remediation_id)
             if self._recovery_waiters.get(remediation_id) is waiter:

@@ -229,6 +229,10 @@ def test_fallback_switch_acts_then_verifies_and_is_traced(
     assert link.attributes["spanvisor.failure.kind"] == "rate_limit"
     children = {s.name for s in spans if s.parent is not None}
     assert {"spanvisor.tool breaker_states", "spanvisor.tool switch_fallback"} <= children
+    (waited,) = [s for s in spans if s.name == "spanvisor.wait recovery"]
+    assert waited.attributes is not None
+    assert waited.attributes["spanvisor.wait.recovered"] is True
+    assert waited.attributes["spanvisor.wait.recovered_by"] == "ff" * 8  # the agent's span
     assert all(
         s.parent is not None and s.parent.span_id == root.context.span_id
         for s in spans

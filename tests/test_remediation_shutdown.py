@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 from remediators.base import Budget, RemediationContext, Remediator, Trigger, Verdict
 from remediators.gateway import RecordingGateway
@@ -43,8 +44,12 @@ def _status(db: Path, workflow: str) -> str:
     return str(row[0]) if row else ""
 
 
-def _trigger(workflow: str, trace: str, trace_id: str, span_id: str) -> Trigger:
-    return Trigger(
+def _request(
+    remediator: type[Remediator], trace_id: str, span_id: str, *, verify_window_s: float
+) -> tuple[str, dict[str, Any]]:
+    """The remediation's id and its request: ``remediator`` for a timeout, nothing to follow."""
+    workflow, trace = remediation_ids(trace_id, span_id, "r")
+    trigger = Trigger(
         trace_id,
         span_id,
         "agent",
@@ -57,25 +62,25 @@ def _trigger(workflow: str, trace: str, trace_id: str, span_id: str) -> Trigger:
         "",
         {"remediation_id": workflow, "remediation_trace_id": trace},
     )
+    request = build_request(
+        trigger,
+        remediator=remediator.name,
+        use=f"{__name__}:{remediator.__name__}",
+        tools=remediator.tools,
+        budget=Budget(),
+        params={},
+        verify_window_s=verify_window_s,
+        on_unresolved="none",
+        dispatched_at=time.time(),
+    )
+    return workflow, request
 
 
 def test_a_stopped_runner_leaves_the_remediation_pending_and_the_next_resumes_it(
     tmp_path: Path,
 ) -> None:
     db = tmp_path / "remediations.sqlite"
-    trace_id, span_id = "c" * 32, "d" * 16
-    workflow, trace = remediation_ids(trace_id, span_id, "r")
-    request = build_request(
-        _trigger(workflow, trace, trace_id, span_id),
-        remediator="patient",
-        use=f"{__name__}:Patient",
-        tools=frozenset({"retry_step"}),
-        budget=Budget(),
-        params={},
-        verify_window_s=0,
-        on_unresolved="none",
-        dispatched_at=time.time(),
-    )
+    workflow, request = _request(Patient, "c" * 32, "d" * 16, verify_window_s=0)
     first_gateway = RecordingGateway()
     first = DurableRunner(first_gateway, RunnerSettings(database_url=f"sqlite:///{db}"))
     first.start()
@@ -105,19 +110,7 @@ def test_a_verification_window_resumed_after_a_stop_keeps_its_deadline(tmp_path:
     # not a whole new window from the restart.
     window_s, stopped_after_s = 6.0, 2.5
     db = tmp_path / "remediations.sqlite"
-    trace_id, span_id = "e" * 32, "f" * 16
-    workflow, trace = remediation_ids(trace_id, span_id, "r")
-    request = build_request(
-        _trigger(workflow, trace, trace_id, span_id),
-        remediator="retrier",
-        use=f"{__name__}:Retrier",
-        tools=frozenset({"retry_step"}),
-        budget=Budget(),
-        params={},
-        verify_window_s=window_s,
-        on_unresolved="none",
-        dispatched_at=time.time(),
-    )
+    workflow, request = _request(Retrier, "e" * 32, "f" * 16, verify_window_s=window_s)
     first_gateway = RecordingGateway()
     first = DurableRunner(first_gateway, RunnerSettings(database_url=f"sqlite:///{db}"))
     first.start()
