@@ -15,6 +15,13 @@ that churns (a run created and one evicted every few spans), not one filling.
 With ``--together``, each repetition sends the same spans to both sidecars at
 once, from two sets of sending threads, so that both are measured over the
 same seconds of a machine whose speed drifts from one second to the next.
+Sent as fast as they take them, the two still differ in load: whichever falls
+behind reads more requests per turn of its event loop, which costs less per
+span, and the per-repetition ratios spread by +-15%. ``--rate`` paces the
+load instead (spans per second to each, below what either can take): every
+request goes to both sidecars at the same moment, so both see the same
+arrivals and do the same work per request, and the ratio measures the
+tracker rather than who fell behind.
 
 What is measured is detection, not what the policy then does: the bench's
 spans do contain loops (a generated run may call ``web_search`` three times
@@ -38,8 +45,20 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from bench.harness import BenchError, Sidecar, command_line, cpu_split, running_sidecar, table
+from bench.harness import (
+    BenchError,
+    SendResult,
+    Sidecar,
+    command_line,
+    cpu_seconds,
+    cpu_split,
+    make_sender,
+    running_sidecar,
+    table,
+)
 from bench.ingest import Measurement, _Ids, measure, repetition_load
 
 GOAL_RATIO = 0.90
@@ -75,7 +94,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="send each repetition to both sidecars at once (default: one, then the other)",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--rate",
+        type=int,
+        default=0,
+        help="with --together: spans per second to each sidecar, each request sent to both"
+        " at the same moment (0: as fast as they take them); keep it below what either"
+        " takes (e.g. 8000)",
+    )
+    args = parser.parse_args(argv)
+    if args.rate < 0 or (args.rate and not args.together):
+        parser.error("--rate must be >= 0 and needs --together")
+    return args
 
 
 def measure_together(
@@ -103,6 +133,47 @@ def measure_together(
             raise BenchError("a sender did not finish in time")
         measured.append(result)
     return measured
+
+
+def measure_paced(
+    sidecars: list[Sidecar], payloads: list[bytes], spans: int, args: argparse.Namespace
+) -> list[Measurement]:
+    """Each payload sent to every sidecar at the same tick, ``args.rate`` spans a second."""
+    interval = args.spans_per_request / args.rate
+    senders = [make_sender(args.transport, sidecar) for sidecar in sidecars]
+    results = [SendResult() for _ in sidecars]
+    pools = [ThreadPoolExecutor(max_workers=args.concurrency) for _ in sidecars]
+    try:
+        targets = [sidecar.processed() + spans for sidecar in sidecars]
+        cpu_before = [cpu_seconds(sidecar.pid) for sidecar in sidecars]
+        started = time.monotonic()
+        sent: list[Future[None]] = []
+        for tick, payload in enumerate(payloads):
+            delay = started + tick * interval - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)  # pacing, not synchronisation
+            order = range(len(sidecars)) if tick % 2 == 0 else reversed(range(len(sidecars)))
+            for k in order:  # neither is always first
+                sent.append(pools[k].submit(senders[k].send, payload, results[k]))
+        for future in sent:
+            future.result(timeout=args.timeout)  # re-raises a sending error
+        behind = time.monotonic() - started - len(payloads) * interval
+        if behind > 0.2 * len(payloads) * interval:
+            print(f"  (sending fell {behind:.1f} s behind the schedule: lower --rate)", flush=True)
+        finished = [
+            sidecar.wait_processed(target, args.timeout)
+            for sidecar, target in zip(sidecars, targets, strict=True)
+        ]
+        cpu_after = [cpu_seconds(sidecar.pid) for sidecar in sidecars]
+    finally:
+        for pool in pools:
+            pool.shutdown(wait=True)
+        for sender in senders:
+            sender.close()
+    return [
+        Measurement(args.transport, spans, end - started, after - before, result.throttled)
+        for end, before, after, result in zip(finished, cpu_before, cpu_after, results, strict=True)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.repeat):
                 if args.together:
                     payloads = ids.fresh(pool, n_requests)
-                    pair = measure_together([sidecar_off, sidecar_on], payloads, spans, args)
+                    measure_both = measure_paced if args.rate else measure_together
+                    pair = measure_both([sidecar_off, sidecar_on], payloads, spans, args)
                     off.append(pair[0])
                     on.append(pair[1])
                 else:
@@ -162,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"{args.repeat} repetitions of {spans:,} spans over {args.transport},"
-        f" {'to both at once' if args.together else 'alternating'};"
+        f" {'to both at once' if args.together else 'alternating'}"
+        f"{f', paced at {args.rate:,} spans/s' if args.rate else ''};"
         f" {args.failure_rate:.0%} failing spans"
     )
     print(
