@@ -309,7 +309,12 @@ def test_anthropic_faults_raise_the_sdk_exception_with_the_error_type(
         body["type"],
         body["error"]["type"],
     )
-    assert str(caught.value).startswith(f"Error code: {status} - {{'type': 'error', 'error': ")
+    # The message the classifier reads: the body (anthropic < 2.17), or the status and a
+    # trailer naming the error's type (from 2.17).
+    message = str(caught.value)
+    assert message.startswith(f"Error code: {status} - {{'type': 'error', 'error': ") or (
+        message.startswith(f"{status} ") and message.endswith(f", type: {error_type})")
+    ), message
 
 
 def test_anthropic_timeout_and_dropped_connection(provider: FakeProvider) -> None:

@@ -720,6 +720,21 @@ ANTHROPIC_OVERLOADED = (
     [
         (OPENAI_V1_QUOTA, 429, "insufficient_quota"),
         (ANTHROPIC_OVERLOADED, 529, "overloaded_error"),
+        # anthropic-python >= 2.17: the status, the message, a trailer of the response.
+        (
+            "529 Overloaded (request_id: req_1, path: /v1/messages, type: overloaded_error)",
+            529,
+            "overloaded_error",
+        ),
+        (
+            "RateLimitError: 429 Number of request tokens has exceeded your per-minute rate "
+            "limit (error_code: tokens_per_minute, request_id: req_2, path: /v1/messages, "
+            "type: rate_limit_error)",
+            429,
+            "rate_limit_error",
+        ),
+        ("529 status code (no body) (path: /v1/messages)", 529, ""),
+        ("finished 200 steps (path: /tmp/run)", None, ""),
         (
             "Error code: 503 - {'error': {'message': 'down', 'type': 'server_error', "
             "'param': None, 'code': None}}",
@@ -1131,6 +1146,10 @@ _MESSAGE_PIECES = st.sampled_from(
         "{'code': 'rate_limit_exceeded'}",
         '"code":"insufficient_quota"',
         "'type': 'error', 'error': {'type': 'overloaded_error'}",
+        "529 Overloaded",
+        "(request_id: req_1, path: /v1/messages, type: overloaded_error)",
+        "(path: /v1/messages)",
+        ", type: rate_limit_error)",
         "{'status': 'RESOURCE_EXHAUSTED'}",
         "code: 'x'",
         "You exceeded your current quota",
@@ -1151,7 +1170,8 @@ _MESSAGES = st.lists(
 
 
 def _reference_http_status(text: str) -> int | None:
-    match = evidence._HTTP_IN_TEXT.search(text[: evidence.SCAN_CHARS])
+    head = text[: evidence.SCAN_CHARS]
+    match = evidence._HTTP_IN_TEXT.search(head) or evidence._SDK_TRAILER_STATUS.search(head)
     group = next((g for g in match.groups() if g is not None), None) if match else None
     return int(group) if group is not None and 100 <= int(group) <= 599 else None
 
@@ -1173,7 +1193,7 @@ def _reference_provider_code(text: str) -> str:
     for match in evidence._BODY_TYPE.finditer(head):
         if match.group(1) != "error":
             return match.group(1)
-    match = evidence._BODY_STATUS.search(head)
+    match = evidence._SDK_TRAILER_TYPE.search(head) or evidence._BODY_STATUS.search(head)
     if match:
         return match.group(1)
     match = evidence._PHRASES.search(head)

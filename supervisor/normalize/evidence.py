@@ -15,6 +15,11 @@ What the free text looks like, per producer:
   provider code is the body's ``code``, else its inner error ``type``, else
   Google's ``status``; when the body is absent it is inferred from OpenAI's
   and Anthropic's documented wording (``_PHRASES``).
+* anthropic-python from 2.17 writes the status, the error's message and a
+  trailer of what the response said: ``529 Overloaded (request_id: req_1,
+  path: /v1/messages, type: overloaded_error)`` (``error_code: ...`` first
+  when the body has one). The status and the trailer's ``type`` are read as
+  the older message's status and inner type were.
 * OpenInference sets the status description to ``"RateLimitError: <message>"``
   and records an ``exception`` event (type ``openai.RateLimitError``);
   OpenLLMetry sets the description to the bare message, ``error.type`` to the
@@ -235,6 +240,18 @@ _HTTP_ANCHORS: Final[tuple[tuple[str, int], ...]] = (
 )
 
 
+#: anthropic-python >= 2.17: ``<status> <message> (request_id: ..., path: /v1/..., type: ...)``,
+#: at the start of a line or after a ``Name: `` prefix (a status description).
+_SDK_TRAILER_STATUS: Final = re.compile(
+    r"(?:^|: )([1-5]\d\d) [^\n]{0,2000}?\((?:error_code: [^,()\n]{1,200}, )?"
+    r"(?:request_id: [^,()\n]{1,200}, )?path: /",
+    re.MULTILINE,
+)
+_SDK_TRAILER_TYPE: Final = re.compile(r"path: /[^,()\n]{0,500}, type: ([\w.\-]{1,64})\)")
+#: What every such trailer holds (the request's path), so that most messages skip both.
+_SDK_TRAILER_WORD: Final = "path: /"
+
+
 def http_status_from_text(text: str) -> int | None:
     """The first HTTP status an SDK or HTTP client wrote into an error message."""
     head = text[:SCAN_CHARS]
@@ -243,6 +260,8 @@ def http_status_from_text(text: str) -> int | None:
         match = _first_match(_HTTP_IN_LOWER, lowered, _starts(lowered, _HTTP_ANCHORS))
     else:
         match = _HTTP_IN_TEXT.search(head)
+    if match is None and _SDK_TRAILER_WORD in head:
+        match = _SDK_TRAILER_STATUS.search(head)
     if match is None:
         return None
     for group in match.groups():
@@ -343,6 +362,10 @@ def provider_code_from_text(text: str) -> str:
         return match.group(1)
     for match in _matches(_BODY_TYPE, head, _starts(head, _BODY_ANCHORS[_BODY_TYPE])):
         if match.group(1) != "error":  # the first inner type that is not just "error"
+            return match.group(1)
+    if _SDK_TRAILER_WORD in head:
+        match = _SDK_TRAILER_TYPE.search(head)
+        if match:
             return match.group(1)
     match = _body_match(_BODY_STATUS, head)
     if match:
