@@ -775,9 +775,15 @@ class RunTracker:
                     break
         runs = self._runs
         # Spans of the trace seen before one named its session: their run is this one.
-        early = runs.pop(trace, None) if key != trace else None
+        early = runs.pop(trace) if key != trace and trace in runs else None
         run = runs.get(key)
-        if run is None:
+        if run is None and early is not None:
+            # The session's first run here: the trace's run becomes it, all it holds kept,
+            # rather than made anew and folded into (and nothing evicted: it just left).
+            run, early = early, None
+            run.key = key
+            runs[key] = run
+        elif run is None:
             while len(runs) >= self.max_runs:
                 # Marked, not looked for in the batch's cache: with a full table
                 # every new run evicts one, and clearing the cache each time

@@ -560,3 +560,13 @@ def test_spans_seen_before_their_trace_named_its_session_join_the_session_run() 
     assert (view.run_id, view.spans, view.llm_calls) == ("conv-9", 2, 1)
     feed(tracker, payload(llm("b", **{"gen_ai.conversation.id": "conv-9"})), now=1600.0)
     assert tracker.stalled(now=1601.0) == []  # no leftover trace-keyed run to stall
+
+
+def test_a_loop_begun_before_the_trace_named_its_session_is_found_in_the_session_run() -> None:
+    """The trace's run becomes the session's with what it held: its calls count."""
+    tracker = RunTracker()
+    calls = [tool("search", {"q": "weather"}) for _ in range(3)]
+    assert feed(tracker, payload(calls[0], calls[1])) == []  # no session named yet
+    (loop,) = feed(tracker, payload(llm("a", **{"gen_ai.conversation.id": "conv-9"}), calls[2]))
+    assert (loop.span_id, loop.run_id) == (calls[1].span_id.hex(), "conv-9")
+    assert len(tracker) == 1
