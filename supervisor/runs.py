@@ -304,7 +304,7 @@ class _Shape:
 
     Spans of one kind carry the same watched keys, and the wire path interns
     their ``present`` set: the tracker looks the set up once per span instead
-    of testing a dozen keys against it (a set lookup each, a fifth of its
+    of testing a dozen keys against it (a set lookup each: a seventh of its
     instructions per span). Each ``*_key`` is the first of its keys present.
     """
 
@@ -1117,7 +1117,7 @@ def _first_user_text(messages: list[Any]) -> str:
 
 
 def _tokens(encoded: Any, key: str | None) -> int:
-    """The span's attribute ``key`` as a token count (0 when None, absent or odd)."""
+    """The span's attribute ``key`` (one it carries) as a token count (0 when None or odd)."""
     if key is None:
         return 0
     raw: bytes = encoded[key]
