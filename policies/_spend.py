@@ -76,6 +76,10 @@ class RunSpend:
     MAX_UNPRICED_NAMES = 8
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Nothing spent: as new (a run tracker reuses one for the run it begins next)."""
         self.calls = 0
         self.input_tokens = 0
         self.output_tokens = 0

@@ -305,28 +305,32 @@ class _Shape:
     Spans of one kind carry the same watched keys, and the wire path interns
     their ``present`` set: the tracker looks the set up once per span instead
     of testing a dozen keys against it (a set lookup each: a seventh of its
-    instructions per span). Each ``*_key`` is the first of its keys present.
+    instructions per span). Each ``*_key`` is the first of its keys present,
+    as the set holds it: the walker interns keys, so the span's attribute
+    dict holds that very string, and looking it up compares no characters.
     """
 
     __slots__ = (
         "input_tokens_key",
         "llm_text_key",
-        "messages",
+        "messages_key",
         "objective_key",
         "output_tokens_key",
         "requests",
         "session",
+        "session_keys",
         "tool_arguments_key",
     )
 
     def __init__(self, present: frozenset[str]) -> None:
-        self.session = _any_of(SESSION_KEYS, present)
+        self.session_keys = tuple(_own(present, key) for key in SESSION_KEYS if key in present)
+        self.session = bool(self.session_keys)
         self.objective_key = _first_key(present, OBJECTIVE_KEYS)
         self.tool_arguments_key = _first_key(present, TOOL_ARGUMENT_KEYS)
         self.input_tokens_key = _first_key(present, INPUT_TOKEN_KEYS)
         self.output_tokens_key = _first_key(present, OUTPUT_TOKEN_KEYS)
         self.llm_text_key = _first_key(present, _LLM_TEXT_KEYS)
-        self.messages = _MESSAGES in present
+        self.messages_key = _first_key(present, (_MESSAGES,))
         self.requests = _any_of(_REQUEST_MARKERS, present)
 
 
@@ -337,6 +341,7 @@ _MAX_SHAPES: Final = 4096
 class _Run:
     __slots__ = (
         "anchored",
+        "batch",
         "errors",
         "go_on_at",
         "gone",
@@ -370,6 +375,30 @@ class _Run:
     )
 
     def __init__(self, key: bytes, service: str, trace: bytes, now: float) -> None:
+        #: Recent tool calls and LLM outputs, for loops (see ``_repeated``): digest ->
+        #: seq << 32 | instance, or [first repeat, seq, instance, ...] once repeated.
+        self.tools_seen: dict[int, int | list[Any]] | None = None
+        self.outputs_seen: dict[int, int | list[Any]] | None = None
+        #: digest -> (times reported, when last: Unix ns)
+        self.loops_reported: dict[int, tuple[int, int]] | None = None
+        #: Tools called since the last LLM response, as ``tool:<name>`` (made when the
+        #: first is: most runs never need it).
+        self.tools_since_llm: list[str] | None = None
+        #: Tokens and cost so far (policies._budgets), from the first call with usage.
+        self.spend: RunSpend | None = None
+        #: The batch whose cache last held it (see ``RunTracker._run_for``).
+        self.batch = 0
+        self.begin(key, service, trace, now)
+
+    def begin(self, key: bytes, service: str, trace: bytes, now: float) -> None:
+        """Start as a new run: every field as a new run's, containers emptied, not dropped.
+
+        An evicted run is begun again as the run that evicted it: with a full
+        table one run is made every few spans of a busy sidecar, and a run
+        made anew is half a dozen objects allocated, traversed by each young
+        collection while young, and freed cold when evicted. Begun again,
+        they are old objects, reused.
+        """
         self.key = key
         self.service = service
         self.trace = trace
@@ -399,21 +428,21 @@ class _Run:
         #: The last LLM dependency called and its table entry (runs call one model, mostly).
         self.model = ""
         self.model_info: ModelInfo | None = None
-        #: Tokens and cost so far (policies._budgets), from the first call with usage.
-        self.spend: RunSpend | None = None
-        #: Recent tool calls and LLM outputs, for loops (see ``_repeated``): digest ->
-        #: seq << 32 | instance, or [first repeat, seq, instance, ...] once repeated.
-        self.tools_seen: dict[int, int | list[Any]] | None = None
-        self.outputs_seen: dict[int, int | list[Any]] | None = None
-        #: Tool calls and LLM outputs counted in them.
+        #: Tool calls and LLM outputs counted in the loop tables.
         self.tool_seq = 0
         self.output_seq = 0
-        #: digest -> (times reported, when last: Unix ns)
-        self.loops_reported: dict[int, tuple[int, int]] | None = None
         #: What names the tool calls the last LLM response asked for (raw values).
         self.last_llm: dict[str, bytes] | None = None
-        #: Tools called since (made when the first is: most runs never need it).
-        self.tools_since_llm: list[str] | None = None
+        if self.tools_seen is not None:
+            self.tools_seen.clear()
+        if self.outputs_seen is not None:
+            self.outputs_seen.clear()
+        if self.loops_reported is not None:
+            self.loops_reported.clear()
+        if self.tools_since_llm is not None:
+            self.tools_since_llm.clear()
+        if self.spend is not None:
+            self.spend.clear()
 
     @property
     def run_id(self) -> str:
@@ -472,6 +501,8 @@ class RunTracker:
         #: the interleaved spans of a few dozen traces, and this spares each span
         #: the LRU's bookkeeping. Emptied when the batch settles or a run leaves.
         self._batch: dict[bytes, _Run] = {}
+        #: Counts batches: a run whose ``batch`` is this one may be in the cache.
+        self._batch_number = 1
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -530,6 +561,7 @@ class RunTracker:
         if run is None or run.gone or (run.key == trace and shape.session):
             # The trace's first span in the batch, or one that may name its session.
             run = batch[trace] = self._run_for(trace, encoded, shape, service=service, now=now)
+            run.batch = self._batch_number
         run.last_seen = now
         run.spans += 1
         run.stalled = False
@@ -545,7 +577,7 @@ class RunTracker:
         if dependency.startswith("tool:"):
             run.tool_calls += 1
             if run.last_llm is not None:
-                _called_since(run, dependency[5:])
+                _called_since(run, dependency)  # shared, not a new name per call
             if not settings.loops or not repeats:
                 return
             tool = True
@@ -557,7 +589,8 @@ class RunTracker:
             prompt = self._llm_call(
                 run, encoded, shape, dependency, settings=settings, span_id=span_id, found=found
             )
-            messages: bytes | None = encoded[_MESSAGES] if shape.messages else None
+            key = shape.messages_key
+            messages: bytes | None = encoded[key] if key is not None else None
             run.last_llm = _requested_raw(encoded, present, messages) if shape.requests else None
             if run.tools_since_llm:
                 run.tools_since_llm.clear()  # reused: one list per run, not per LLM call
@@ -765,9 +798,9 @@ class RunTracker:
         if known is not None:
             key = known  # a trace never changes session: its spans need not be read again
         elif shape.session:
-            for name in SESSION_KEYS:
-                raw_session = raw_value(encoded, name)
-                if raw_session is not None and 2 < len(raw_session) <= _MAX_SESSION_BYTES:
+            for name in shape.session_keys:
+                raw_session: bytes = encoded[name]
+                if 2 < len(raw_session) <= _MAX_SESSION_BYTES:
                     # The encoded value, marked, is the key: no decoding per span
                     # (run_id decodes it). A trace id is 16 bytes and never ends so.
                     key = raw_session + _SESSION_MARK
@@ -784,13 +817,7 @@ class RunTracker:
             run.key = key
             runs[key] = run
         elif run is None:
-            while len(runs) >= self.max_runs:
-                # Marked, not looked for in the batch's cache: with a full table
-                # every new run evicts one, and clearing the cache each time
-                # made most spans look their run up again.
-                runs.popitem(False)[1].gone = True  # positional: no keyword call
-                self.evicted += 1
-            run = runs[key] = _Run(key, service, trace, now)
+            run = runs[key] = self._evicted(key, service, trace, now)
         else:
             runs.move_to_end(key)
         if early is not None:
@@ -799,13 +826,38 @@ class RunTracker:
         run.trace = trace
         return run
 
+    def _evicted(self, key: bytes, service: str, trace: bytes, now: float) -> _Run:
+        """A new run, in the place of the least recently active when the table is full.
+
+        The evicted run is begun again as the new one (see ``_Run.begin``)
+        unless this batch's cache holds it: it is marked gone instead, not
+        looked for in the cache (with a full table every new run evicts one,
+        and clearing the cache each time made most spans look their run up
+        again), and the cache's spans of its trace find it gone.
+        """
+        runs = self._runs
+        reused: _Run | None = None
+        while len(runs) >= self.max_runs:
+            evicted = runs.popitem(False)[1]  # positional: no keyword call
+            self.evicted += 1
+            if evicted.batch == self._batch_number or reused is not None:
+                evicted.gone = True
+            else:
+                reused = evicted
+        if reused is None:
+            return _Run(key, service, trace, now)
+        reused.begin(key, service, trace, now)
+        return reused
+
     def begin_batch(self) -> None:
         """A batch's spans follow (its runs are looked up afresh, whatever the last one left)."""
         self._batch.clear()
+        self._batch_number += 1
 
     def settle(self, now: float | None = None) -> None:
         """The batch is judged: runs that ended in it count in their service's SLO."""
         self._batch.clear()
+        self._batch_number += 1
         ending, self._ending = self._ending, []
         slo = self.slo
         if slo is None:
@@ -1019,13 +1071,13 @@ def _requested_raw(
     return kept or None
 
 
-def _called_since(run: _Run, tool: str) -> None:
-    """A tool called after the run's last LLM response (at most 64 remembered)."""
+def _called_since(run: _Run, dependency: str) -> None:
+    """A tool (``tool:<name>``) called after the run's last LLM response (at most 64 kept)."""
     since = run.tools_since_llm
     if since is None:
         since = run.tools_since_llm = []
     if len(since) < 64:
-        since.append(tool)
+        since.append(dependency)
 
 
 def _instance_of(span_id: bytes) -> int:
@@ -1066,8 +1118,16 @@ def _any_of(keys: tuple[str, ...], present: frozenset[str]) -> bool:
 def _first_key(present: frozenset[str], keys: tuple[str, ...]) -> str | None:
     for key in keys:
         if key in present:
-            return key
+            return _own(present, key)
     return None
+
+
+def _own(present: frozenset[str], key: str) -> str:
+    """``present``'s own string equal to ``key`` (once per shape: see ``_Shape``)."""
+    for found in present:
+        if found == key:
+            return found
+    return key
 
 
 def _fold(early: _Run, *, into: _Run) -> None:
@@ -1197,7 +1257,7 @@ def _unanswered(run: _Run) -> tuple[str, ...]:
     if run.last_llm is None:
         return ()
     requested = _requested_calls(run.last_llm)
-    answered = list(run.tools_since_llm or ())
+    answered = [dependency[5:] for dependency in run.tools_since_llm or ()]
     left: list[str] = []
     for call in requested:
         name = call.split("(", 1)[0]

@@ -305,6 +305,40 @@ def test_a_run_evicted_in_the_middle_of_a_batch_is_not_counted_into() -> None:
     assert tracker.evicted == 2
 
 
+def test_a_run_evicted_by_a_later_batch_is_begun_again_as_the_new_run_with_nothing_kept() -> None:
+    policy = load_policy()
+    tracker = RunTracker(
+        settings=policy.detectors.for_service, models=policy.detectors.models, max_runs=1
+    )
+    a, b = (bytes([n]) * 16 for n in (1, 2))
+    near = {"gen_ai.usage.input_tokens": 120_000}  # gpt-4o: context pressure
+    search = {"q": "weather"}
+    asked = [{"id": "c1", "name": "lookup", "arguments": {"x": 1}}]
+    tracker.begin_batch()
+    first = [tool("search", search), tool("search", search), llm("x", asked, **near)]
+    for item in first:
+        item.trace_id = a
+    assert [d.kind for d in feed(tracker, payload(*first))] == ["context_overflow"]
+    tracker.failed(a.hex())
+    tracker.settle()
+    evicted = tracker._runs[a]
+
+    tracker.begin_batch()
+    second = [tool("search", search), llm("y", **near)]
+    for item in second:
+        item.trace_id = b
+    # Two searches in a's run and one in b's are not three: b's tables start empty.
+    assert [d.kind for d in feed(tracker, payload(*second))] == ["context_overflow"]
+    tracker.settle()
+    assert tracker._runs[b] is evicted and not evicted.gone  # reused, not made anew
+    (view,) = tracker.snapshot(now=1001.0)
+    assert (view.run_id, view.spans, view.tool_calls, view.llm_calls) == (b.hex(), 2, 1, 1)
+    assert (view.errors, view.input_tokens, view.output_tokens) == (0, 120_000, 20)
+    assert view.cost_usd == tracker.models.lookup("gpt-4o").cost_usd(120_000, 20)  # type: ignore[union-attr]
+    assert tracker.stalled(now=5000.0)[0].details["unverified"] == ()  # a's request is gone
+    assert tracker.stats()["evicted"] == 1
+
+
 def test_the_pipeline_reports_a_loop_and_the_policy_sends_the_loop_breaker() -> None:
     policy = load_policy()
     pipeline = Pipeline(policy)
