@@ -317,14 +317,12 @@ class _Shape:
         "objective_key",
         "output_tokens_key",
         "requests",
-        "session",
         "session_keys",
         "tool_arguments_key",
     )
 
     def __init__(self, present: frozenset[str]) -> None:
         self.session_keys = tuple(_own(present, key) for key in SESSION_KEYS if key in present)
-        self.session = bool(self.session_keys)
         self.objective_key = _first_key(present, OBJECTIVE_KEYS)
         self.tool_arguments_key = _first_key(present, TOOL_ARGUMENT_KEYS)
         self.input_tokens_key = _first_key(present, INPUT_TOKEN_KEYS)
@@ -558,7 +556,7 @@ class RunTracker:
         shape = self._shapes.get(present) or self._shape_of(present)
         batch = self._batch
         run = batch.get(trace)
-        if run is None or run.gone or (run.key == trace and shape.session):
+        if run is None or run.gone or (run.key == trace and shape.session_keys):
             # The trace's first span in the batch, or one that may name its session.
             run = batch[trace] = self._run_for(trace, encoded, shape, service=service, now=now)
             run.batch = self._batch_number
@@ -797,7 +795,7 @@ class RunTracker:
             known = self._sessions_before.get(trace)
         if known is not None:
             key = known  # a trace never changes session: its spans need not be read again
-        elif shape.session:
+        elif shape.session_keys:
             for name in shape.session_keys:
                 raw_session: bytes = encoded[name]
                 if 2 < len(raw_session) <= _MAX_SESSION_BYTES:
@@ -817,7 +815,7 @@ class RunTracker:
             run.key = key
             runs[key] = run
         elif run is None:
-            run = runs[key] = self._evicted(key, service, trace, now)
+            run = runs[key] = self._new_run(key, service, trace, now)
         else:
             runs.move_to_end(key)
         if early is not None:
@@ -826,7 +824,7 @@ class RunTracker:
         run.trace = trace
         return run
 
-    def _evicted(self, key: bytes, service: str, trace: bytes, now: float) -> _Run:
+    def _new_run(self, key: bytes, service: str, trace: bytes, now: float) -> _Run:
         """A new run, in the place of the least recently active when the table is full.
 
         The evicted run is begun again as the new one (see ``_Run.begin``)
