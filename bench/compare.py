@@ -1,11 +1,10 @@
-"""Two builds side by side: the ingest load sent to both at once, spans per CPU-second of each.
+"""Two source trees side by side: the same load sent to both at once, spans per CPU-second.
 
     python bench/compare.py BEFORE AFTER [--repeat 7] [--spans 50000] [--env KEY=VALUE]
 
 BEFORE and AFTER are source trees of spanvisor (checkouts, ``git worktree``
-copies, compiled in place with ``SPANVISOR_COMPILE=1 python setup.py
-build_ext --inplace`` or not); each sidecar runs ``spanvisor run`` with its
-tree first on ``PYTHONPATH``, on this virtualenv's dependencies. Each
+copies); each sidecar runs ``spanvisor run`` with its tree first on
+``PYTHONPATH``, on this virtualenv's dependencies. Each
 repetition sends the same new spans (new runs) to both sidecars at once from
 two sets of sending threads, so both are measured over the same seconds of a
 machine whose speed drifts from one second to the next: the ratio is the

@@ -21,8 +21,6 @@ Not in the figure: the receivers (decoding, HTTP or gRPC), the threads, and
 what memory costs beyond instructions. The tracker touches cold memory (a run
 created and one evicted every few spans); CPU time pays for those misses and
 instructions do not, so its share of CPU time is higher than its share here.
-Run compiled (``SPANVISOR_COMPILE=1 pip install -e .``) for the figures that
-matter; the script says which build it measured.
 """
 
 from __future__ import annotations
@@ -149,11 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 1
-    import supervisor.pipeline
-
-    build = "compiled" if supervisor.pipeline.__file__.endswith(".so") else "interpreted"
     print(command_line(), flush=True)
-    print(f"measuring the {build} build: 4 runs under valgrind, two at a time", flush=True)
+    print("4 runs under valgrind, two at a time", flush=True)
     started = time.monotonic()
     runs = [(track, n) for track in (False, True) for n in (0, args.batches)]
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -170,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"{args.batches} batches of {SPANS_PER_REQUEST} spans after {args.warmup} of warm-up,"
-        f" {args.tracked_runs:,} tracked runs at most, {build} build,"
+        f" {args.tracked_runs:,} tracked runs at most,"
         f" {time.monotonic() - started:.0f} s"
     )
     print(

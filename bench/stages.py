@@ -9,13 +9,10 @@ at a time over the same batches (``bench/ingest.py``'s: 500 spans, fresh
 ids) and times each with this thread's CPU clock, ``--repeat`` times,
 alternating; it prints medians with their range:
 
-* ingest's check of each span's ids, as the receivers make it
-  (:func:`supervisor.ingest.codec.validate_payload`: compiled, the ids are
-  read from the bytes) and through the protobuf runtime's objects
-  (``validate_spans``, which it falls back on), on requests already decoded;
-* the stages every span passes: the wire view of its spans
-  (:func:`supervisor.normalize.wire_spans`, which reads the request: compiled,
-  with its own wire reader; interpreted, with the protobuf runtime, whose
+* ingest's check of each span's ids (:func:`supervisor.ingest.codec.validate_spans`),
+  on requests already decoded;
+* the stages every span passes: the views of its spans
+  (:func:`supervisor.normalize.read_spans`, which decodes the request: its
   parse alone is the ``decode`` row, for reference), the two screens, the
   dependency, the run tracker (on a table already full of
   ``--tracked-runs`` runs, so that new runs evict old ones);
@@ -30,8 +27,7 @@ alternating; it prints medians with their range:
   and storing (the incident and its commands in SQLite, which the sidecar
   does on a thread of its own).
 
-Not measured: the receivers, the threads' hand-offs, remediations. Run
-compiled for the figures that matter; the script says which build it measured.
+Not measured: the receivers, the threads' hand-offs, remediations.
 """
 
 from __future__ import annotations
@@ -130,33 +126,27 @@ def _time_stages(bench: _Bench, tracker: Any, timings: Timings, spans: int) -> N
         ExportTraceServiceRequest,
     )
 
-    from supervisor.ingest.codec import validate_payload, validate_spans
-    from supervisor.normalize import dependency_of, wire_spans
+    from supervisor.ingest.codec import validate_spans
+    from supervisor.normalize import read_spans
     from supervisor.normalize.screen import may_fail_quietly, shows_failure_signal
     from supervisor.normalize.wire import LiteRequest
 
     ok = bench.fresh(0.0)
     items: list[Any] = []
-    deps: list[str] = []
     timings.add("decode", _cpu_us(lambda: [LiteRequest.FromString(p) for p in ok]) / spans)
     decoded = [ExportTraceServiceRequest.FromString(p) for p in ok]
-    checked = _cpu_us(lambda: [validate_payload(r, p) for r, p in zip(decoded, ok, strict=True)])
-    timings.add("id check", checked / spans)
-    timings.add("id check, runtime", _cpu_us(lambda: [validate_spans(r) for r in decoded]) / spans)
-    timings.add("wire_spans", _cpu_us(lambda: items.extend(map(wire_spans, ok))) / spans)
+    timings.add("id check", _cpu_us(lambda: [validate_spans(r) for r in decoded]) / spans)
+    timings.add("read_spans", _cpu_us(lambda: items.extend(map(read_spans, ok))) / spans)
     flat = [item for batch in items for item in batch]
     signal = _cpu_us(lambda: [shows_failure_signal(i) for i in flat])
     timings.add("shows_failure_signal", signal / spans)
     timings.add("may_fail_quietly", _cpu_us(lambda: [may_fail_quietly(i) for i in flat]) / spans)
-    timings.add("dependency_of", _cpu_us(lambda: deps.extend(map(dependency_of, flat))) / spans)
+    timings.add("dependency", _cpu_us(lambda: [i.dependency for i in flat]) / spans)
 
     def observe() -> None:
-        start = 0
         for batch in items:
-            tracker.begin_batch()
-            tracker.observe_all(batch, deps[start : start + len(batch)], time.time(), [])
+            tracker.observe_all(batch, time.time(), [])
             tracker.settle()
-            start += len(batch)
 
     timings.add("run tracker", _cpu_us(observe) / spans)
 
@@ -220,9 +210,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import supervisor.pipeline
-
-    build = "compiled" if supervisor.pipeline.__file__.endswith(".so") else "interpreted"
     print(command_line(), flush=True)
     started = time.monotonic()
     timings, failures = measure(args)
@@ -231,11 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"{args.repeat} repetitions of {args.batches} batches of {SPANS_PER_REQUEST} spans,"
-        f" {build} build, {time.monotonic() - started:.0f} s; CPU µs per span, medians"
+        f" {time.monotonic() - started:.0f} s; CPU µs per span, medians"
     )
-    stages = ["decode", "id check", "id check, runtime", "wire_spans", "shows_failure_signal"]
-    stages += ["may_fail_quietly"]
-    stages += ["dependency_of", "run tracker"]
+    stages = ["decode", "id check", "read_spans", "shows_failure_signal", "may_fail_quietly"]
+    stages += ["dependency", "run tracker"]
     wholes = [f"tracker {name}, {load} injected" for name in ("off", "on") for load in ("0%", rate)]
     rows = [
         [

@@ -99,21 +99,6 @@ class BreakerInfo:
     opened_at: float | None
     reopens_at: float | None
 
-    def __init__(
-        self,
-        dependency: str,
-        state: BreakerState,
-        failures: int,
-        opened_at: float | None,
-        reopens_at: float | None,
-    ) -> None:
-        # Written out: see supervisor.records, whose records do the same.
-        object.__setattr__(self, "dependency", dependency)
-        object.__setattr__(self, "state", state)
-        object.__setattr__(self, "failures", failures)
-        object.__setattr__(self, "opened_at", opened_at)
-        object.__setattr__(self, "reopens_at", reopens_at)
-
 
 class _ObservedFailure(Exception):
     """A failure seen in a span, replayed through pybreaker so that it counts."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -42,17 +42,12 @@ from policies._governor import RUN_KINDS
 from policies._verifiers import VerificationFailure, VerifierSet
 from supervisor.bounded import BoundedMap
 from supervisor.normalize import (
+    Span,
     SpanReader,
-    WireSpan,
-    dependency_of,
     may_fail_quietly,
-    normalize_wire,
     shows_failure_signal,
 )
-from supervisor.normalize.attributes import as_str
-from supervisor.normalize.screen import SESSION_KEYS
-from supervisor.normalize.walk import ended_at, has_exception_event
-from supervisor.normalize.wire import value_of
+from supervisor.normalize.span import requested_calls
 from supervisor.records import (
     Action,
     Classification,
@@ -63,19 +58,12 @@ from supervisor.records import (
     Role,
     SpanRecord,
 )
-from supervisor.runs import (
-    CASCADE_RULE,
-    Detection,
-    RunTracker,
-    requested_calls,
-)
+from supervisor.runs import CASCADE_RULE, Detection, RunTracker
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
 OWN_SERVICE: Final = "spanvisor"
-_STATUS_ERROR: Final = 2  # OTLP Status.STATUS_CODE_ERROR
 _MESSAGE_LIMIT: Final = 300
 _SPECIFIC_ROLES: Final[tuple[Role, ...]] = (Role.LLM, Role.TOOL)
-_SESSION_SET: Final = frozenset(SESSION_KEYS)
 #: Decisions after which the run is expected to go on (a silence is then a stall).
 _GOES_ON: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK, Action.REMEDIATE)
 #: Spans that may propagate a failure from below an OK span: the ones that run
@@ -84,9 +72,8 @@ _GOES_ON: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK, Action.REM
 _CONTAINER_ROLES: Final[tuple[Role, ...]] = (Role.AGENT, Role.CHAIN)
 #: Characters of an origin's message kept to recognise it in a parent's.
 _SIGNATURE_TEXT: Final = 120
-#: Spans read at a time from a request (SpanReader): about 45 KB of attributes. Under
-#: bench/ingest.py load, 16 and 32 ran alike, 100 and 250 slower (4-6%), the whole
-#: request of 500 slower still (10-20%).
+#: Spans read at a time from a request (SpanReader): about 45 KB of attributes,
+#: which stay in the caches while each step goes over them.
 _CHUNK_SPANS: Final = 32
 
 
@@ -131,11 +118,6 @@ class Outcome:
     failure: Failure
     decision: Decision
 
-    def __init__(self, failure: Failure, decision: Decision) -> None:
-        # Written out: see supervisor.records, whose records do the same.
-        object.__setattr__(self, "failure", failure)
-        object.__setattr__(self, "decision", decision)
-
 
 @dataclass(frozen=True, slots=True)
 class PipelineStats:
@@ -150,11 +132,7 @@ class PipelineStats:
 
 
 class _Signature:
-    """What attribution compares of an origin; small, so many can be remembered.
-
-    Plain classes, not NamedTuples, here and in :class:`_Reported`: compiled,
-    a NamedTuple is built by its interpreted ``__new__``, a plain class natively.
-    """
+    """What attribution compares of an origin; small, so many can be remembered."""
 
     __slots__ = ("exception_tail", "failure_class", "kind", "text")
 
@@ -186,20 +164,21 @@ _ORIGINS_PER_TRACE: Final = 8
 class Remainder:
     """The spans of a batch left after :meth:`Pipeline.first_pass`.
 
-    The first ``quiet`` of ``spans`` are the ones that may fail quietly: the
-    run tracker has not seen them yet, and counts them once they are
-    normalized (their records name their dependency). The rest succeeded and
-    were counted; they are normalized for a verifier.
+    ``quiet``: spans that may fail quietly, judged now (their successes not
+    yet booked). ``verify``: spans that succeeded and were booked, which a
+    verifier reads.
     """
 
-    spans: list[WireSpan]
+    quiet: list[Span]
+    verify: list[Span]
     received_ns: int
-    quiet: int = 0
 
 
 @dataclass(slots=True)
 class _Candidate:
     record: SpanRecord
+    #: The run the span belongs to (the run tracker's answer).
+    run_id: str
     verdict: Classification
     sig: _Signature
     attributed_to: _Candidate | None = None
@@ -256,127 +235,166 @@ class Pipeline:
         """Judge every span of one decoded request; see :meth:`process_payload`."""
         return self.process_payload(request.SerializeToString(), received_ns)
 
-    def process_payload(self, payload: bytes, received_ns: int) -> list[Outcome]:
-        """Judge every span of one encoded request; return the failures it originates."""
+    def process_payload(self, payload: bytes | Any, received_ns: int) -> list[Outcome]:
+        """Judge every span of one request; return the failures it originates."""
         outcomes, rest = self.first_pass(payload, received_ns)
         return outcomes + self.rest_pass(rest)
 
-    def first_pass(self, payload: bytes, received_ns: int) -> tuple[list[Outcome], Remainder]:
-        """Judge the spans of one encoded request that show signs of failure.
+    def first_pass(self, payload: bytes | Any, received_ns: int) -> tuple[list[Outcome], Remainder]:
+        """Judge the spans of one request that show signs of failure.
 
-        ``payload`` is an ``ExportTraceServiceRequest`` that ingest already
-        decoded and validated once (``Batch.raw_protobuf``). Spans with the
-        usual signs (an ERROR status, an exception, a status code, a cut-off
-        answer) are normalized and judged now, so their decisions do not wait
-        for the whole batch. Of the rest, those that may fail quietly (a tool
-        output that is a caught error, a call to a tool the model was not
-        offered) are returned, to be judged by :meth:`rest_pass` once those
-        decisions are out; the others cannot be failures and are not
-        normalized at all (:mod:`supervisor.normalize.screen`). A failing
-        parent and the failing child it propagates both show such signs, so
-        attribution within the batch is unaffected.
+        ``payload`` is an ``ExportTraceServiceRequest``, encoded (as ingest
+        accepted it) or decoded with the lite schema. Every span is counted in
+        its run. Spans with the usual signs of failure (an ERROR status, an
+        exception, a status code, a cut-off answer) are judged now, so their
+        decisions do not wait for the whole batch. Of the rest, those that may
+        fail quietly (a tool output that is a caught error, a call to a tool
+        the model was not offered) are returned, to be judged by
+        :meth:`rest_pass` once those decisions are out; the others cannot be
+        failures and are never normalized (:mod:`supervisor.normalize.screen`).
         """
         reader = SpanReader(payload)
-        if self.runs is not None:
-            self.runs.begin_batch()
         self._batches += 1
         self._spans += len(reader)
         now_s = received_ns / 1e9
-        first: list[WireSpan] = []
-        later: list[WireSpan] = []
+        first: list[Span] = []
+        quiet: list[Span] = []
         calls: list[tuple[int, str, bool]] = []
-        verify: list[WireSpan] = []
+        verify: list[Span] = []
         detected: list[Detection] = []
-        # A chunk at a time (see SpanReader), and within a chunk in phases, each a
-        # loop over its spans, rather than every step per span: the span path's
-        # compiled code is larger than the instruction cache, and running one step
-        # over many spans keeps that step's code in it. The spans that may be
-        # failures are kept for the whole request, and judged once all are read.
-        while spans := reader.read(_CHUNK_SPANS):
-            rest: list[WireSpan] = []
-            for item in spans:
-                if shows_failure_signal(item):
-                    first.append(item)
-                else:
-                    rest.append(item)
-            ok: list[WireSpan] = []
-            for item in rest:
-                if may_fail_quietly(item):
-                    later.append(item)
-                else:
-                    ok.append(item)
-            self._successes(ok, now_s, calls, verify, detected)
         runs = self.runs
-        if self._attempted and later:
-            self._reset_attempts_early(later)
-        records = [normalize_wire(item) for item in first]
-        if runs is not None:  # the spans judged below count in their runs too
-            for item, record in zip(first, records, strict=True):
-                repeats = not _failed(item)
-                runs.observe(item, record.dependency, now_s, detected, repeats=repeats)
-        outcomes = self._judge_wire(first, received_ns, calls, records)
+        # A chunk at a time (see SpanReader), and within a chunk a step at a time.
+        while spans := reader.read(_CHUNK_SPANS):
+            ok: list[Span] = []
+            for span in spans:
+                if shows_failure_signal(span):
+                    first.append(span)
+                elif may_fail_quietly(span):
+                    quiet.append(span)
+                else:
+                    ok.append(span)
+            if runs is not None:
+                runs.observe_all(ok, now_s, detected)
+                for span in quiet:  # no error signal: a loop of them is a loop, not retries
+                    runs.observe(span, now_s, detected)
+            self._book_successes(ok, calls, verify)
+        if runs is not None:  # a failed call tried again is a retry, not a loop
+            for span in first:
+                runs.observe(span, now_s, detected, repeats=not span.failed)
+        if self._attempted and quiet:
+            quiet = self._book_quiet_successes(quiet, calls, verify)
+        outcomes = self._judge_spans(first, received_ns, calls)
         if detected:
             outcomes += self.judge_detected([detected_failure(d, received_ns) for d in detected])
-        return outcomes, Remainder(later + verify, received_ns, quiet=len(later))
+        return outcomes, Remainder(quiet, verify, received_ns)
 
-    def _successes(
-        self,
-        ok: list[WireSpan],
-        now_s: float,
-        calls: list[tuple[int, str, bool]],
-        verify: list[WireSpan],
-        detected: list[Detection],
-    ) -> None:
-        """The spans that cannot be failures: breakers, runs, attempts, recoveries, verifiers.
+    def rest_pass(self, rest: Remainder) -> list[Outcome]:
+        """Judge the spans a :meth:`first_pass` left; the batch is then settled."""
+        calls: list[tuple[int, str, bool]] = []
+        outcomes = self._judge_spans(rest.quiet, rest.received_ns, calls)
+        if rest.verify:
+            answers = [s.record() for s in rest.verify if not _only_calls_tools(s, s.record())]
+            outcomes += self._verify(answers, rest.received_ns)
+        if self.runs is not None:
+            self.runs.settle()
+        return outcomes
 
-        Fills ``calls`` (each success, for the governor), ``verify`` (the
-        spans a verifier must see normalized) and ``detected``.
-        """
-        counting = self.governor is not None
-        recovery = self.recovery
-        recovering = recovery.dependencies if recovery is not None else ()
+    def _run_of(self, trace_id: str, session_id: str) -> str:
+        """A span's run, as the run tracker has it (its own session or trace, untracked)."""
         runs = self.runs
+        return runs.resolve(trace_id, session_id) if runs is not None else session_id or trace_id
+
+    def _book_successes(
+        self, ok: list[Span], calls: list[tuple[int, str, bool]], verify: list[Span]
+    ) -> None:
+        """Spans that cannot be failures: each success booked once, and the verifiers' picks.
+
+        Fills ``calls`` (each success, for the governor) and ``verify`` (the
+        spans a verifier must see normalized).
+        """
         verifiers = self.policy.verifiers
         wants = self._wants
         if wants.verifiers is not verifiers:  # a new policy
             wants = self._wants = _WantedBy(verifiers)
-        verifying = wants.verifying
-        if not ok or not (
-            counting or runs is not None or verifying or self._attempted or recovering
-        ):
-            return
-        dependencies = [dependency_of(item) for item in ok]
-        if runs is not None:
-            runs.observe_all(ok, dependencies, now_s, detected)
-        for item, dependency in zip(ok, dependencies, strict=True):
-            if verifying and wants.wanted(item, dependency):
-                verify.append(item)  # its output must pass a verifier: normalize it
-            if not dependency:
-                continue
-            span = item[0]
-            if counting:
-                calls.append((ended_at(span), dependency, True))
-            if dependency in self._attempted:
-                self._attempts.pop((_run_of(item), dependency))
-            if dependency in recovering and recovery is not None:
-                _recovered(recovery, span.trace_id.hex(), _run_of(item), dependency, span.span_id)
+        for span in ok:
+            if wants.verifying and wants.wanted(span):
+                verify.append(span)  # its output must pass a verifier: normalize it
+            dependency = span.dependency
+            if dependency:
+                self._succeeded(span.trace_hex, span.session_id, span, dependency, calls)
 
-    def _reset_attempts_early(self, later: list[WireSpan]) -> None:
-        """Successes among the spans left for later reset their attempts now.
+    def _book_quiet_successes(
+        self, quiet: list[Span], calls: list[tuple[int, str, bool]], verify: list[Span]
+    ) -> list[Span]:
+        """Successes among the quiet spans of dependencies with attempts counted, booked now.
 
         A step's retry that succeeded with a tool call (a span the quiet
         screen keeps for later) must reset the step's attempts before the
         batch's failures are counted, or the next failure of the run counts
-        as the step's next attempt. Only dependencies with attempts counted
-        are normalized here (and again later).
+        as the step's next attempt. Returns the quiet spans still to judge.
         """
-        for item in later:
-            dependency = dependency_of(item)
-            if dependency not in self._attempted:
+        left: list[Span] = []
+        for span in quiet:
+            dependency = span.dependency
+            if dependency in self._attempted and span.record().error is None:
+                self._book_successes([span], calls, verify)
+            else:
+                left.append(span)
+        return left
+
+    def _succeeded(
+        self,
+        trace_id: str,
+        session_id: str,
+        span: Span | SpanRecord,
+        dependency: str,
+        calls: list[tuple[int, str, bool]],
+    ) -> None:
+        """One successful call: the governor's count, the step's attempts, a recovery."""
+        if self.governor is not None:
+            calls.append((span.end_ns, dependency, True))
+        watched = dependency in self._attempted
+        recovery = self.recovery
+        recovering = recovery is not None and dependency in recovery.dependencies
+        if not (watched or recovering):
+            return
+        run_id = self._run_of(trace_id, session_id)
+        if watched:
+            self._attempts.pop((run_id, dependency))
+        if recovering and recovery is not None:
+            _recovered(recovery, trace_id, run_id, dependency, span.span_id)
+
+    def _judge_spans(
+        self, spans: list[Span], received_ns: int, calls: list[tuple[int, str, bool]]
+    ) -> list[Outcome]:
+        """Normalize and judge spans that may be failures; book the ones that succeeded."""
+        records = [span.record() for span in spans]
+        failing: list[SpanRecord] = []
+        passed: list[SpanRecord] = []
+        for span, record in zip(spans, records, strict=True):
+            if record.error is not None:
+                failing.append(record)
                 continue
-            key = (_run_of(item), dependency)
-            if self._attempts.get(key) and normalize_wire(item).error is None:
-                self._attempts.pop(key)
+            if record.dependency:
+                self._succeeded(span.trace_hex, span.session_id, span, record.dependency, calls)
+            if not _only_calls_tools(span, record):
+                passed.append(record)
+        outcomes = self._judge(failing, received_ns, calls)
+        return outcomes + self._verify(passed, received_ns)
+
+    def _verify(self, records: list[SpanRecord], received_ns: int) -> list[Outcome]:
+        """The policy's verifiers on spans that succeeded; what fails them is judged."""
+        verifiers = self.policy.verifiers
+        if not len(verifiers) or not records:
+            return []
+        unverified = [
+            _verification_failure(
+                record, self._run_of(record.trace_id, record.session_id), found, received_ns
+            )
+            for record in records
+            for found in verifiers.check(record)
+        ]
+        return self.judge_detected(unverified) if unverified else []
 
     def _with_slo(self, failure: Failure) -> Failure:
         """The failure as policies see it: whether its service's SLO is burning fast."""
@@ -399,57 +417,6 @@ class Pipeline:
             failure = self._with_slo(found)
             outcomes.append(Outcome(failure, self.policy.decide(failure, attempt=1)))
         return self._finish(outcomes, [], cascades=False)
-
-    def rest_pass(self, rest: Remainder) -> list[Outcome]:
-        """Judge the spans a :meth:`first_pass` left; the batch is then settled."""
-        runs = self.runs
-        if runs is None:
-            return self._judge_wire(rest.spans, rest.received_ns, [])
-        records = [normalize_wire(item) for item in rest.spans]
-        detected: list[Detection] = []
-        now_s = rest.received_ns / 1e9
-        for item, record in zip(rest.spans[: rest.quiet], records, strict=False):
-            # Quiet spans show no error signal: a loop of them is a loop, not retries.
-            runs.observe(item, record.dependency, now_s, detected)
-        outcomes = self._judge_wire(rest.spans, rest.received_ns, [], records)
-        runs.settle()
-        if detected:
-            outcomes += self.judge_detected(
-                [detected_failure(d, rest.received_ns) for d in detected]
-            )
-        return outcomes
-
-    def _judge_wire(
-        self,
-        spans: list[WireSpan],
-        received_ns: int,
-        calls: list[tuple[int, str, bool]],
-        normalized: list[SpanRecord] | None = None,
-    ) -> list[Outcome]:
-        records = [normalize_wire(item) for item in spans] if normalized is None else normalized
-        failing = [r for r in records if r.error is not None]
-        verifiers = self.policy.verifiers
-        unverified: list[Failure] = []
-        if len(verifiers):
-            for item, record in zip(spans, records, strict=True):
-                if record.error is None and not _only_calls_tools(item, record):
-                    unverified.extend(
-                        _verification_failure(record, found, received_ns)
-                        for found in verifiers.check(record)
-                    )
-        for r in records:
-            if r.error is None and r.dependency:
-                if self.governor is not None:
-                    calls.append((r.end_ns, r.dependency, True))
-                if r.dependency in self._attempted:
-                    self._attempts.pop((r.run_id, r.dependency))
-                recovery = self.recovery
-                if recovery is not None and r.dependency in recovery.dependencies:
-                    _recovered(recovery, r.trace_id, r.run_id, r.dependency, r.span_id)
-        outcomes = self._judge(failing, received_ns, calls)
-        if unverified:
-            outcomes += self.judge_detected(unverified)
-        return outcomes
 
     def process_records(self, records: Iterable[SpanRecord], received_ns: int) -> list[Outcome]:
         """Like :meth:`process`, for records normalized elsewhere (tests, detectors)."""
@@ -484,39 +451,7 @@ class Pipeline:
         here they are told to the governor in the order the calls ended
         (breakers count failures in a row), before it reviews the decisions.
         """
-        candidates: dict[str, _Candidate] = {}
-        for record in failing:
-            if record.service == OWN_SERVICE and record.name.startswith("spanvisor."):
-                self._own += 1
-                continue
-            key = record.trace_id + record.span_id
-            if key in self._seen or key in candidates:
-                self._duplicates += 1
-                continue
-            self._seen.set(key, True)
-            self._failing += 1
-            verdict = self.policy.classify(record)
-            if verdict is None:  # the policy found nothing to report
-                continue
-            candidates[key] = _Candidate(record, verdict, _signature(record, verdict))
-
-        # Within the request: a failing parent that only propagates its
-        # failing child is attributed to the child.
-        for cand in candidates.values():
-            rec = cand.record
-            if not rec.parent_span_id:
-                continue
-            parent = candidates.get(rec.trace_id + rec.parent_span_id)
-            if (
-                parent is not None
-                and parent is not cand  # a malformed span that names itself its parent
-                and parent.attributed_to is None
-                and _propagates(parent, cand.sig)
-            ):
-                parent.attributed_to = cand
-        if len(candidates) > 1:
-            _attribute_through_ok_spans(candidates)
-
+        candidates = self._candidates(failing)
         outcomes: list[Outcome] = []
         attributed_by = _attributions(candidates)
         for key, cand in candidates.items():
@@ -548,6 +483,43 @@ class Pipeline:
             if self.runs is not None:
                 self.runs.failed(failure.run_id)
         return self._finish(outcomes, calls)
+
+    def _candidates(self, failing: list[SpanRecord]) -> dict[str, _Candidate]:
+        """The failing spans not judged before, classified, each attributed within the batch."""
+        candidates: dict[str, _Candidate] = {}
+        for record in failing:
+            if record.service == OWN_SERVICE and record.name.startswith("spanvisor."):
+                self._own += 1
+                continue
+            key = record.trace_id + record.span_id
+            if key in self._seen or key in candidates:
+                self._duplicates += 1
+                continue
+            self._seen.set(key, True)
+            self._failing += 1
+            verdict = self.policy.classify(record)
+            if verdict is None:  # the policy found nothing to report
+                continue
+            run_id = self._run_of(record.trace_id, record.session_id)
+            candidates[key] = _Candidate(record, run_id, verdict, _signature(record, verdict))
+        # Within the request: a failing parent that only propagates its
+        # failing child is attributed to the child.
+        for cand in candidates.values():
+            rec = cand.record
+            if not rec.parent_span_id:
+                continue
+            parent = candidates.get(rec.trace_id + rec.parent_span_id)
+            if (
+                parent is not None
+                and parent is not cand  # a malformed span that names itself its parent
+                and parent.attributed_to is None
+                and _propagates(parent, cand.sig)
+            ):
+                parent.attributed_to = cand
+        if len(candidates) > 1:
+            _attribute_through_ok_spans(candidates)
+
+        return candidates
 
     def _finish(
         self, outcomes: list[Outcome], calls: list[tuple[int, str, bool]], *, cascades: bool = True
@@ -642,7 +614,7 @@ class Pipeline:
             parent_span_id=rec.parent_span_id,
             service=rec.service,
             span_name=rec.name,
-            run_id=rec.run_id,
+            run_id=origin.run_id,
             role=rec.role,
             failure_class=verdict.failure_class,
             kind=verdict.kind,
@@ -669,23 +641,6 @@ def _goes_on_after(outcome: Outcome) -> float | None:
         return None
     delay = float(wait) if isinstance(wait, (int, float)) and not isinstance(wait, bool) else 0.0
     return outcome.failure.received_ns / 1e9 + max(0.0, delay)
-
-
-def _run_of(item: WireSpan) -> str:
-    """A successful span's run id, as its record would say: its session, else its trace.
-
-    Only spans of dependencies with attempts counted or remediations waiting
-    get here. The session is read raw, the first of the conventions' keys
-    present, as the adapters read it (a string, or a number as text).
-    """
-    span, _, _, present, encoded = item
-    if not _SESSION_SET.isdisjoint(present):
-        for key in SESSION_KEYS:
-            if key in present:
-                session = as_str(value_of(encoded[key]))
-                if session:
-                    return session
-    return str(span.trace_id.hex())
 
 
 def _attributions(candidates: dict[str, _Candidate]) -> dict[str, _Candidate]:
@@ -898,9 +853,8 @@ class _WantedBy:
         self._by_service: dict[str, dict[str, int]] = {}
         self._size = 0
 
-    def wanted(self, item: WireSpan, dependency: str) -> bool:
-        span, _, service, _, _ = item
-        name: str = span.name
+    def wanted(self, span: Span) -> bool:
+        service, name, dependency = span.service, span.name, span.dependency
         by_name = self._by_service.get(service)
         if by_name is None:
             by_name = self._by_service[service] = {}
@@ -945,7 +899,7 @@ _WANTED_ENTRIES: Final = 4096
 
 
 def _verification_failure(
-    record: SpanRecord, found: VerificationFailure, received_ns: int
+    record: SpanRecord, run_id: str, found: VerificationFailure, received_ns: int
 ) -> Failure:
     return Failure(
         trace_id=record.trace_id,
@@ -953,7 +907,7 @@ def _verification_failure(
         parent_span_id=record.parent_span_id,
         service=record.service,
         span_name=record.name,
-        run_id=record.run_id,
+        run_id=run_id,
         role=record.role,
         failure_class=FailureClass.SEMANTIC,
         kind="verification_failed",
@@ -987,21 +941,9 @@ def _cascade_failure(found: Cascade) -> Failure:
     )
 
 
-def _failed(item: WireSpan) -> bool:
-    """Whether a screened span failed for sure: an ERROR status, or an exception event.
-
-    A failed call tried again is a retry, not a loop; a span with only
-    harmless events (a streamed answer's first-token event) still counts.
-    """
-    span, _, _, present, _ = item
-    if span.status.code == _STATUS_ERROR or "error.type" in present:
-        return True
-    return has_exception_event(span)
-
-
-def _only_calls_tools(item: WireSpan, record: SpanRecord) -> bool:
+def _only_calls_tools(span: Span, record: SpanRecord) -> bool:
     """An LLM turn with no text that asked for tool calls: not an answer to verify."""
     if record.role is not Role.LLM or record.output_text:
         return False
-    _, _, _, present, encoded = item
-    return bool(requested_calls(encoded, present))
+    requested = span.requested()
+    return requested is not None and bool(requested_calls(requested))

@@ -7,11 +7,8 @@ records without pulling in any I/O, and every stage can be tested on its own.
 Ids are lowercase hex strings (32 characters for a trace, 16 for a span), as
 the ``replay`` output and trace viewers show them. A missing parent is ``""``.
 
-The records made for every failure write their ``__init__`` out. Compiled with
-mypyc, the one ``dataclass`` generates still runs interpreted, an
-``object.__setattr__`` call per field (3-4 µs for a :class:`Failure`); written
-out, mypyc turns each into a slot store. ``tests/test_record_inits.py`` holds
-every written-out ``__init__`` to its class's fields and defaults.
+Every record is a frozen, slotted dataclass: it cannot change once made, and
+it can be handed to another thread or stage without a copy.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Final, NamedTuple, Union
+from typing import Final, Union
 
 #: An attribute value as OTLP carries it, converted to plain Python.
 AttrValue = Union[  # noqa: UP007 - a recursive alias needs Union on Python 3.10
@@ -150,46 +147,18 @@ class ErrorEvidence:
     #: or with arguments that are not valid JSON.
     invalid_tool_calls: tuple[str, ...] = ()
 
-    def __init__(  # noqa: PLR0917 - the dataclass's own signature
-        self,
-        status_error: bool = False,
-        status_message: str = "",
-        exception_type: str = "",
-        exception_message: str = "",
-        error_type: str = "",
-        http_status: int | None = None,
-        grpc_code: int | None = None,
-        provider_code: str = "",
-        finish_reasons: tuple[str, ...] = (),
-        swallowed: bool = False,
-        retry_after_s: float | None = None,
-        invalid_tool_calls: tuple[str, ...] = (),
-    ) -> None:
-        object.__setattr__(self, "status_error", status_error)
-        object.__setattr__(self, "status_message", status_message)
-        object.__setattr__(self, "exception_type", exception_type)
-        object.__setattr__(self, "exception_message", exception_message)
-        object.__setattr__(self, "error_type", error_type)
-        object.__setattr__(self, "http_status", http_status)
-        object.__setattr__(self, "grpc_code", grpc_code)
-        object.__setattr__(self, "provider_code", provider_code)
-        object.__setattr__(self, "finish_reasons", finish_reasons)
-        object.__setattr__(self, "swallowed", swallowed)
-        object.__setattr__(self, "retry_after_s", retry_after_s)
-        object.__setattr__(self, "invalid_tool_calls", invalid_tool_calls)
-
     def text(self) -> str:
         """All free-text evidence, for message matching."""
         return " | ".join(part for part in (self.exception_message, self.status_message) if part)
 
 
-class SpanRecord(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class SpanRecord:
     """One span, normalized from whatever convention produced it.
 
-    A ``NamedTuple`` rather than a frozen dataclass, as immutable, because it
-    is made for every span: a frozen dataclass of this many fields costs
-    about 2.4 µs to construct (one ``object.__setattr__`` per field), a tuple
-    about 0.4 µs. The records that only failures make stay dataclasses.
+    Made for the spans that may be failures and the ones a verifier reads
+    (:meth:`supervisor.normalize.span.Span.record`); every other stage reads
+    the span's view.
     """
 
     trace_id: str
@@ -221,8 +190,8 @@ class SpanRecord(NamedTuple):
     #: ``None`` when the span shows no sign of failure.
     error: ErrorEvidence | None = None
     #: The span's attributes, read-only, for policies that match on them.
-    attributes: Mapping[str, AttrValue] = _EMPTY
-    resource_attributes: Mapping[str, AttrValue] = _EMPTY
+    attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
+    resource_attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
 
     @property
     def run_id(self) -> str:
@@ -238,18 +207,6 @@ class Classification:
     kind: str
     dependency: str
     rule: str
-
-    def __init__(
-        self,
-        failure_class: FailureClass,
-        kind: str,
-        dependency: str,
-        rule: str,
-    ) -> None:
-        object.__setattr__(self, "failure_class", failure_class)
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "dependency", dependency)
-        object.__setattr__(self, "rule", rule)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,44 +236,6 @@ class Failure:
     #: The service's run SLO was burning its error budget fast when this was decided.
     slo_burning: bool = False
 
-    def __init__(  # noqa: PLR0917 - the dataclass's own signature
-        self,
-        trace_id: str,
-        span_id: str,
-        parent_span_id: str,
-        service: str,
-        span_name: str,
-        run_id: str,
-        role: Role,
-        failure_class: FailureClass,
-        kind: str,
-        dependency: str,
-        rule: str,
-        message: str,
-        evidence: ErrorEvidence,
-        received_ns: int,
-        attributed: tuple[str, ...] = (),
-        details: Mapping[str, AttrValue] = _EMPTY,
-        slo_burning: bool = False,
-    ) -> None:
-        object.__setattr__(self, "trace_id", trace_id)
-        object.__setattr__(self, "span_id", span_id)
-        object.__setattr__(self, "parent_span_id", parent_span_id)
-        object.__setattr__(self, "service", service)
-        object.__setattr__(self, "span_name", span_name)
-        object.__setattr__(self, "run_id", run_id)
-        object.__setattr__(self, "role", role)
-        object.__setattr__(self, "failure_class", failure_class)
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "dependency", dependency)
-        object.__setattr__(self, "rule", rule)
-        object.__setattr__(self, "message", message)
-        object.__setattr__(self, "evidence", evidence)
-        object.__setattr__(self, "received_ns", received_ns)
-        object.__setattr__(self, "attributed", attributed)
-        object.__setattr__(self, "details", details)
-        object.__setattr__(self, "slo_burning", slo_burning)
-
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -333,20 +252,6 @@ class Decision:
     reason: str = ""
     #: True when the decision is computed and reported but not delivered.
     observe_only: bool = False
-
-    def __init__(
-        self,
-        action: Action,
-        policy: str,
-        params: Mapping[str, AttrValue] = _EMPTY,
-        reason: str = "",
-        observe_only: bool = False,
-    ) -> None:
-        object.__setattr__(self, "action", action)
-        object.__setattr__(self, "policy", policy)
-        object.__setattr__(self, "params", params)
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "observe_only", observe_only)
 
 
 class CommandType(str, Enum):
@@ -442,32 +347,6 @@ class Command:
     params: Mapping[str, AttrValue]
     not_before: float
     created_at: float
-
-    def __init__(  # noqa: PLR0917 - the dataclass's own signature
-        self,
-        id: str,
-        idempotency_key: str,
-        type: CommandType,
-        service: str,
-        run_id: str,
-        trigger_trace_id: str,
-        trigger_span_id: str,
-        failure: Mapping[str, AttrValue],
-        params: Mapping[str, AttrValue],
-        not_before: float,
-        created_at: float,
-    ) -> None:
-        object.__setattr__(self, "id", id)
-        object.__setattr__(self, "idempotency_key", idempotency_key)
-        object.__setattr__(self, "type", type)
-        object.__setattr__(self, "service", service)
-        object.__setattr__(self, "run_id", run_id)
-        object.__setattr__(self, "trigger_trace_id", trigger_trace_id)
-        object.__setattr__(self, "trigger_span_id", trigger_span_id)
-        object.__setattr__(self, "failure", failure)
-        object.__setattr__(self, "params", params)
-        object.__setattr__(self, "not_before", not_before)
-        object.__setattr__(self, "created_at", created_at)
 
     def to_json(self) -> dict[str, object]:
         """The command as DESIGN's JSON schema (times as RFC 3339 UTC)."""

@@ -54,13 +54,13 @@ def test_every_stage_and_the_cost_of_a_failure_are_printed() -> None:
         assert found is not None, f"{label!r} missing from:\n{out}"
         return float(found.group(1))
 
-    stage_names = ["decode", "wire_spans", "shows_failure_signal", "may_fail_quietly"]
-    for name in [*stage_names, "dependency_of", "run tracker", "id check, runtime"]:
+    stage_names = ["decode", "read_spans", "shows_failure_signal", "may_fail_quietly"]
+    for name in [*stage_names, "dependency", "run tracker", "id check"]:
         assert figure(name) > 0
     assert figure("id check") >= 0
     whole = figure("whole path, tracker off, 20% injected")
     # The whole path includes the wire view.
-    assert whole > figure("wire_spans") > 0
+    assert whole > figure("read_spans") > 0
     parts = [figure(part) for part in ("judge", "report", "store")]
     # At a fifth of spans failing, judging and storing failures are real work.
     assert parts[0] > 0 and parts[2] > 0

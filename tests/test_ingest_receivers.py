@@ -758,10 +758,10 @@ def test_grpc_receiver_bind_failure_is_a_config_error(rx: Receivers) -> None:
 def test_a_bug_of_ours_is_500_and_internal_logged_once_and_counted(
     rx: Receivers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(request: ExportTraceServiceRequest, payload: bytes) -> Any:
+    def broken(request: ExportTraceServiceRequest) -> Any:
         raise RuntimeError("validator bug")
 
-    monkeypatch.setattr(codec, "validate_payload", broken)
+    monkeypatch.setattr(codec, "validate_spans", broken)
     body = good_request("x").SerializeToString()
     with caplog.at_level(logging.ERROR, logger="supervisor.ingest"):
         for _ in range(2):

@@ -2,7 +2,7 @@
 
 The pipeline normalizes only what :mod:`supervisor.normalize.screen` passes,
 so a span it wrongly drops is a missed failure. These tests hold the screens
-to ``normalize_wire(span).error is not None ⇒ screened(span)`` on spans
+to ``span.record().error is not None ⇒ screened(span)`` on spans
 built from every convention's failure-bearing attributes, on the benchmark's
 realistic spans, and (in ``test_normalize_real_instrumentation``) on spans
 the real instrumentation packages wrote.
@@ -21,11 +21,9 @@ from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from supervisor.normalize import (
-    dependency_of,
     may_fail_quietly,
-    normalize_wire,
+    read_spans,
     shows_failure_signal,
-    wire_spans,
 )
 from tests.screening import assert_early_reads_agree
 from tests.test_normalize_wire import any_value
@@ -306,9 +304,9 @@ def test_realistic_spans_are_screened_and_most_successes_are_not() -> None:
     failing = passed = total = 0
     for payload in payloads:
         assert_early_reads_agree(payload)
-        for item in wire_spans(payload):
+        for item in read_spans(payload):
             total += 1
-            failing += normalize_wire(item).error is not None
+            failing += item.record().error is not None
             passed += shows_failure_signal(item) or may_fail_quietly(item)
     # The screen is only worth having if it lets most successful spans through unread.
     assert failing <= passed < failing + (total - failing) // 2
@@ -332,12 +330,12 @@ def test_quiet_failures_are_found_only_by_the_second_screen() -> None:
         ],
     }
     for name, pairs in cases.items():
-        [item] = wire_spans(_request(pairs, 0).SerializeToString())
-        assert normalize_wire(item).error is not None, name
+        [item] = read_spans(_request(pairs, 0).SerializeToString())
+        assert item.record().error is not None, name
         assert not shows_failure_signal(item), name
         assert may_fail_quietly(item), name
     ok = [("openinference.span.kind", "TOOL"), ("output.value", "Sunny, 21 C in Paris.")]
-    [item] = wire_spans(_request(ok, 0).SerializeToString())
+    [item] = read_spans(_request(ok, 0).SerializeToString())
     assert not shows_failure_signal(item) and not may_fail_quietly(item)
 
 
@@ -390,5 +388,5 @@ def test_dependency_of_names_what_the_record_names() -> None:
         "tool:search": ([("openinference.span.kind", "TOOL"), ("tool.name", "search")], 1),
     }
     for expected, (pairs, kind) in cases.items():
-        [item] = wire_spans(_request(pairs, 0, kind).SerializeToString())
-        assert (expected, expected) == (dependency_of(item), normalize_wire(item).dependency)
+        [item] = read_spans(_request(pairs, 0, kind).SerializeToString())
+        assert (expected, expected) == (item.dependency, item.record().dependency)

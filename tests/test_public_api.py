@@ -178,4 +178,4 @@ def test_records_are_immutable() -> None:
     assert records.Failure.__dataclass_params__.frozen  # type: ignore[attr-defined]
     assert records.Decision.__dataclass_params__.frozen  # type: ignore[attr-defined]
     assert records.ErrorEvidence.__dataclass_params__.frozen  # type: ignore[attr-defined]
-    assert issubclass(records.SpanRecord, tuple)  # a NamedTuple: immutable and cheap to build
+    assert records.SpanRecord.__dataclass_params__.frozen  # type: ignore[attr-defined]

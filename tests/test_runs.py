@@ -11,7 +11,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from policies import load_policy
 from policies._detectors import DetectorSettings
-from supervisor.normalize import dependency_of, wire_spans
+from supervisor.normalize import read_spans
 from supervisor.pipeline import Pipeline, detected_failure
 from supervisor.runs import Detection, RunTracker
 
@@ -87,8 +87,8 @@ def llm(output: str = "", tool_calls: list[dict[str, Any]] | None = None, **extr
 
 def feed(tracker: RunTracker, data: bytes, now: float = 1000.0) -> list[Detection]:
     found: list[Detection] = []
-    for item in wire_spans(data):
-        tracker.observe(item, dependency_of(item), now, found)
+    for item in read_spans(data):
+        tracker.observe(item, now, found)
     return found
 
 
@@ -118,7 +118,7 @@ def test_which_session_a_trace_is_in_is_remembered_for_recent_traces_and_bounded
     for i, trace in enumerate(traces):
         feed(tracker, payload(span("step", {"session.id": f"s-{i}"}, trace=trace)))
     remembered = {**tracker._sessions_before, **tracker._sessions}
-    assert 5 <= len(remembered) <= 10 and traces[-1] in remembered
+    assert 5 <= len(remembered) <= 10 and traces[-1].hex() in remembered
     feed(tracker, payload(span("untagged child", {}, trace=traces[-1])))
     assert tracker.snapshot()[0].run_id == "s-24" and tracker.snapshot()[0].spans == 2
 
@@ -274,8 +274,8 @@ def test_a_failed_root_that_arrives_after_the_retry_was_decided_keeps_the_run_op
     root = span("agent run", {}, parent=False)
     root.status.code = 2
     found: list[Detection] = []
-    for item in wire_spans(payload(root)):  # the failed turn's root, in a later batch
-        tracker.observe(item, dependency_of(item), 1000.5, found, repeats=False)
+    for item in read_spans(payload(root)):  # the failed turn's root, in a later batch
+        tracker.observe(item, 1000.5, found, repeats=False)
 
     (stall,) = tracker.stalled(now=1001.0 + 61)
     assert stall.run_id == run_id
@@ -297,7 +297,6 @@ def test_runs_are_bounded_and_what_goes_is_counted() -> None:
 def test_a_run_evicted_in_the_middle_of_a_batch_is_not_counted_into() -> None:
     tracker = RunTracker(max_runs=2)
     a, b, c = (bytes([n]) * 16 for n in (1, 2, 3))
-    tracker.begin_batch()
     # a's run is evicted by c's, then a's trace goes on in the same batch: a new run.
     feed(tracker, payload(*(span("s", {}, trace=t) for t in (a, b, c, a))))
     views = {view.run_id: view.spans for view in tracker.snapshot(now=1001.0)}
@@ -305,7 +304,7 @@ def test_a_run_evicted_in_the_middle_of_a_batch_is_not_counted_into() -> None:
     assert tracker.evicted == 2
 
 
-def test_a_run_evicted_by_a_later_batch_is_begun_again_as_the_new_run_with_nothing_kept() -> None:
+def test_a_run_evicted_by_a_later_batch_leaves_nothing_to_the_new_run() -> None:
     policy = load_policy()
     tracker = RunTracker(
         settings=policy.detectors.for_service, models=policy.detectors.models, max_runs=1
@@ -314,23 +313,19 @@ def test_a_run_evicted_by_a_later_batch_is_begun_again_as_the_new_run_with_nothi
     near = {"gen_ai.usage.input_tokens": 120_000}  # gpt-4o: context pressure
     search = {"q": "weather"}
     asked = [{"id": "c1", "name": "lookup", "arguments": {"x": 1}}]
-    tracker.begin_batch()
     first = [tool("search", search), tool("search", search), llm("x", asked, **near)]
     for item in first:
         item.trace_id = a
     assert [d.kind for d in feed(tracker, payload(*first))] == ["context_overflow"]
     tracker.failed(a.hex())
     tracker.settle()
-    evicted = tracker._runs[a]
 
-    tracker.begin_batch()
     second = [tool("search", search), llm("y", **near)]
     for item in second:
         item.trace_id = b
     # Two searches in a's run and one in b's are not three: b's tables start empty.
     assert [d.kind for d in feed(tracker, payload(*second))] == ["context_overflow"]
     tracker.settle()
-    assert tracker._runs[b] is evicted and not evicted.gone  # reused, not made anew
     (view,) = tracker.snapshot(now=1001.0)
     assert (view.run_id, view.spans, view.tool_calls, view.llm_calls) == (b.hex(), 2, 1, 1)
     assert (view.errors, view.input_tokens, view.output_tokens) == (0, 120_000, 20)
@@ -574,8 +569,8 @@ def test_a_run_of_100_000_spans_keeps_bounded_state() -> None:
             spans = [tool("search", {"q": f"{start}-{n}"}) for n in range(2_000)]
     run = next(iter(tracker._runs.values()))
     assert run.spans == 100_000
-    assert run.tools_seen is not None and len(run.tools_seen) <= 4 * 20
-    assert len(run.tools_since_llm or ()) <= 64
+    assert run.tools is not None and len(run.tools._seen) <= 4 * 20
+    assert len(run.tools_since_llm) <= 64
 
 
 def test_a_trace_reused_by_an_unrelated_service_is_counted_not_crashed() -> None:

@@ -33,7 +33,7 @@ from supervisor.act import Actor
 from supervisor.api import build_control_app
 from supervisor.cli import main
 from supervisor.control import Control, RunsView
-from supervisor.normalize import dependency_of, wire_spans
+from supervisor.normalize import read_spans
 from supervisor.runs import RunTracker, RunView
 from supervisor.store import Store
 from tests.test_remediations_api import _Served
@@ -289,8 +289,8 @@ def test_a_real_tracker_is_listed_as_it_counts() -> None:
           gen_ai__tool__name="search")  # fmt: skip
     _span(request, "chat gpt-4o", 4, 1, **llm, gen_ai__usage__output_tokens=34)
     tracker = RunTracker(clock=lambda: 1_030.0)
-    for n, item in enumerate(wire_spans(request.SerializeToString())):
-        tracker.observe(item, dependency_of(item), 1_000.0 + 10 * n, [])
+    for n, item in enumerate(read_spans(request.SerializeToString())):
+        tracker.observe(item, 1_000.0 + 10 * n, [])
     client = TestClient(_app(tracker))
 
     body = client.get("/v1/runs", headers=AUTH).json()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 import time
 from collections.abc import Iterator, Mapping
@@ -618,7 +619,7 @@ def test_an_unexpected_error_in_a_check_is_reported_not_raised() -> None:
 
     errors: list[VerifierError] = []
     vset = verifiers({"attribute_range": {"key": "n", "max": 1}}, errors=errors)
-    record = span("x")._replace(attributes=Exploding())
+    record = dataclasses.replace(span("x"), attributes=Exploding())
     assert vset.check(record) == []
     assert vset.check(record) == []
     assert errors == [VerifierError("v0", "check failed with RuntimeError: boom")]

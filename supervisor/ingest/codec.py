@@ -40,8 +40,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from supervisor.errors import IngestError, PayloadTooLarge
-from supervisor.normalize.walk import COMPILED as WALK_COMPILED
-from supervisor.normalize.walk import Unsupported, well_formed_spans
 
 __all__ = [
     "JSON",
@@ -56,7 +54,6 @@ __all__ = [
     "encode_status",
     "media_type",
     "retry_info",
-    "validate_payload",
     "validate_spans",
 ]
 
@@ -280,24 +277,6 @@ def _hex_id(value: object) -> bytes:
 
 
 # ------------------------------------------------------------------- validation
-
-
-def validate_payload(request: ExportTraceServiceRequest, payload: bytes) -> Validation:
-    """:func:`validate_spans` for ``request`` decoded from the protobuf ``payload``.
-
-    Compiled (``setup.py``), the ids are first read from the bytes, which costs
-    a fraction of reading them through the runtime's objects; only a request
-    with a span that fails that check (or has links) is checked, and has its
-    bad spans removed, by :func:`validate_spans`. The answer is the same.
-    """
-    if WALK_COMPILED:
-        try:
-            count = well_formed_spans(payload)
-        except (Unsupported, IndexError):
-            count = -1
-        if count >= 0:
-            return Validation(count, 0, "")
-    return validate_spans(request)
 
 
 def validate_spans(request: ExportTraceServiceRequest) -> Validation:

@@ -151,7 +151,7 @@ class GrpcReceiver:
     def _decode(self, raw: bytes) -> tuple[ExportTraceServiceRequest, codec.Validation]:
         payload = codec.decompress(raw, content_encoding="identity", max_bytes=self._max_body_bytes)
         request = codec.decode_payload(payload, media=codec.PROTOBUF)
-        return request, codec.validate_payload(request, payload)
+        return request, codec.validate_spans(request)
 
     def _throttled(self) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
         message = "spanvisor ingest queue is full; retry later"

@@ -142,7 +142,7 @@ class _HttpReceiver:
         payload = codec.decompress(body, content_encoding=coding, max_bytes=self._max_body_bytes)
         request = codec.decode_payload(payload, media=media)
         if media == codec.PROTOBUF:
-            validation = codec.validate_payload(request, payload)
+            validation = codec.validate_spans(request)
             if not validation.rejected:
                 return request, payload, validation
         else:

@@ -52,21 +52,6 @@ class Batch:
     transport: Transport
     span_count: int
 
-    def __init__(
-        self,
-        request: ExportTraceServiceRequest,
-        raw_protobuf: bytes,
-        received_ns: int,
-        transport: Transport,
-        span_count: int,
-    ) -> None:
-        # Written out: see supervisor.records, whose records do the same.
-        object.__setattr__(self, "request", request)
-        object.__setattr__(self, "raw_protobuf", raw_protobuf)
-        object.__setattr__(self, "received_ns", received_ns)
-        object.__setattr__(self, "transport", transport)
-        object.__setattr__(self, "span_count", span_count)
-
 
 @dataclass(frozen=True, slots=True)
 class IngestStats:

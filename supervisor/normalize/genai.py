@@ -57,6 +57,33 @@ MARKERS: Final = frozenset(
     }
 )
 
+#: What the run tracker reads, in the order tried (see supervisor.normalize.span).
+SESSION_KEYS: Final[tuple[str, ...]] = ("gen_ai.conversation.id",)
+INPUT_TOKEN_KEYS: Final[tuple[str, ...]] = (
+    "gen_ai.usage.input_tokens",
+    "gen_ai.usage.prompt_tokens",
+)
+OUTPUT_TOKEN_KEYS: Final[tuple[str, ...]] = (
+    "gen_ai.usage.output_tokens",
+    "gen_ai.usage.completion_tokens",
+)
+TOOL_ARGUMENT_KEYS: Final[tuple[str, ...]] = ("gen_ai.tool.call.arguments",)
+TOOL_RESULT_KEYS: Final[tuple[str, ...]] = ("gen_ai.tool.call.result",)
+#: The response as a message list: text, requested tool calls and finish reasons.
+OUTPUT_MESSAGES: Final = "gen_ai.output.messages"
+OFFERED_TOOLS: Final = "gen_ai.tool.definitions"
+OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("gen_ai.input.messages",)
+#: Finish reasons in single attributes.
+FINISH_REASON_KEYS: Final[tuple[str, ...]] = (
+    "gen_ai.response.finish_reasons",
+    "gen_ai.response.finish_reason",
+    "gen_ai.response.stop_reason",
+)
+#: Without one of these a span cannot name a tool role or a failing finish.
+QUIET_KEYS: Final = frozenset(
+    {"gen_ai.operation.name", "gen_ai.tool.name", OUTPUT_MESSAGES, *FINISH_REASON_KEYS}
+)
+
 #: What a JSON object or a kvlist attribute converts to (concrete types: fast isinstance).
 _MAPS: Final = (dict, MappingProxyType)
 
@@ -174,8 +201,6 @@ def extract(draft: Draft) -> None:
         draft.output_tokens = as_int(
             a.get("gen_ai.usage.output_tokens", a.get("gen_ai.usage.completion_tokens"))
         )
-    if not draft.session_id:
-        draft.session_id = as_str(a.get("gen_ai.conversation.id"))
     if not draft.finish_reasons:
         draft.finish_reasons = finish_reasons(a.get("gen_ai.response.finish_reasons"))
     if "gen_ai.tool.name" in a:

@@ -20,7 +20,10 @@ from supervisor.normalize.attributes import MAX_NAME_CHARS, Draft, as_int, as_st
 from supervisor.records import GRPC_CODES, AttrValue, Role
 
 __all__ = [
+    "ERROR_TYPE",
     "GRPC_CODES",
+    "HTTP_STATUS_KEYS",
+    "RPC_STATUS_KEYS",
     "SPAN_KIND_SERVER",
     "extract",
     "grpc_code",
@@ -32,6 +35,15 @@ __all__ = [
 SPAN_KIND_SERVER: Final = 2
 
 
+#: ``error.type`` (general semconv): present only when the operation failed.
+ERROR_TYPE: Final = "error.type"
+#: The response status, new name first; the first present is the one read.
+HTTP_STATUS_KEYS: Final[tuple[str, ...]] = ("http.response.status_code", "http.status_code")
+RPC_STATUS_KEYS: Final[tuple[str, ...]] = (
+    "rpc.grpc.status_code",
+    "rpc.response.status_code",
+    "rpc.status_code",
+)
 _HOST_KEYS: Final[tuple[str, ...]] = ("server.address", "net.peer.name", "http.host")
 _URL_KEYS: Final[tuple[str, ...]] = ("url.full", "http.url")
 _MARKERS: Final = frozenset(
@@ -103,9 +115,9 @@ def identify(draft: Draft, span_kind: int) -> None:
 def extract(draft: Draft) -> None:
     """Read HTTP/RPC status codes for every span."""
     a = draft.attrs.values
-    status = a.get("http.response.status_code")
+    status = a.get(HTTP_STATUS_KEYS[0])
     if status is None:
-        status = a.get("http.status_code")
+        status = a.get(HTTP_STATUS_KEYS[1])
     if status is not None:
         draft.http_status = as_int(status)
         draft.conventions.append("http")
@@ -118,7 +130,7 @@ def extract(draft: Draft) -> None:
 
 
 def _grpc(a: Mapping[str, AttrValue]) -> int | None:
-    for key in ("rpc.grpc.status_code", "rpc.response.status_code", "rpc.status_code"):
+    for key in RPC_STATUS_KEYS:
         value = a.get(key)
         if value is not None:
             code = grpc_code(value)

@@ -37,6 +37,28 @@ __all__ = ["MARKER", "extract", "identify", "kind_role", "offered_tools", "outpu
 #: The attribute whose presence says the span follows OpenInference.
 MARKER: Final = "openinference.span.kind"
 
+#: What the run tracker reads, in the order tried (see supervisor.normalize.span).
+#: ``session.id`` is read whatever the span's kind: OpenInference's
+#: ``using_session`` puts it on every span, and other instrumentations write it too.
+SESSION_KEYS: Final[tuple[str, ...]] = ("session.id",)
+INPUT_TOKEN_KEYS: Final[tuple[str, ...]] = ("llm.token_count.prompt",)
+OUTPUT_TOKEN_KEYS: Final[tuple[str, ...]] = ("llm.token_count.completion",)
+TOOL_ARGUMENT_KEYS: Final[tuple[str, ...]] = ("input.value",)
+TOOL_RESULT_KEYS: Final[tuple[str, ...]] = ("output.value",)
+#: The answer's text where the instrumentation keeps it apart (Anthropic's as content blocks).
+LLM_TEXT_KEYS: Final[tuple[str, ...]] = (
+    "llm.output_messages.0.message.content",
+    "llm.output_messages.0.message.contents.0.message_content.text",
+)
+OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("llm.input_messages.0.message.content", "input.value")
+FINISH_REASON_KEYS: Final[tuple[str, ...]] = ("llm.finish_reason",)
+#: The first output message's role: present when the response was recorded.
+OUTPUT_ROLE: Final = "llm.output_messages.0.message.role"
+#: The first requested tool call: its presence says the response asked for one.
+FIRST_TOOL_CALL: Final = "llm.output_messages.0.message.tool_calls.0.tool_call.function.name"
+#: Without one of these a span cannot name a tool role or a failing finish.
+QUIET_KEYS: Final = frozenset({MARKER, *FINISH_REASON_KEYS})
+
 _KIND_ROLES: Final[Mapping[str, Role]] = {
     "LLM": Role.LLM,
     "EMBEDDING": Role.LLM,
@@ -89,8 +111,6 @@ def extract(draft: Draft) -> None:
     kind = a.get(MARKER)
     kind_name = kind.upper() if isinstance(kind, str) else ""
     role = kind_role(kind)
-    if not draft.session_id:
-        draft.session_id = as_str(a.get("session.id"))
     if role is Role.LLM:
         _llm(draft, a, kind_name)
     elif role is Role.TOOL and draft.tool_args is None:

@@ -62,10 +62,22 @@ _KIND_ROLES: Final[Mapping[str, Role]] = {
 }
 
 _REQUEST_TYPES: Final = frozenset({"chat", "completion", "embedding", "rerank"})
-_SESSION_KEYS: Final[tuple[str, ...]] = (
+#: The Traceloop SDK's span kind (workflow, task, agent, tool).
+KIND_KEY: Final = "traceloop.span.kind"
+#: What the run tracker reads, in the order tried (see supervisor.normalize.span).
+SESSION_KEYS: Final[tuple[str, ...]] = (
     "traceloop.association.properties.session_id",
     "traceloop.association.properties.thread_id",
     "traceloop.association.properties.conversation_id",
+)
+TOOL_ARGUMENT_KEYS: Final[tuple[str, ...]] = ("traceloop.entity.input",)
+TOOL_RESULT_KEYS: Final[tuple[str, ...]] = ("traceloop.entity.output",)
+LLM_TEXT_KEYS: Final[tuple[str, ...]] = ("gen_ai.completion.0.content",)
+OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("gen_ai.prompt.0.content",)
+FINISH_REASON_KEYS: Final[tuple[str, ...]] = ("gen_ai.completion.0.finish_reason",)
+#: Without one of these a span cannot name a tool role, a tool call or a failing finish.
+QUIET_KEYS: Final = frozenset(
+    {KIND_KEY, "gen_ai.completion.0.role", "gen_ai.completion.0.content", *FINISH_REASON_KEYS}
 )
 _MAX_COMPLETIONS: Final = 8
 _MAX_CALLS: Final = 64
@@ -102,12 +114,6 @@ def extract(draft: Draft) -> None:
     draft.conventions.append("openllmetry")
     kind = a.get("traceloop.span.kind")
     role = role_of(a)
-    if not draft.session_id:
-        for key in _SESSION_KEYS:
-            session = as_str(a.get(key))
-            if session:
-                draft.session_id = session
-                break
     if role is Role.TOOL and draft.tool_args is None:
         draft.tool_args = draft.attrs.full("traceloop.entity.input")
     if kind is not None and not draft.output_text:

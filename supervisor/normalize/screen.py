@@ -13,7 +13,7 @@ work that only failures need off the per-span path). Two screens:
   offered or with arguments that are not a JSON object, a tool output that
   is a caught error. It reads the attributes that decide these with the
   adapters' own functions, for every convention present, so it passes a
-  superset of what :func:`supervisor.normalize.normalize_wire` finds failing
+  superset of what :meth:`~supervisor.normalize.span.Span.record` finds failing
   (a property test holds it to that).
 
 Both must err towards True: a span wrongly passed costs a normalization, a
@@ -23,10 +23,9 @@ span wrongly dropped is a missed failure.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
-from supervisor.normalize import genai, openinference, openllmetry
+from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import text_value
 from supervisor.normalize.evidence import (
     FAILURE_FINISH_REASONS,
@@ -34,46 +33,28 @@ from supervisor.normalize.evidence import (
     detect_swallowed,
     failing_finish,
 )
-from supervisor.normalize.walk import error_status_or_events
-from supervisor.normalize.wire import LazyConverted, RawAttributes, raw_value
-from supervisor.records import AttrValue, Role
+from supervisor.normalize.span import WATCHED_RUN_KEYS
+from supervisor.normalize.wire import LazyConverted, raw_value
+from supervisor.records import Role
 
-__all__ = ["WATCHED_KEYS", "WireSpan", "may_fail_quietly", "shows_failure_signal"]
+if TYPE_CHECKING:
+    from supervisor.normalize.span import Span
 
-#: A span as the wire path holds it: (lite span, resource attributes, service,
-#: which of :data:`WATCHED_KEYS` it carries, its encoded attribute map). That
-#: subset is found in one pass over the attribute map
-#: (``WATCHED_KEYS.intersection``), which costs a third of building the set of
-#: all its keys, and answers every test below. The map is the one that pass
-#: read: each ``span.attributes`` builds a new wrapper, and every stage reads it.
-WireSpan = tuple[Any, Mapping[str, AttrValue], str, frozenset[str], Any]
+__all__ = ["WATCHED_KEYS", "may_fail_quietly", "shows_failure_signal"]
 
-_STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
-
+#: Finish reasons in single attributes, of every convention (the message lists are read below).
+_REASON_KEYS: Final[tuple[str, ...]] = (
+    genai.FINISH_REASON_KEYS + openinference.FINISH_REASON_KEYS + openllmetry.FINISH_REASON_KEYS
+)
+#: Finish reasons the early look reads (the quiet screen reads the rest).
+_FINISH_KEYS: Final[tuple[str, ...]] = (
+    genai.FINISH_REASON_KEYS[0],
+    *openinference.FINISH_REASON_KEYS,
+    *openllmetry.FINISH_REASON_KEYS,
+)
 #: Every attribute the early look reads; most spans carry none of them.
 _SIGNAL_KEYS: Final = frozenset(
-    {
-        "error.type",
-        "http.response.status_code",
-        "http.status_code",
-        "rpc.grpc.status_code",
-        "rpc.response.status_code",
-        "rpc.status_code",
-        "gen_ai.response.finish_reasons",
-        "llm.finish_reason",
-        "gen_ai.completion.0.finish_reason",
-    }
-)
-_HTTP_STATUS_KEYS: Final[tuple[str, ...]] = ("http.response.status_code", "http.status_code")
-_RPC_STATUS_KEYS: Final[tuple[str, ...]] = (
-    "rpc.grpc.status_code",
-    "rpc.response.status_code",
-    "rpc.status_code",
-)
-_FINISH_KEYS: Final[tuple[str, ...]] = (
-    "gen_ai.response.finish_reasons",
-    "llm.finish_reason",
-    "gen_ai.completion.0.finish_reason",
+    {http_rpc.ERROR_TYPE, *http_rpc.HTTP_STATUS_KEYS, *http_rpc.RPC_STATUS_KEYS, *_FINISH_KEYS}
 )
 #: Any failing finish reason inside an encoded value, lower-cased (a superset
 #: test: the adapters decide). On lower-cased bytes rather than IGNORECASE: a
@@ -81,104 +62,25 @@ _FINISH_KEYS: Final[tuple[str, ...]] = (
 _FAILING_FINISH: Final = re.compile(
     b"|".join(re.escape(reason.lower().encode()) for reason in sorted(FAILURE_FINISH_REASONS))
 )
-
-#: Finish reasons in single attributes, of every convention (the message
-#: lists are read below).
-_REASON_KEYS: Final[tuple[str, ...]] = (
-    "gen_ai.response.finish_reasons",
-    "gen_ai.response.finish_reason",
-    "gen_ai.response.stop_reason",
-    "llm.finish_reason",
-)
 #: A tool span's output, whichever convention wrote it.
 _TOOL_OUTPUT_KEYS: Final[tuple[str, ...]] = (
-    "output.value",
-    "gen_ai.tool.call.result",
-    "traceloop.entity.output",
+    openinference.TOOL_RESULT_KEYS + genai.TOOL_RESULT_KEYS + openllmetry.TOOL_RESULT_KEYS
 )
-_OUTPUT_MESSAGES: Final = "llm.output_messages.0.message.role"
 #: Keys without which a span that shows no signal cannot fail: no finish
 #: reason, no tool call and no tool role can be read from it.
-_QUIET_KEYS: Final = frozenset(
-    {
-        openinference.MARKER,
-        "gen_ai.operation.name",
-        "gen_ai.tool.name",
-        "gen_ai.output.messages",
-        "traceloop.span.kind",
-        "gen_ai.completion.0.role",
-        "gen_ai.completion.0.content",
-        "gen_ai.completion.0.finish_reason",
-        *_REASON_KEYS,
-    }
-)
+_QUIET_KEYS: Final = genai.QUIET_KEYS | openinference.QUIET_KEYS | openllmetry.QUIET_KEYS
 
-
-#: What the run tracker (:mod:`supervisor.runs`) reads from every span.
-SESSION_KEYS: Final[tuple[str, ...]] = (
-    "gen_ai.conversation.id",
-    "session.id",
-    "traceloop.association.properties.session_id",
-    "traceloop.association.properties.conversation_id",
-)
-INPUT_TOKEN_KEYS: Final[tuple[str, ...]] = (
-    "gen_ai.usage.input_tokens",
-    "gen_ai.usage.prompt_tokens",
-    "llm.token_count.prompt",
-)
-OUTPUT_TOKEN_KEYS: Final[tuple[str, ...]] = (
-    "gen_ai.usage.output_tokens",
-    "gen_ai.usage.completion_tokens",
-    "llm.token_count.completion",
-)
-TOOL_ARGUMENT_KEYS: Final[tuple[str, ...]] = (
-    "gen_ai.tool.call.arguments",
-    "input.value",
-    "traceloop.entity.input",
-)
-#: The answer's text where a convention keeps it apart (cheaper to compare than the
-#: whole response JSON), else the new GenAI convention's message list.
-LLM_OUTPUT_KEYS: Final[tuple[str, ...]] = (
-    "llm.output_messages.0.message.content",
-    # openinference-instrumentation-anthropic writes the text as content blocks
-    "llm.output_messages.0.message.contents.0.message_content.text",
-    "gen_ai.completion.0.content",
-    "gen_ai.output.messages",
-)
-#: Where a run's first input (its objective, for re-anchoring) is found, in order.
-OBJECTIVE_KEYS: Final[tuple[str, ...]] = (
-    "gen_ai.input.messages",
-    "llm.input_messages.0.message.content",
-    "gen_ai.prompt.0.content",
-    "input.value",
-)
-#: OpenInference's first requested tool call: its presence says the response asked for one.
-FIRST_TOOL_CALL: Final = "llm.output_messages.0.message.tool_calls.0.tool_call.function.name"
-#: An LLM span whose response may ask for tool calls (kept for stall reports).
-REQUEST_MARKERS: Final = frozenset({FIRST_TOOL_CALL, "gen_ai.output.messages"})
-#: Every key the run tracker (supervisor.runs) looks for in a span's present keys.
-RUN_KEYS: Final = (
-    frozenset(
-        SESSION_KEYS
-        + INPUT_TOKEN_KEYS
-        + OUTPUT_TOKEN_KEYS
-        + TOOL_ARGUMENT_KEYS
-        + LLM_OUTPUT_KEYS
-        + OBJECTIVE_KEYS
-    )
-    | REQUEST_MARKERS
-)
-
-#: Every key the screens test for, the conventions' markers (for
-#: :func:`supervisor.normalize.dependency_of`) and what the run tracker reads.
+#: Every key the screens test for, the conventions' markers (for the
+#: dependency) and what the run tracker reads: the reader notes which of
+#: these each span carries, in one pass over its attributes.
 WATCHED_KEYS: Final = (
     _SIGNAL_KEYS
     | _QUIET_KEYS
-    | {_OUTPUT_MESSAGES, "gen_ai.tool.definitions"}
+    | {openinference.OUTPUT_ROLE, genai.OFFERED_TOOLS}
     | frozenset(_TOOL_OUTPUT_KEYS)
     | genai.MARKERS
     | openllmetry.MARKERS
-    | RUN_KEYS
+    | WATCHED_RUN_KEYS
 )
 
 
@@ -200,7 +102,7 @@ def _meets(present: frozenset[str]) -> tuple[bool, bool]:
     return found
 
 
-def shows_failure_signal(item: WireSpan) -> bool:
+def shows_failure_signal(span: Span) -> bool:
     """A cheap look, before normalizing, for the usual signs of a failure.
 
     True for an ERROR status, any event (``exception`` events), an
@@ -208,21 +110,22 @@ def shows_failure_signal(item: WireSpan) -> bool:
     failing finish reason. Spans without these can still fail; see
     :func:`may_fail_quietly`.
     """
-    span, _, _, present, encoded = item
-    if error_status_or_events(span, _STATUS_ERROR):
+    if span.status_error or span.has_events:
         return True
+    present = span.present
     if not _meets(present)[0]:
         return False
-    if "error.type" in present:
+    if http_rpc.ERROR_TYPE in present:
         return True
-    attrs = RawAttributes(encoded)
-    for key in _HTTP_STATUS_KEYS:
+    attrs = span.attributes
+    encoded = span.message.attributes
+    for key in http_rpc.HTTP_STATUS_KEYS:
         status = attrs.get(key)
         if status is not None:
             if not (isinstance(status, int) and status < 400):
                 return True
             break  # the first present is the one normalization reads
-    for key in _RPC_STATUS_KEYS:
+    for key in http_rpc.RPC_STATUS_KEYS:
         code = attrs.get(key)
         if code is not None and code not in (0, "OK", "0"):
             return True
@@ -233,17 +136,17 @@ def shows_failure_signal(item: WireSpan) -> bool:
     return False
 
 
-def may_fail_quietly(item: WireSpan) -> bool:
+def may_fail_quietly(span: Span) -> bool:
     """Whether a span without a :func:`shows_failure_signal` may still be a failure.
 
     Where conventions disagree (a span written by two instrumentations),
     every one's reading is tested, since normalization keeps only the first.
     """
-    _, _, _, present, encoded = item
+    present = span.present
     if not _meets(present)[1]:
         return False
     try:
-        return _quiet_failure(LazyConverted(RawAttributes(encoded)), present)
+        return _quiet_failure(LazyConverted(span.attributes), present)
     except Exception:  # boundary: what cannot be screened is normalized, never dropped
         return True
 
@@ -257,12 +160,12 @@ def _quiet_failure(attrs: LazyConverted, keys: frozenset[str]) -> bool:
     texts: list[str] = []
     calls: list[list[tuple[str, object]]] = []  # each convention's, checked apart
     oi_role = openinference.kind_role(a.get(openinference.MARKER))
-    if oi_role is Role.LLM and _OUTPUT_MESSAGES in keys:
+    if oi_role is Role.LLM and openinference.OUTPUT_ROLE in keys:
         text, found = openinference.output_messages(attrs)
         texts.append(text)
         calls.append(found)
-    if "gen_ai.output.messages" in keys:
-        text, found, finish = genai.message_output(attrs.full("gen_ai.output.messages"))
+    if genai.OUTPUT_MESSAGES in keys:
+        text, found, finish = genai.message_output(attrs.full(genai.OUTPUT_MESSAGES))
         texts.append(text)
         calls.append(found)
         reasons.extend(finish)
@@ -278,7 +181,7 @@ def _quiet_failure(attrs: LazyConverted, keys: frozenset[str]) -> bool:
     if not (
         oi_role is Role.TOOL
         or genai.role_of(a) is Role.TOOL
-        or openllmetry.kind_role(a.get("traceloop.span.kind")) is Role.TOOL
+        or openllmetry.kind_role(a.get(openllmetry.KIND_KEY)) is Role.TOOL
     ):
         return False
     texts.extend(text_value(attrs.full(key)) for key in _TOOL_OUTPUT_KEYS if key in keys)
@@ -290,8 +193,8 @@ def _any_invalid(
 ) -> bool:
     """Whether any convention's calls are invalid against any offered tools the span records."""
     offered = {openinference.offered_tools(attrs), openllmetry.offered_functions(attrs)}
-    if "gen_ai.tool.definitions" in keys:
-        offered.add(attrs.read("gen_ai.tool.definitions", genai.tool_names))
+    if genai.OFFERED_TOOLS in keys:
+        offered.add(attrs.read(genai.OFFERED_TOOLS, genai.tool_names))
     # A call checked against no list finds only bad arguments; any non-empty list finds those too.
     lists: list[frozenset[str] | None] = [tools for tools in offered if tools]
     lists = lists or [None]

@@ -33,7 +33,6 @@ from supervisor.normalize.attributes import (
     MAX_VALUE_CHARS,
     convert_value,
 )
-from supervisor.normalize.walk import read_varint
 from supervisor.records import AttrValue
 
 __all__ = ["LazyConverted", "LiteRequest", "LiteSpan", "RawAttributes"]
@@ -121,6 +120,24 @@ _T = TypeVar("_T")
 _DOUBLE: Final = struct.Struct("<d")
 
 
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """A base-128 varint at ``pos``: (value, position after it); ValueError past ten bytes."""
+    byte = data[pos]
+    if byte < 0x80:
+        return byte, pos + 1
+    result = byte & 0x7F
+    shift = 7
+    while True:
+        pos += 1
+        byte = data[pos]
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos + 1
+        shift += 7
+        if shift > 63:
+            raise ValueError("a varint over ten bytes")
+
+
 def _any_value(data: bytes, pos: int, end: int) -> object:
     """The ``AnyValue`` encoded in ``data[pos:end]``, or ``_MISSING``.
 
@@ -205,14 +222,14 @@ _SHORT_ENTRIES: Final = 4096
 def raw_value(encoded: Any, key: str) -> bytes | None:
     """The encoded value of ``key`` in a span's attribute map, None when absent.
 
-    The walker's maps are dicts: one lookup. On a protobuf map (the runtime's
-    path) that is twice as fast as its ``get``, which parses its arguments as
-    keywords: a lookup, then a subscript only of a key known present
-    (subscripting a missing key would insert it).
+    ``encoded`` is the lite span's attribute map, or a dict of kept values.
+    On a protobuf map a membership test then a subscript is twice as fast as
+    its ``get``, which parses its arguments as keywords (and subscripting a
+    missing key would insert it).
     """
     if isinstance(encoded, dict):
-        walked: dict[str, bytes] = encoded
-        return walked.get(key)
+        kept: dict[str, bytes] = encoded
+        return kept.get(key)
     if key in encoded:
         found: bytes = encoded[key]
         return found

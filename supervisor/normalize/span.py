@@ -1,0 +1,592 @@
+"""The one span model after ingest: a typed, lazy view of a span's encoding.
+
+Every stage after ingest (the screens, the run tracker, the judging, the
+breakers' success feed, budgets) reads a :class:`Span`, and nothing else of
+the span. What comes straight from the OTLP message (ids, name, times,
+status) is read from the decoded message. What the conventions say (the
+span's dependency, its session and so its run, token counts, what a tool was
+called with, what an LLM answered) is worked out by the adapters
+(:mod:`.genai`, :mod:`.openinference`, :mod:`.openllmetry`, :mod:`.http_rpc`)
+the first time a stage asks, and kept on the view: computed once per span,
+in this package, whoever asks. The full record (:class:`SpanRecord`, with the
+error evidence) is made by :meth:`Span.record`, only for the spans that may be
+failures or that a verifier reads; most spans succeed and never pay for it.
+
+Attribute values stay encoded until read (:mod:`.wire`), and the keys each
+convention uses are the adapters' own constants: this module only says in
+which order the conventions are asked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import Any, Final, TypeVar
+
+from supervisor.normalize import genai, http_rpc, openinference, openllmetry
+from supervisor.normalize.attributes import MAX_NAME_CHARS, Draft, as_int, as_str
+from supervisor.normalize.wire import LazyConverted, RawAttributes, raw_value
+from supervisor.records import AttrValue, Role, SpanRecord
+
+__all__ = [
+    "MAX_SPAN_NAME",
+    "SESSION_KEYS",
+    "WATCHED_RUN_KEYS",
+    "Span",
+    "dependency_and_tool",
+    "identify",
+    "may_have_dependency",
+    "requested_calls",
+    "session_of",
+]
+
+_T = TypeVar("_T")
+
+#: Span names are the agent's to choose: kept to this many characters.
+MAX_SPAN_NAME: Final = 1024
+_STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+
+#: The conventions asked for what a run is made of, in order: the OTel GenAI
+#: standard first, then OpenInference, then OpenLLMetry. For a span that two
+#: instrumentations wrote, the first convention with a value wins, for the
+#: record and for the run tracker alike.
+_RUN_ORDER: Final = (genai, openinference, openllmetry)
+
+#: Where a span names its session (a run that spans traces), in the order read.
+SESSION_KEYS: Final[tuple[str, ...]] = tuple(k for a in _RUN_ORDER for k in a.SESSION_KEYS)
+_INPUT_TOKEN_KEYS: Final = genai.INPUT_TOKEN_KEYS + openinference.INPUT_TOKEN_KEYS
+_OUTPUT_TOKEN_KEYS: Final = genai.OUTPUT_TOKEN_KEYS + openinference.OUTPUT_TOKEN_KEYS
+_TOOL_ARGUMENT_KEYS: Final = tuple(k for a in _RUN_ORDER for k in a.TOOL_ARGUMENT_KEYS)
+#: An answer's own text where a convention keeps it apart from the message list
+#: (cheaper to compare than the whole list, which is the fallback).
+_LLM_TEXT_KEYS: Final = openinference.LLM_TEXT_KEYS + openllmetry.LLM_TEXT_KEYS
+_OBJECTIVE_KEYS: Final = tuple(k for a in _RUN_ORDER for k in a.OBJECTIVE_KEYS)
+#: An LLM span whose response may ask for tool calls.
+_REQUEST_MARKERS: Final = frozenset({openinference.FIRST_TOOL_CALL, genai.OUTPUT_MESSAGES})
+#: Every key a run reads from a span: the reader notes which of them each span carries.
+WATCHED_RUN_KEYS: Final = frozenset(
+    SESSION_KEYS
+    + _INPUT_TOKEN_KEYS
+    + _OUTPUT_TOKEN_KEYS
+    + _TOOL_ARGUMENT_KEYS
+    + _LLM_TEXT_KEYS
+    + _OBJECTIVE_KEYS
+) | _REQUEST_MARKERS
+
+#: Raw values longer than this are not kept past their batch (requested calls).
+_MAX_KEPT_BYTES: Final = 16 * 1024
+#: Longest objective kept (characters): a first input can be a whole document.
+_MAX_OBJECTIVE: Final = 2000
+#: OpenInference's requested tool calls probed: message 0, calls 0.._MAX_PROBED-1.
+_MAX_PROBED: Final = 8
+_OI_CALL: Final = "llm.output_messages.0.message.tool_calls.{m}.tool_call.function.{field}"
+_OI_CALL_KEYS: Final = tuple(
+    (_OI_CALL.format(m=m, field="name"), _OI_CALL.format(m=m, field="arguments"))
+    for m in range(_MAX_PROBED)
+)
+_UNNAMED_ROLES: Final[tuple[Role, ...]] = (Role.AGENT, Role.CHAIN, Role.OTHER)
+
+
+class _Shape:
+    """Which of the run's keys a span carries, worked out once per set of present keys.
+
+    Spans of one kind carry the same keys; the reader gives them equal
+    ``present`` sets, so this is a dict lookup per span instead of a dozen
+    key tests.
+    """
+
+    __slots__ = (
+        "input_tokens_key",
+        "llm_text_key",
+        "messages",
+        "objective_key",
+        "output_tokens_key",
+        "requests",
+        "session_keys",
+        "tool_arguments_key",
+    )
+
+    def __init__(self, present: frozenset[str]) -> None:
+        self.session_keys = tuple(k for k in SESSION_KEYS if k in present)
+        self.input_tokens_key = _first(present, _INPUT_TOKEN_KEYS)
+        self.output_tokens_key = _first(present, _OUTPUT_TOKEN_KEYS)
+        self.tool_arguments_key = _first(present, _TOOL_ARGUMENT_KEYS)
+        self.llm_text_key = _first(present, _LLM_TEXT_KEYS)
+        self.messages = genai.OUTPUT_MESSAGES in present
+        self.objective_key = _first(present, _OBJECTIVE_KEYS)
+        self.requests = not _REQUEST_MARKERS.isdisjoint(present)
+
+
+def _first(present: frozenset[str], keys: tuple[str, ...]) -> str | None:
+    return next((key for key in keys if key in present), None)
+
+
+#: Shapes by present set; bounded (cleared when full, rebuilt from the next spans).
+_SHAPES: Final[dict[frozenset[str], _Shape]] = {}
+_MAX_SHAPES: Final = 4096
+
+
+def _shape(present: frozenset[str]) -> _Shape:
+    found = _SHAPES.get(present)
+    if found is None:
+        if len(_SHAPES) >= _MAX_SHAPES:
+            _SHAPES.clear()
+        found = _SHAPES[present] = _Shape(present)
+    return found
+
+
+class Span:
+    """One span of a request, as every stage after ingest reads it.
+
+    Immutable from the outside: what a property works out is kept on the
+    view, so asking twice costs a slot read. A view shares its request's
+    memory; keep a record or plain values, not the view, past the batch.
+    Never raises: a value that cannot be read reads as absent.
+    """
+
+    __slots__ = (
+        "_dependency",
+        "_message",
+        "_record",
+        "_session",
+        "_shape",
+        "_trace_hex",
+        "attributes",
+        "present",
+        "resource",
+        "service",
+    )
+
+    def __init__(
+        self,
+        message: Any,
+        resource: Mapping[str, AttrValue],
+        service: str,
+        present: frozenset[str],
+    ) -> None:
+        #: The decoded OTLP ``Span`` (the lite schema: attributes left encoded).
+        self._message = message
+        #: The resource's attributes, converted once per resource.
+        self.resource = resource
+        self.service = service
+        #: Which of the keys the screens and runs watch the span carries.
+        self.present = present
+        #: Its attributes, decoded when read.
+        self.attributes = RawAttributes(message.attributes)
+        self._shape: _Shape | None = None
+        self._dependency: str | None = None
+        self._session: str | None = None
+        self._trace_hex: str | None = None
+        self._record: SpanRecord | None = None
+
+    # -- what the message says -------------------------------------------------
+
+    @property
+    def message(self) -> Any:
+        """The decoded OTLP message (for the normalizer and the exception event)."""
+        return self._message
+
+    @property
+    def trace_id(self) -> bytes:
+        return bytes(self._message.trace_id)
+
+    @property
+    def span_id(self) -> bytes:
+        return bytes(self._message.span_id)
+
+    @property
+    def trace_hex(self) -> str:
+        found = self._trace_hex
+        if found is None:
+            found = self._trace_hex = self._message.trace_id.hex()
+        return found
+
+    @property
+    def is_root(self) -> bool:
+        return not self._message.parent_span_id
+
+    @property
+    def name(self) -> str:
+        name: str = self._message.name
+        return name if len(name) <= MAX_SPAN_NAME else name[:MAX_SPAN_NAME]
+
+    @property
+    def kind(self) -> int:
+        return int(self._message.kind)
+
+    @property
+    def start_ns(self) -> int:
+        return int(self._message.start_time_unix_nano)
+
+    @property
+    def end_ns(self) -> int:
+        return int(self._message.end_time_unix_nano)
+
+    @property
+    def status_error(self) -> bool:
+        return bool(self._message.status.code == _STATUS_ERROR)
+
+    @property
+    def has_events(self) -> bool:
+        return len(self._message.events) > 0
+
+    def has_exception_event(self) -> bool:
+        return any(event.name == "exception" for event in self._message.events)
+
+    @property
+    def failed(self) -> bool:
+        """Failed for sure: an ERROR status, an ``error.type`` or an exception event.
+
+        A span with only harmless events (a streamed answer's first token) has not.
+        """
+        return (
+            self.status_error
+            or http_rpc.ERROR_TYPE in self.present
+            or (self.has_events and self.has_exception_event())
+        )
+
+    # -- what the conventions say ----------------------------------------------
+
+    @property
+    def dependency(self) -> str:
+        """What the span called: ``provider:model``, ``tool:<name>``, ``http:<host>`` or ``""``."""
+        found = self._dependency
+        if found is None:
+            found = self._dependency = _dependency_of(self)
+        return found
+
+    @property
+    def session_id(self) -> str:
+        """The session the span names (the first of :data:`SESSION_KEYS` with one), or ``""``."""
+        found = self._session
+        if found is None:
+            keys = self._shape_of().session_keys
+            found = self._session = session_of(self.attributes, keys) if keys else ""
+        return found
+
+    @property
+    def run_id(self) -> str:
+        """The span's own run: its session when it names one, else its trace.
+
+        A span that names no session may still belong to one its trace named
+        elsewhere; :class:`supervisor.runs.RunTracker` knows that, and the
+        judging asks it.
+        """
+        return self.session_id or self.trace_hex
+
+    @property
+    def input_tokens(self) -> int:
+        return _count(self.attributes, self._shape_of().input_tokens_key)
+
+    @property
+    def output_tokens(self) -> int:
+        return _count(self.attributes, self._shape_of().output_tokens_key)
+
+    @property
+    def tool_arguments(self) -> bytes | None:
+        """A tool call's arguments as encoded: compared by the loop detector, never decoded."""
+        return self._raw(self._shape_of().tool_arguments_key)
+
+    @property
+    def output_messages(self) -> bytes | None:
+        """The GenAI message list of the response, as encoded."""
+        return self._raw(genai.OUTPUT_MESSAGES) if self._shape_of().messages else None
+
+    @property
+    def answer(self) -> bytes | None:
+        """An LLM's answer as encoded: its text where kept apart, else the message list."""
+        return self._raw(self._shape_of().llm_text_key) or self.output_messages
+
+    @property
+    def has_objective(self) -> bool:
+        return self._shape_of().objective_key is not None
+
+    def objective(self) -> str:
+        """The first user message of the span's input, as text (bounded); ``""`` if none."""
+        key = self._shape_of().objective_key
+        value = self.attributes.full(key) if key is not None else None
+        return _objective_text(value)
+
+    def requested(self) -> dict[str, bytes] | None:
+        """What names the tool calls the response asked for, as encoded; None when none.
+
+        Kept by the run tracker, past the batch, for stall reports: only the
+        few values that name the calls, each bounded, and only when there is
+        one (most responses ask for nothing). :func:`requested_calls` reads them.
+        """
+        if not self._shape_of().requests:
+            return None
+        encoded = self._message.attributes
+        kept: dict[str, bytes] | None = None
+        messages = self.output_messages
+        # find(), not `in`: bytes' `in` tries an int first and raises inside.
+        if (
+            messages is not None
+            and len(messages) <= _MAX_KEPT_BYTES
+            and messages.find(b"tool_call") >= 0
+        ):
+            kept = {genai.OUTPUT_MESSAGES: messages}
+        if openinference.FIRST_TOOL_CALL not in self.present:
+            return kept
+        for name_key, args_key in _OI_CALL_KEYS:
+            found = raw_value(encoded, name_key)
+            if found is None:
+                break
+            if kept is None:
+                role = raw_value(encoded, openinference.OUTPUT_ROLE)  # the adapter reads it
+                kept = {openinference.OUTPUT_ROLE: role} if role is not None else {}
+            kept[name_key] = found
+            arguments = raw_value(encoded, args_key)
+            if arguments is not None and len(arguments) <= _MAX_KEPT_BYTES:
+                kept[args_key] = arguments
+        return kept or None
+
+    def record(self) -> SpanRecord:
+        """The whole record, error evidence included; made once, on the first call."""
+        found = self._record
+        if found is None:
+            from supervisor.normalize import normalize_view  # the normalizer uses this module
+
+            found = self._record = normalize_view(self)
+        return found
+
+    def _shape_of(self) -> _Shape:
+        found = self._shape
+        if found is None:
+            found = self._shape = _shape(self.present)
+        return found
+
+    def _raw(self, key: str | None) -> bytes | None:
+        return raw_value(self._message.attributes, key) if key is not None else None
+
+    def __repr__(self) -> str:
+        return f"Span({self.service!r}, {self.name!r}, trace={self.trace_hex})"
+
+
+def session_of(attrs: Mapping[str, AttrValue], keys: Collection[str] = SESSION_KEYS) -> str:
+    """The session a span names: the first of ``keys`` (in :data:`SESSION_KEYS` order) with one.
+
+    The record's ``session_id`` and the run tracker's run both come from here.
+    A number is read as its text (some instrumentations write ids as ints).
+    """
+    for key in keys:
+        session = as_str(attrs.get(key))
+        if session:
+            return session
+    return ""
+
+
+def _count(attrs: RawAttributes, key: str | None) -> int:
+    """A token count (0 when absent or not a plausible count)."""
+    if key is None:
+        return 0
+    value = as_int(attrs.get(key))
+    return value if value is not None and 0 <= value < 1 << 40 else 0
+
+
+def _objective_text(value: object) -> str:
+    if not isinstance(value, str):
+        return ""
+    text = value.strip()
+    if text.startswith("["):  # a message list (gen_ai.input.messages, or OpenAI's JSON)
+        try:
+            messages = json.loads(text)
+        except ValueError:
+            messages = None
+        if isinstance(messages, list):
+            text = _first_user_text(messages) or text
+    return text[:_MAX_OBJECTIVE]
+
+
+def _first_user_text(messages: list[Any]) -> str:
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ("user", "human"):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            return content
+        parts = message.get("parts") or (content if isinstance(content, list) else [])
+        texts = [
+            str(p.get("content") or p.get("text") or "")
+            for p in parts
+            if isinstance(p, dict) and p.get("type") in ("text", None)
+        ]
+        return " ".join(t for t in texts if t)
+    return ""
+
+
+def requested_calls(kept: Mapping[str, bytes]) -> list[str]:
+    """``name(arguments)`` of each tool call in what :meth:`Span.requested` kept."""
+    attrs = LazyConverted(RawAttributes(kept))
+    calls: list[tuple[str, object]] = []
+    try:
+        if openinference.OUTPUT_ROLE in kept or openinference.FIRST_TOOL_CALL in kept:
+            calls.extend(openinference.output_messages(attrs)[1])
+        if genai.OUTPUT_MESSAGES in kept:
+            calls.extend(genai.message_output(attrs.full(genai.OUTPUT_MESSAGES))[1])
+    except Exception:  # boundary: a report with fewer calls beats no report
+        return []
+    out: list[str] = []
+    for name, arguments in calls[:32]:
+        text = arguments if isinstance(arguments, str) else repr(arguments)
+        out.append(f"{name}({text[:200]})")
+    return out
+
+
+# -- identity: role and dependency -----------------------------------------------
+
+
+def identify(draft: Draft, keys: Collection[str], span_kind: int) -> None:
+    """Every convention's idea of the span's role, provider, model, tool and host.
+
+    The most specific convention first (OpenInference, then GenAI, then
+    OpenLLMetry), each filling only what is still empty; HTTP/RPC last.
+    """
+    if openinference.MARKER in keys:
+        openinference.identify(draft)
+    if genai.applies(keys):
+        genai.identify(draft)
+    if openllmetry.applies(keys):
+        openllmetry.identify(draft)
+    http_rpc.identify(draft, span_kind)
+
+
+def may_have_dependency(attrs: Mapping[str, AttrValue], present: Collection[str]) -> bool:
+    """False when the first convention that names the span's role names one without one."""
+    if openinference.MARKER in present:
+        return openinference.kind_role(attrs.get(openinference.MARKER)) not in _UNNAMED_ROLES
+    if genai.applies(present):
+        role = genai.role_of(attrs)
+        if role is not None:
+            return role not in _UNNAMED_ROLES
+    if openllmetry.applies(present):
+        role = openllmetry.role_of(attrs)
+        if role is not None:
+            return role not in _UNNAMED_ROLES
+    return True  # HTTP/RPC or nothing: identify decides
+
+
+def dependency_and_tool(draft: Draft, role: Role, name: str) -> tuple[str, str]:
+    """The tool name and the ``dependency`` key of an identified span."""
+    tool_name = draft.tool_name
+    if not tool_name and role is Role.TOOL:
+        tool_name = name[:MAX_NAME_CHARS]  # a tool span without a tool name is named after it
+    if role is Role.LLM:
+        provider = draft.provider
+        model = draft.response_model or draft.request_model
+        dependency = f"{provider or 'unknown'}:{model or 'unknown'}" if provider or model else ""
+    elif role is Role.TOOL:
+        dependency = f"tool:{tool_name}" if tool_name else ""
+    elif role is Role.HTTP:
+        dependency = f"http:{draft.host}" if draft.host else ""
+    else:
+        dependency = ""
+    return tool_name, dependency
+
+
+def _dependency_of(span: Span) -> str:
+    """The span's dependency through the adapters, memoized by the values they read.
+
+    What the adapters read to name a dependency is a pure function of the
+    attribute values they read (and the span's kind and, for an unnamed tool,
+    its name), so a span that gives the same encoded values to the same keys
+    has the same dependency; agents make the same calls over and over.
+    Never raises (``""`` for a span that cannot be read).
+    """
+    present = span.present
+    encoded = span.message.attributes
+    try:
+        kind, name = span.kind, span.name
+        server = kind == http_rpc.SPAN_KIND_SERVER
+        reads = _READS.get(present)
+        if reads is not None:
+            keys, uses_name = reads
+            found = _IDENTITIES.get(
+                (present, server, keys, _raw_values(encoded, keys), uses_name and name)
+            )
+            if found is not None:
+                return found
+        recorder = _Recorder(span.attributes)
+        dependency, uses_name = _identified(recorder, present, kind, name)
+        keys = tuple(dict.fromkeys(recorder.read))
+        if len(_READS) >= _MEMO_ENTRIES or len(_IDENTITIES) >= _MEMO_ENTRIES:
+            _READS.clear()  # bounded; rebuilt from the next spans
+            _IDENTITIES.clear()
+        _READS[present] = (keys, uses_name)
+        values = _raw_values(encoded, keys)
+        _IDENTITIES[(present, server, keys, values, uses_name and name)] = dependency
+        return dependency
+    except Exception:  # boundary: an unreadable span counts for no dependency
+        return ""
+
+
+#: present keys -> (keys the adapters read last time, whether the span name was used)
+_READS: Final[dict[frozenset[str], tuple[tuple[str, ...], bool]]] = {}
+_IDENTITIES: Final[dict[tuple[object, ...], str]] = {}
+_MEMO_ENTRIES: Final = 4096
+
+
+def _raw_values(encoded: Any, keys: tuple[str, ...]) -> tuple[bytes | None, ...]:
+    return tuple([raw_value(encoded, key) for key in keys])
+
+
+class _Recorder(Mapping[str, AttrValue]):
+    """The attributes as the adapters read them, remembering every key they look at."""
+
+    __slots__ = ("_raw", "read")
+
+    def __init__(self, raw: RawAttributes) -> None:
+        self._raw = raw
+        self.read: list[str] = []
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.append(key)
+        return self._raw.get(key, default)
+
+    def full(self, key: str) -> AttrValue:
+        self.read.append(key)
+        return self._raw.full(key)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.read.append(key)
+        return key in self._raw
+
+    def __getitem__(self, key: str) -> AttrValue:
+        self.read.append(key)
+        return self._raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        raise TypeError("identify must look attributes up by key (the dependency is memoized)")
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+class _RecordingSource:
+    """:class:`LazyConverted`'s interface over a :class:`_Recorder`."""
+
+    __slots__ = ("full", "values")
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.values = recorder
+        self.full = recorder.full
+
+    def read(self, key: str, parse: Callable[[AttrValue], _T]) -> _T:
+        return parse(self.full(key))
+
+
+def _identified(
+    attrs: _Recorder, present: Collection[str], span_kind: int, name: str
+) -> tuple[str, bool]:
+    """The dependency, and whether the span's name went into it."""
+    if not may_have_dependency(attrs, present):
+        return "", False  # an agent, chain or unlabelled span: most of a trace, read cheaply
+    draft = Draft(_RecordingSource(attrs))
+    identify(draft, present, span_kind)
+    role = draft.role
+    if role is None or role in _UNNAMED_ROLES:
+        return "", False
+    uses_name = role is Role.TOOL and not draft.tool_name
+    return dependency_and_tool(draft, role, name)[1], uses_name
+

@@ -1,0 +1,46 @@
+"""What a run detector reports: a :class:`Detection`, under one of the detectors' rules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+__all__ = [
+    "BUDGET_RULE",
+    "CASCADE_RULE",
+    "LOOP_RULE",
+    "PRESSURE_RULE",
+    "REANCHOR_RULE",
+    "STALL_RULE",
+    "Detection",
+]
+
+#: The rules that run detectors report under (policies match on them like any other).
+LOOP_RULE: Final = "builtin.detect.reasoning_loop"
+STALL_RULE: Final = "builtin.detect.stall"
+PRESSURE_RULE: Final = "builtin.detect.context_pressure"
+BUDGET_RULE: Final = "builtin.detect.run_budget"
+CASCADE_RULE: Final = "builtin.detect.cascade"
+REANCHOR_RULE: Final = "builtin.detect.reanchor"
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    """What a run detector found at one span: a failure to classify and decide on."""
+
+    kind: str
+    failure_class: str
+    rule: str
+    run_id: str
+    service: str
+    trace_id: str
+    #: Where the failure is reported (a loop: its first repeated call).
+    span_id: str
+    span_name: str
+    #: ``tool:<name>`` or the LLM's ``provider:model``.
+    dependency: str
+    message: str
+    details: Mapping[str, Any]
+    #: The failing role when it is not the dependency's (a stall: the agent's).
+    role: str = ""
