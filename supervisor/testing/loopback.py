@@ -48,6 +48,7 @@ class LoopbackHTTPServer(ThreadingHTTPServer, Generic[C]):
     """
 
     daemon_threads = True
+    block_on_close = False  # server_close never waits; stop() waits, within its bound
     # socketserver's default backlog of 5 drops the SYNs of a burst of concurrent
     # clients; the kernel retries them after 1 s, which looks like a slow server.
     request_queue_size = 128
