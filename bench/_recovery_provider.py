@@ -105,10 +105,8 @@ class BenchProvider:
         self.schedule.start()
         # A worker killed mid-request resets its connections: expected here, so
         # counted rather than printed as a traceback (socketserver's default).
-        servers = (self.schedule._server, self.schedule.provider._server)
-        for server in servers:
-            if server is not None:
-                server.handle_error = self._connection_error  # type: ignore[method-assign,assignment]
+        for server in (self.schedule.http_server, self.schedule.provider.http_server):
+            server.handle_error = self._connection_error  # type: ignore[method-assign,assignment]
         return self
 
     def _connection_error(self, _request: object, _address: object) -> None:

@@ -49,7 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ from bench.harness import (
     table,
 )
 from supervisor.signing import SignatureError, verify
+from supervisor.testing.loopback import LoopbackHTTPServer, LoopbackServer
 
 GOAL_P99_MS = 50.0
 SERVICE = "research-agent"
@@ -189,6 +190,22 @@ class Arrival:
     not_before: float
 
 
+class _ReceiverHandler(BaseHTTPRequestHandler):
+    server: LoopbackHTTPServer[Receiver]
+    protocol_version = "HTTP/1.1"  # keep-alive, as the sidecar's client expects
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        at, wall = time.monotonic(), time.time()
+        status = self.server.context.accept(dict(self.headers.items()), body, at, wall)
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: one line per webhook would swamp the figures."""
+
+
 @dataclass
 class Receiver:
     """An agent's webhook endpoint on loopback: verifies, records, answers 200."""
@@ -199,34 +216,16 @@ class Receiver:
     bad_signatures: int = 0
     duplicates: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _server: ThreadingHTTPServer | None = None
+    _http: LoopbackServer[Receiver] | None = None
     _ids: set[str] = field(default_factory=set)
 
     @property
     def url(self) -> str:
-        assert self._server is not None
-        return f"http://{LOOPBACK}:{self._server.server_address[1]}/hooks/spanvisor"
+        assert self._http is not None
+        return f"{self._http.url}/hooks/spanvisor"
 
     def start(self) -> None:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as the sidecar's client expects
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                at, wall = time.monotonic(), time.time()
-                status = receiver.accept(dict(self.headers.items()), body, at, wall)
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                """Quiet: one line per webhook would swamp the figures."""
-
-        self._server = ThreadingHTTPServer((LOOPBACK, 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._http = LoopbackServer(_ReceiverHandler, self, host=LOOPBACK, name="receiver").start()
 
     def accept(self, headers: dict[str, str], body: bytes, at: float, wall: float) -> int:
         try:
@@ -258,9 +257,8 @@ class Receiver:
             return len(self.arrivals)
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        if self._http is not None:
+            self._http.stop()
 
 
 @dataclass

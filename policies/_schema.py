@@ -521,6 +521,7 @@ ToolName = Literal[
     "recent_spans",
     "incident_history",
     "breaker_states",
+    "restart_worker",
 ]
 _REMEDIATOR_USE = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?")
 

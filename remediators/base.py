@@ -6,11 +6,11 @@ policy may narrow the tools and change the budget, never widen the tools.
 It acts only through :class:`RemediationContext`:
 
 * :meth:`RemediationContext.call` runs one tool (an agent command, an
-  approval request, or a read-only view). A tool outside the allowlist is
-  refused: never executed, recorded as an error on that call's span, and
-  returned as a refused :class:`ToolResult`. Every call is a durable step:
-  after a crash, calls already made return their recorded result and are
-  not made again.
+  approval request, a worker restart, or a read-only view). A tool outside
+  the allowlist is refused: never executed, recorded as an error on that
+  call's span, and returned as a refused :class:`ToolResult`. Every call is
+  a durable step: after a crash, calls already made return their recorded
+  result and are not made again.
 * :meth:`RemediationContext.sleep`, :meth:`~RemediationContext.wait_for_recovery`
   and :meth:`~RemediationContext.wait_for_approval` are durable waits (their
   deadlines survive a restart); no thread is held by a sleeping remediation
@@ -44,6 +44,7 @@ __all__ = [
     "AGENT_TOOLS",
     "ALL_TOOLS",
     "READ_TOOLS",
+    "SIDECAR_TOOLS",
     "Budget",
     "BudgetSpent",
     "RemediationContext",
@@ -55,7 +56,10 @@ __all__ = [
 
 AGENT_TOOLS = REMEDIATION_AGENT_TOOLS
 READ_TOOLS = REMEDIATION_READ_TOOLS
-ALL_TOOLS = REMEDIATION_TOOLS
+#: What the sidecar does itself, with a program the policy configures (never an
+#: argument): ``restart_worker`` runs the remediator's restart command.
+SIDECAR_TOOLS: frozenset[str] = frozenset({"restart_worker"})
+ALL_TOOLS = REMEDIATION_TOOLS | SIDECAR_TOOLS
 
 T = TypeVar("T")
 

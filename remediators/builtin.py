@@ -6,13 +6,11 @@ Each acts only through its context's tools; the runner verifies what it did
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from remediators.base import Budget, RemediationContext, Remediator, Verdict
-from supervisor.actuators.command import CommandActuator
-from supervisor.records import Command, CommandType, command_key
+from remediators.gateway import WorkerRestart
 
 __all__ = [
     "CompactContext",
@@ -302,37 +300,26 @@ class Escalate(Remediator):
 
 
 class RestartWorker(Remediator):
-    """Run the configured command (argv, no shell) to restart or resume the agent.
+    """Restart the run's worker with the configured command, then verify the run recovers.
 
     params: ``argv`` (required; ``{run_id}``, ``{service}``... placeholders as
-    whole arguments), ``timeout_s`` (default 60), ``env``. Within the
-    policy's restart intensity; past it, a person is asked.
+    whole arguments, no shell), ``timeout_s`` (default 60), ``env``
+    (:class:`~remediators.gateway.WorkerRestart`). The sidecar runs it through
+    the ``restart_worker`` tool, so a remediation replayed after a crash does
+    not restart the worker again. Within the policy's restart intensity; past
+    it, a person is asked.
     """
 
     name = "restart_worker"
-    tools = frozenset({"resume_run", "request_approval", "recent_spans"})
+    tools = frozenset({"restart_worker", "resume_run", "request_approval", "recent_spans"})
 
     @classmethod
     def check_params(cls, params: Mapping[str, Any]) -> list[str]:
-        problems: list[str] = []
         try:
-            cls._actuator(params)
-        except (TypeError, ValueError) as exc:
-            problems.append(str(exc))
-        return problems
-
-    @staticmethod
-    def _actuator(params: Mapping[str, Any]) -> CommandActuator:
-        argv = params.get("argv")
-        if not isinstance(argv, list) or not argv:
-            raise ValueError("argv must be a non-empty list of strings")
-        env = params.get("env") or {}
-        if not isinstance(env, dict):
-            raise ValueError("env must be a mapping of strings")
-        timeout = params.get("timeout_s", 60.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise ValueError("timeout_s must be a number")
-        return CommandActuator(argv=argv, timeout_s=float(timeout), env=env)
+            WorkerRestart.from_params(params)
+        except ValueError as exc:
+            return [str(exc)]
+        return []
 
     async def run(self, ctx: RemediationContext) -> Verdict:
         trigger = ctx.trigger
@@ -344,34 +331,8 @@ class RestartWorker(Remediator):
                 proposal="resume_run",
             )
             return Verdict.ESCALATED
-        params = self.params
-        rid = ctx.remediation_id
-
-        async def restart() -> dict[str, Any]:
-            actuator = self._actuator(params)
-            key = command_key(trigger.trace_id, trigger.span_id, trigger.rule, f"{rid}/restart")
-            command = Command(
-                id=f"cmd_{key[:24]}",
-                idempotency_key=key,
-                type=CommandType.RESUME_RUN,
-                service=trigger.service,
-                run_id=trigger.run_id,
-                trigger_trace_id=trigger.trace_id,
-                trigger_span_id=trigger.span_id,
-                failure={"kind": trigger.kind, "dependency": trigger.dependency},
-                params={"remediation_id": rid},
-                not_before=time.time(),
-                created_at=time.time(),
-            )
-            await actuator.start()
-            try:
-                result = await actuator.deliver(command)
-            finally:
-                await actuator.close()
-            return {"ok": result.delivered, "detail": result.detail, "status": result.status}
-
-        outcome = await ctx.step("restart_worker", restart)
-        if not outcome["ok"]:
-            ctx.log(f"restart command failed: {outcome['detail']}")
+        restarted = await ctx.call("restart_worker", reason=f"restart after {trigger.kind}"[:200])
+        if not restarted.ok:
+            ctx.log(f"restart command failed: {restarted.error}")
             return Verdict.FAILED
         return Verdict.ACTED

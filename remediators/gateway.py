@@ -4,10 +4,13 @@ Remediators never touch the store, the receivers or the pipeline. The sidecar
 (:mod:`supervisor.remediation`) implements this protocol over them; tests use
 :class:`RecordingGateway`, a fake with the same behaviour kept in memory.
 
-Every method is synchronous and short (a SQLite transaction at most) and
-safe to call from the runner's thread. Methods that create something take
-an idempotency ``key``: the runner derives it from the remediation and the
-call's position, so a call repeated after a crash creates nothing new.
+Every method is synchronous and safe to call from the runner's tool
+threads; all but :meth:`Gateway.restart_worker` are short (a SQLite
+transaction at most), and that one is bounded by its program's time limit.
+Methods that act take an idempotency ``key``: the runner derives it from the
+remediation and the call's position, and records each call's result as a
+durable step, so a call repeated after a crash creates nothing new and a
+replayed remediation does not act again.
 """
 
 from __future__ import annotations
@@ -15,11 +18,48 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from remediators.base import Trigger
+from supervisor.actuators.command import CommandActuator
 
-__all__ = ["Gateway", "RecordingGateway"]
+__all__ = ["Gateway", "RecordingGateway", "WorkerRestart"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRestart:
+    """The program that restarts a run's worker, as a remediator's policy ``params`` give it.
+
+    ``argv`` (required; ``{run_id}``, ``{service}``... placeholders as whole
+    arguments, run without a shell), ``timeout_s`` (default 60), ``env``. It
+    comes from the policy only: a tool's arguments, which a model may choose,
+    never name a program.
+    """
+
+    argv: tuple[str, ...]
+    timeout_s: float = 60.0
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> WorkerRestart:
+        """The restart the params configure; ValueError saying what is wrong."""
+        argv = params.get("argv")
+        if not isinstance(argv, list) or not argv:
+            raise ValueError("argv must be a non-empty list of strings")
+        env = params.get("env") or {}
+        if not isinstance(env, dict):
+            raise ValueError("env must be a mapping of strings")
+        timeout = params.get("timeout_s", 60.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ValueError("timeout_s must be a number")
+        restart = cls(tuple(argv), float(timeout), MappingProxyType(dict(env)))
+        restart.actuator()  # the actuator's own checks: placeholders, NUL bytes, env names
+        return restart
+
+    def actuator(self) -> CommandActuator:
+        """A command actuator that runs this program (ValueError when it cannot)."""
+        return CommandActuator(argv=self.argv, timeout_s=self.timeout_s, env=self.env)
 
 
 class Gateway(Protocol):
@@ -53,6 +93,17 @@ class Gateway(Protocol):
         """Whether restart intensity allows one more restart of this run, and why not."""
         ...
 
+    def restart_worker(
+        self, trigger: Trigger, restart: WorkerRestart, params: Mapping[str, Any], *, key: str
+    ) -> dict[str, Any]:
+        """Run ``restart`` once for the trigger's run, as a ``resume_run`` command; what it did.
+
+        ``ok``, ``detail`` (the exit and the output's tail), ``status`` (the exit
+        code) and ``command_id``. The program sees ``key``'s command idempotency
+        key, the same on every call with that key.
+        """
+        ...
+
     def watch_recovery(self, trigger: Trigger, remediation_id: str) -> None:
         """Tell the remediation when the run's later spans show the failed part succeeding."""
         ...
@@ -72,7 +123,12 @@ class RecordingGateway:
     breakers: list[dict[str, Any]] = field(default_factory=list)
     spans: list[dict[str, Any]] = field(default_factory=list)
     restarts_left: int = 3
+    #: The exit code the restart program is taken to return.
+    restart_exit: int = 0
     commands: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Every restart asked for, in order; a repeated key is a second run, as it is
+    #: for the real program (the runner's durable steps are what keep it to one).
+    restarts: list[dict[str, Any]] = field(default_factory=list)
     approvals: dict[str, dict[str, Any]] = field(default_factory=dict)
     watched: dict[str, Trigger] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -112,6 +168,26 @@ class RecordingGateway:
                 return False, "restart intensity exceeded"
             self.restarts_left -= 1
         return True, ""
+
+    def restart_worker(
+        self, trigger: Trigger, restart: WorkerRestart, params: Mapping[str, Any], *, key: str
+    ) -> dict[str, Any]:
+        asked = {
+            "argv": list(restart.argv),
+            "timeout_s": restart.timeout_s,
+            "env": dict(restart.env),
+            "params": dict(params),
+            "key": key,
+            "run_id": trigger.run_id,
+        }
+        with self._lock:
+            self.restarts.append(asked)
+        return {
+            "ok": self.restart_exit == 0,
+            "detail": f"exit {self.restart_exit}",
+            "status": self.restart_exit,
+            "command_id": f"cmd_{key[:24]}",
+        }
 
     def watch_recovery(self, trigger: Trigger, remediation_id: str) -> None:
         with self._lock:

@@ -38,6 +38,7 @@ from remediators.base import (
     AGENT_TOOLS,
     ALL_TOOLS,
     READ_TOOLS,
+    SIDECAR_TOOLS,
     RemediationContext,
     Remediator,
     ToolResult,
@@ -107,7 +108,9 @@ class LlmRemediator(Remediator):
     """An LLM-driven sub-agent: the model chooses tool calls, the toolset checks them."""
 
     name = "llm"
-    tools = ALL_TOOLS
+    # Not restart_worker: its command comes from the remediator's params, and
+    # these params configure a model, not a program.
+    tools = ALL_TOOLS - SIDECAR_TOOLS
 
     @classmethod
     def check_params(cls, params: Mapping[str, Any]) -> list[str]:

@@ -226,6 +226,7 @@ class _Context:
         self.tool_calls += 1
         seq = self.steps
         runner, trigger, rid = self._runner, self._trigger, self.remediation_id
+        configured: Mapping[str, Any] = self._request["params"]
         allowed = tool in self._tools
 
         async def run() -> dict[str, Any]:
@@ -237,7 +238,7 @@ class _Context:
                     refused=True,
                 )
             else:
-                reason = check_arguments(tool, arguments, trigger, runner.gateway)
+                reason = check_arguments(tool, arguments, trigger, runner.gateway, configured)
                 if reason:
                     result = ToolResult(False, error=reason, refused=True)
                 else:
@@ -251,6 +252,7 @@ class _Context:
                             runner.gateway,
                             key=key,
                             remediation_id=rid,
+                            configured=configured,
                         )
                     except Exception as exc:  # a failed tool is a result, not a crash
                         result = ToolResult(False, error=f"{type(exc).__name__}: {exc}"[:_MAX_TEXT])

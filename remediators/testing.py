@@ -31,8 +31,11 @@ class FakeContext:
         gateway: RecordingGateway,
         tools: frozenset[str],
         budget: Budget | None = None,
+        params: Mapping[str, Any] | None = None,
     ) -> None:
         self._trigger = trigger
+        #: The remediator's params from the policy (what ``restart_worker`` runs).
+        self.params: Mapping[str, Any] = dict(params or {})
         self.gateway = gateway
         self._tools = tools
         self._budget = budget or Budget()
@@ -76,7 +79,7 @@ class FakeContext:
         if tool not in self._tools:
             result = ToolResult(False, error=f"{tool[:64]!r} is not in the allowlist", refused=True)
         else:
-            reason = check_arguments(tool, arguments, self._trigger, self.gateway)
+            reason = check_arguments(tool, arguments, self._trigger, self.gateway, self.params)
             if reason:
                 result = ToolResult(False, error=reason, refused=True)
             else:
@@ -87,6 +90,7 @@ class FakeContext:
                     self.gateway,
                     key=f"{self.remediation_id}/{self.steps}/{tool}",
                     remediation_id=self.remediation_id,
+                    configured=self.params,
                 )
         self.calls.append((tool, dict(arguments), result))
         return result
@@ -119,6 +123,7 @@ class FakeContext:
         return self.answer
 
     async def restart_allowed(self) -> tuple[bool, str]:
+        self._charge_step()  # a durable step in the runner
         return self.gateway.restart_allowed(self._trigger)
 
     def spend_tokens(self, tokens: int) -> None:

@@ -7,22 +7,28 @@ allowlist, when its arguments do not fit the schema, or when the policy does
 not allow them (``switch_fallback`` only to an alternative in the failed
 dependency's own fallback chain). Refusals are how instructions planted in
 span text fail: the model may be talked into a call, the toolset still says no.
+
+``restart_worker`` takes what it runs from the remediator's ``configured``
+params (the policy's), never from its arguments; without a valid restart
+command there, the call is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Final
 
 from remediators.base import AGENT_TOOLS, ALL_TOOLS, ToolResult, Trigger
-from remediators.gateway import Gateway
+from remediators.gateway import Gateway, WorkerRestart
 
 __all__ = ["TOOL_SPECS", "ToolSpec", "check_arguments", "execute", "function_definitions"]
 
 #: Longest text argument accepted (characters).
 MAX_TEXT: Final = 2000
 _MAX_LIST: Final = 64
+_NOTHING_CONFIGURED: Final[Mapping[str, Any]] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +119,15 @@ TOOL_SPECS: Final[Mapping[str, ToolSpec]] = {
             limit=("integer", False),
         ),
         _spec("breaker_states", "Read the circuit breakers' states."),
+        _spec(
+            "restart_worker",
+            "Restart the run's worker with the command the policy configures for this"
+            " remediator (the command is not an argument).",
+            reason=("string", False),
+        ),
     )
 }
-assert set(TOOL_SPECS) == ALL_TOOLS  # the vocabulary lives in supervisor.records
+assert set(TOOL_SPECS) == ALL_TOOLS  # the vocabulary: supervisor.records and remediators.base
 
 _TYPES: Final[Mapping[str, tuple[type, ...]]] = {
     "string": (str,),
@@ -145,8 +157,12 @@ def check_arguments(
     arguments: Mapping[str, Any],
     trigger: Trigger,
     gateway: Gateway,
+    configured: Mapping[str, Any] = _NOTHING_CONFIGURED,
 ) -> str:
-    """Why the call must be refused, or ``""`` when it may run."""
+    """Why the call must be refused, or ``""`` when it may run.
+
+    ``configured`` is the remediator's params from the policy (trusted).
+    """
     spec = TOOL_SPECS.get(tool)
     if spec is None:
         return f"unknown tool {tool[:64]!r}"
@@ -182,6 +198,11 @@ def check_arguments(
         delay = arguments.get("delay_s", 0)
         if not 0 <= float(delay) <= 3600:
             return "retry_step: delay_s must be between 0 and 3600"
+    if tool == "restart_worker":
+        try:
+            WorkerRestart.from_params(configured)
+        except ValueError as exc:
+            return f"restart_worker: no restart command in the remediator's params ({exc})"
     return ""
 
 
@@ -198,6 +219,7 @@ def execute(
     *,
     key: str,
     remediation_id: str,
+    configured: Mapping[str, Any] = _NOTHING_CONFIGURED,
 ) -> ToolResult:
     """Run a checked call through the gateway (the caller checked the allowlist)."""
     if tool == "recent_spans":
@@ -210,7 +232,12 @@ def execute(
         return ToolResult(
             True, gateway.open_approval(trigger, arguments, key=key, remediation_id=remediation_id)
         )
+    params = {**arguments, "remediation_id": remediation_id}
     if tool in AGENT_TOOLS:
-        params = {**arguments, "remediation_id": remediation_id}
         return ToolResult(True, gateway.send_command(trigger, tool, params, key=key))
+    if tool == "restart_worker":
+        restart = WorkerRestart.from_params(configured)
+        ran = gateway.restart_worker(trigger, restart, params, key=key)
+        ok = bool(ran.get("ok"))
+        return ToolResult(ok, ran, error="" if ok else str(ran.get("detail") or "restart failed"))
     return ToolResult(False, error=f"unknown tool {tool[:64]!r}", refused=True)

@@ -6,8 +6,9 @@
   remediate incidents: one stored just before a crash was never started, and
   the workflow id makes a repeat of a started one a no-op.
 * :class:`SidecarGateway` is the only way remediators act (commands through
-  the store and the deliverers, approvals through the store) and read (recent
-  failures of the run, incident history, breaker states).
+  the store and the deliverers, approvals through the store, worker restarts
+  through a command actuator) and read (recent failures of the run, incident
+  history, breaker states).
 * :class:`RecoveryWatch` is what the pipeline asks on the success path: the
   dependencies some remediation waits to see succeed in a run. Only those
   dependencies' successes are looked up, so spans pay nothing otherwise.
@@ -33,9 +34,12 @@ import tenacity
 
 from policies import Governor, Policy
 from remediators.base import Trigger
+from remediators.gateway import WorkerRestart
 from remediators.registry import RemediatorNotFound, allowed_tools, budget_of, resolve
 from remediators.runner import DurableRunner, RunnerSettings, build_request, redact_url
 from supervisor.act import Actor
+from supervisor.actuators import DeliveryResult
+from supervisor.actuators.command import CommandActuator
 from supervisor.failure_log import outcome_json
 from supervisor.pipeline import Outcome
 from supervisor.records import Action, Command, CommandType, command_key
@@ -152,17 +156,18 @@ class SidecarGateway:
         if created and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._actor.announce, created)
 
-    def send_command(
-        self, trigger: Trigger, command: str, params: Mapping[str, Any], *, key: str
-    ) -> dict[str, Any]:
+    def _command(
+        self, trigger: Trigger, command: CommandType, params: Mapping[str, Any], key: str
+    ) -> Command:
+        """The command a remediation's call makes; its idempotency key derives from ``key``."""
         now = self._clock()
         digest = command_key(trigger.trace_id, trigger.span_id, trigger.rule, key)
         delay = params.get("delay_s", 0)
         wait = float(delay) if isinstance(delay, (int, float)) and delay > 0 else 0.0
-        built = Command(
+        return Command(
             id=f"cmd_{digest[:24]}",
             idempotency_key=digest,
-            type=CommandType(command),
+            type=command,
             service=trigger.service,
             run_id=trigger.run_id,
             trigger_trace_id=trigger.trace_id,
@@ -172,6 +177,11 @@ class SidecarGateway:
             not_before=now + wait,
             created_at=now,
         )
+
+    def send_command(
+        self, trigger: Trigger, command: str, params: Mapping[str, Any], *, key: str
+    ) -> dict[str, Any]:
+        built = self._command(trigger, CommandType(command), params, key)
         channel = self._actor.channel_for(trigger.service)
         created = self._actor.store.add_commands(_incident_of(trigger), [(built, channel)])
         self._announce(created)
@@ -267,11 +277,48 @@ class SidecarGateway:
             return True, ""
         return False, "the run's restart intensity is spent"
 
+    def restart_worker(
+        self, trigger: Trigger, restart: WorkerRestart, params: Mapping[str, Any], *, key: str
+    ) -> dict[str, Any]:
+        """Run the restart program once, through a command actuator of its own, on this thread.
+
+        A ``resume_run`` command is what the program gets (``SPANVISOR_COMMAND``
+        and the placeholders); it is not stored or delivered to the agent. A
+        sidecar killed while the program runs runs it again when the
+        remediation resumes (the step was not recorded), with the same
+        idempotency key, so the program can tell.
+        """
+        command = self._command(trigger, CommandType.RESUME_RUN, params, key)
+        result = asyncio.run(_run_once(restart.actuator(), command))
+        log.info(
+            "worker restart ran",
+            extra={
+                "remediation": params.get("remediation_id"),
+                "run_id": trigger.run_id,
+                "delivered": result.delivered,
+                "detail": result.detail,
+            },
+        )
+        return {
+            "ok": result.delivered,
+            "detail": result.detail,
+            "status": result.status,
+            "command_id": command.id,
+        }
+
     def watch_recovery(self, trigger: Trigger, remediation_id: str) -> None:
         self._watch.watch([trigger.run_id, trigger.trace_id], trigger.dependency, remediation_id)
 
     def unwatch(self, remediation_id: str) -> None:
         self._watch.unwatch(remediation_id)
+
+
+async def _run_once(actuator: CommandActuator, command: Command) -> DeliveryResult:
+    await actuator.start()
+    try:
+        return await actuator.deliver(command)
+    finally:
+        await actuator.close()
 
 
 def _worth_retrying(exc: BaseException) -> bool:

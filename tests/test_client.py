@@ -18,7 +18,7 @@ import types
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import httpx
@@ -41,6 +41,7 @@ from supervisor.client import (
 from supervisor.errors import SupervisorError
 from supervisor.records import Action
 from supervisor.signing import signature_headers
+from supervisor.testing.loopback import LoopbackHTTPServer, LoopbackServer
 
 TOKEN = "test-token"
 DEP = "openai:gpt-4o"
@@ -95,13 +96,13 @@ def state(value: str) -> Reply:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+    server: LoopbackHTTPServer[Script]
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # keep test output quiet
 
     def _serve(self, queue_name: str) -> None:
-        script = self.server.script
+        script = self.server.context
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         script.requests.append(
@@ -145,13 +146,6 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(Reply(404, {"error": "no route"}))
 
 
-class _Server(ThreadingHTTPServer):
-    # Join handler threads on close, so no thread outlives its test.
-    daemon_threads = False
-    block_on_close = True
-    script: Script
-
-
 @dataclass
 class Sidecar:
     url: str
@@ -173,17 +167,12 @@ class Sidecar:
 
 @pytest.fixture
 def sidecar() -> Iterator[Sidecar]:
-    server = _Server(("127.0.0.1", 0), _Handler)
-    server.script = Script()
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01})
-    thread.start()
-    try:
-        yield Sidecar(f"http://127.0.0.1:{server.server_address[1]}", server.script)
-    finally:
-        server.script.release.set()
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    script = Script()
+    with LoopbackServer(_Handler, script, name="sidecar", poll_interval_s=0.01) as server:
+        try:
+            yield Sidecar(server.url, script)
+        finally:
+            script.release.set()  # ends every hang before the stop waits for the handlers
 
 
 class Sleeps:

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -27,6 +27,7 @@ from supervisor.actuators.webhook import WebhookActuator
 from supervisor.dispatch import PUSH_CHANNELS, Dispatcher, actuator_table
 from supervisor.records import Command, CommandType, command_key
 from supervisor.store import NewIncident, Store, StoredCommand
+from supervisor.testing.loopback import LoopbackHTTPServer, LoopbackServer
 
 SECRET = "whsec_" + "ZGlzcGF0Y2gtdGVzdHMtc2VjcmV0LTEyMzQ1Ng=="
 TRACE = "5b8efff798038103d269b633813fc60c"
@@ -72,13 +73,13 @@ Respond = Callable[[Delivery], Answer]
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+    server: LoopbackHTTPServer[WebhookReceiver]
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # keep test output quiet
 
     def do_POST(self) -> None:
-        receiver = self.server.receiver
+        receiver = self.server.context
         length = int(self.headers.get("Content-Length") or 0)
         delivery = Delivery(
             {k.lower(): v for k, v in self.headers.items()}, self.rfile.read(length)
@@ -99,16 +100,6 @@ class _Handler(BaseHTTPRequestHandler):
         receiver.answered(delivery, answer.status)
 
 
-class _Server(ThreadingHTTPServer):
-    # Handler threads are joined on close: none outlives its test.
-    daemon_threads = False
-    block_on_close = True
-    # socketserver's default backlog of 5 drops the SYNs of a burst of concurrent
-    # deliveries; the kernel retries them after 1 s, which looks like a slow sidecar.
-    request_queue_size = 128
-    receiver: WebhookReceiver
-
-
 class WebhookReceiver:
     """An agent's webhook endpoint on a free port; ``respond`` decides each answer.
 
@@ -122,27 +113,21 @@ class WebhookReceiver:
         self.deliveries: list[Delivery] = []
         self.release = threading.Event()  # ends every hang at once (teardown)
         self._lock = threading.Lock()
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.receiver = self
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.01}
-        )
+        self._http = LoopbackServer(_Handler, self, name="webhook-receiver", poll_interval_s=0.01)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/hooks/spanvisor"
+        return f"{self._http.url}/hooks/spanvisor"
 
     def __enter__(self) -> WebhookReceiver:
-        self._thread.start()
+        self._http.start()
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.release.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
+        self.release.set()  # ends every hang; no handler thread outlives the test
+        self._http.stop(10)
 
     def _scripted(self, delivery: Delivery) -> Answer:
         return self.script.popleft() if self.script else Answer(200)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 
 from policies import Governor, load_policy
 from remediators.base import Trigger
+from remediators.gateway import WorkerRestart
 from supervisor import signing
 from supervisor.act import Actor
 from supervisor.errors import ConfigError
@@ -113,6 +115,39 @@ def test_a_dead_notification_endpoint_is_counted_and_the_approval_kept(
         gw.open_approval(TRIGGER, {"question": "q"}, key="k2", remediation_id="r")
     assert len(receiver.deliveries) == 1  # a 4xx is not retried
     assert gw.notify_errors == 1 and len(store.approvals()) == 1
+    store.close()
+
+
+def test_a_worker_restart_runs_the_configured_program_without_a_shell(
+    tmp_path: Path, loop: asyncio.AbstractEventLoop
+) -> None:
+    gw, store, _ = gateway(tmp_path, loop)
+    out = tmp_path / "restarted.json"
+    record = (
+        "import json, os, sys;"
+        " json.dump({'argv': sys.argv[1:], 'key': os.environ['SPANVISOR_IDEMPOTENCY_KEY'],"
+        " 'type': os.environ['SPANVISOR_COMMAND_TYPE'], 'home': os.environ.get('WORKER_HOME')},"
+        " open(sys.argv[1], 'w'))"
+    )
+    restart = WorkerRestart.from_params(
+        {"argv": [sys.executable, "-c", record, str(out), "{run_id}"], "env": {"WORKER_HOME": "/w"}}
+    )
+    params = {"reason": "restart after rate_limit", "remediation_id": "rem_1"}
+    first = gw.restart_worker(TRIGGER, restart, params, key="rem_1/2/restart_worker")
+    ran = orjson.loads(out.read_bytes())
+    assert (first["ok"], first["status"]) == (True, 0)
+    assert ran["argv"] == [str(out), "run-1"]  # the placeholder is a whole argument
+    assert (ran["type"], ran["home"]) == ("resume_run", "/w")
+    # Asked again with the same key (a step that never got recorded), the program
+    # sees the same idempotency key, so it can tell a repeat.
+    again = gw.restart_worker(TRIGGER, restart, params, key="rem_1/2/restart_worker")
+    assert orjson.loads(out.read_bytes())["key"] == ran["key"]
+    assert again["command_id"] == first["command_id"]
+    assert not store.commands()  # run by the gateway, not delivered to the agent
+
+    failing = WorkerRestart.from_params({"argv": [sys.executable, "-c", "raise SystemExit(3)"]})
+    failed = gw.restart_worker(TRIGGER, failing, params, key="rem_1/3/restart_worker")
+    assert (failed["ok"], failed["status"], failed["detail"]) == (False, 3, "exit 3")
     store.close()
 
 

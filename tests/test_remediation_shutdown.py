@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from remediators.base import Budget, RemediationContext, Remediator, Trigger, Verdict
+from remediators.builtin import RestartWorker
 from remediators.gateway import RecordingGateway
 from remediators.runner import DurableRunner, RunnerSettings, build_request
 from supervisor.records import remediation_ids
@@ -45,7 +46,13 @@ def _status(db: Path, workflow: str) -> str:
 
 
 def _request(
-    remediator: type[Remediator], trace_id: str, span_id: str, *, verify_window_s: float
+    remediator: type[Remediator],
+    trace_id: str,
+    span_id: str,
+    *,
+    verify_window_s: float,
+    use: str = "",
+    params: dict[str, Any] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The remediation's id and its request: ``remediator`` for a timeout, nothing to follow."""
     workflow, trace = remediation_ids(trace_id, span_id, "r")
@@ -65,10 +72,10 @@ def _request(
     request = build_request(
         trigger,
         remediator=remediator.name,
-        use=f"{__name__}:{remediator.__name__}",
+        use=use or f"{__name__}:{remediator.__name__}",
         tools=remediator.tools,
         budget=Budget(),
-        params={},
+        params=params or {},
         verify_window_s=verify_window_s,
         on_unresolved="none",
         dispatched_at=time.time(),
@@ -145,3 +152,55 @@ def test_a_verification_window_resumed_after_a_stop_keeps_its_deadline(tmp_path:
     # Ended at the first window's end, well before a new window from the restart would.
     assert ended_at < acted_at + window_s + 2.0  # a new window would end after + 8.5
     assert ended_at - resumed_at < window_s - 1.0
+
+
+def test_a_worker_restarted_before_a_stop_is_not_restarted_when_the_remediation_resumes(
+    tmp_path: Path,
+) -> None:
+    # The restart is a tool call through the gateway, recorded as a durable step
+    # under the remediation's key: the resumed remediation replays its result
+    # (and the intensity check before it) and goes on verifying.
+    db = tmp_path / "remediations.sqlite"
+    restart = {"argv": ["/usr/local/bin/restart-worker", "{run_id}"]}
+    workflow, request = _request(
+        RestartWorker,
+        "1" * 32,
+        "2" * 16,
+        verify_window_s=60.0,
+        use="restart_worker",
+        params=restart,
+    )
+    first_gateway = RecordingGateway()
+    first = DurableRunner(first_gateway, RunnerSettings(database_url=f"sqlite:///{db}"))
+    first.start()
+    try:
+        first.dispatch(request)
+        deadline = time.monotonic() + 15
+        while workflow not in first_gateway.watched and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert workflow in first_gateway.watched  # restarted, now verifying
+    finally:
+        first.close()
+    assert _status(db, workflow) == "PENDING"
+    (restarted,) = first_gateway.restarts
+    assert restarted["argv"] == restart["argv"] and restarted["run_id"] == "run"
+    assert restarted["key"] == f"{workflow}/2/restart_worker"
+
+    second_gateway = RecordingGateway()
+    second = DurableRunner(second_gateway, RunnerSettings(database_url=f"sqlite:///{db}"))
+    second.start()
+    try:
+        deadline = time.monotonic() + 15
+        while workflow not in second_gateway.watched and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second.notify_recovery(workflow, {"span_id": "3" * 16})
+        while _status(db, workflow) != "SUCCESS" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        view = second.show(workflow)
+    finally:
+        second.close()
+    assert view is not None and view["outcome"] == "succeeded"
+    assert second_gateway.restarts == []  # replayed, not run again
+    assert second_gateway.restarts_left == 3  # nor was the intensity asked again
+    steps = [step["name"] for step in view["steps"]]
+    assert steps.count("tool:restart_worker") == 1

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
-from pathlib import Path
 from typing import Any
 
 from remediators.base import Remediator, Trigger, Verdict
@@ -141,20 +139,49 @@ def test_escalate_pauses_asks_with_context_and_applies_the_default_on_timeout() 
     assert Escalate.check_params({"on_timeout": "explode"})
 
 
-def test_restart_worker_runs_its_argv_without_a_shell_within_intensity(tmp_path: Path) -> None:
-    out = tmp_path / "restarted"
-    argv = [sys.executable, "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])"]
-    params = {"argv": [*argv, str(out), "{run_id}"]}
+def test_restart_worker_asks_the_gateway_to_run_its_argv_within_intensity() -> None:
+    params = {"argv": ["/usr/local/bin/restart-worker", "--", "{run_id}"], "timeout_s": 5}
     gateway = RecordingGateway(restarts_left=1)
-    assert run(RestartWorker(params), context(RestartWorker, gateway)) is Verdict.ACTED
-    assert out.read_text() == "run-7"  # the placeholder is a whole argument, never shell text
+    ctx = FakeContext(trigger(), gateway, RestartWorker.tools, params=params)
+    assert run(RestartWorker(params), ctx) is Verdict.ACTED
+    # The remediator runs nothing itself: the gateway gets the configured program,
+    # placeholders as written (it fills them in), under the call's idempotency key.
+    (restart,) = gateway.restarts
+    assert (restart["argv"], restart["timeout_s"], restart["run_id"]) == (
+        ["/usr/local/bin/restart-worker", "--", "{run_id}"],
+        5.0,
+        "run-7",
+    )
+    assert restart["key"] == "rem_test/2/restart_worker"
+    assert restart["params"]["remediation_id"] == "rem_test"
+    assert [call[0] for call in ctx.calls] == ["restart_worker"]
     # The intensity is spent: a person is asked instead of restarting again.
-    out.unlink()
-    assert run(RestartWorker(params), context(RestartWorker, gateway)) is Verdict.ESCALATED
-    assert not out.exists() and len(gateway.approvals) == 1
-    failing = {"argv": [sys.executable, "-c", "raise SystemExit(3)"]}
-    assert run(RestartWorker(failing), context(RestartWorker, RecordingGateway())) is Verdict.FAILED
-    assert RestartWorker.check_params({"argv": "restart.sh"})
+    again = FakeContext(trigger(), gateway, RestartWorker.tools, params=params)
+    assert run(RestartWorker(params), again) is Verdict.ESCALATED
+    assert len(gateway.restarts) == 1 and len(gateway.approvals) == 1
+
+
+def test_restart_worker_fails_when_the_program_fails_and_is_refused_unconfigured() -> None:
+    params = {"argv": ["restart.sh"]}
+    failing = RecordingGateway(restart_exit=3)
+    ctx = FakeContext(trigger(), failing, RestartWorker.tools, params=params)
+    assert run(RestartWorker(params), ctx) is Verdict.FAILED
+    assert ctx.logs == ["restart command failed: exit 3"]
+    # Narrowed out of the allowlist, or with no command configured, nothing runs.
+    narrowed = RecordingGateway()
+    tools = RestartWorker.tools - {"restart_worker"}
+    ctx = FakeContext(trigger(), narrowed, tools, params=params)
+    assert run(RestartWorker(params), ctx) is Verdict.FAILED
+    unconfigured = FakeContext(trigger(), narrowed, RestartWorker.tools)
+    assert run(RestartWorker({}), unconfigured) is Verdict.FAILED
+    (_, _, refused) = unconfigured.calls[0]
+    assert refused.refused and "no restart command" in refused.error
+    assert not narrowed.restarts
+    assert RestartWorker.check_params({"argv": "restart.sh"}) == [
+        "argv must be a non-empty list of strings"
+    ]
+    assert RestartWorker.check_params({"argv": ["restart.sh", "--run={run_id}"]})
+    assert RestartWorker.check_params(params) == []
 
 
 def test_compact_context_asks_the_agent_to_compact() -> None:

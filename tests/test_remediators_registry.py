@@ -57,9 +57,19 @@ remediators:
   narrow:
     use: {__name__}:Custom
     tools: [recent_spans]
+  model_restarts:
+    use: llm
+    tools: [recent_spans, restart_worker]
+  restarts:
+    use: restart_worker
+    tools: [restart_worker, request_approval]
+    params: {{argv: [restart-worker, "{{run_id}}"]}}
 """
     )
     problems = check_policy(policy)
+    # A model never gets to run a program: its params configure none.
+    assert any("remediators.model_restarts.tools: restart_worker not usable" in p for p in problems)
+    assert not any(p.startswith("remediators.restarts") for p in problems)
     assert any("remediators.wide.tools: abort_run not usable" in p for p in problems)
     assert any(p.startswith("remediators.gone: cannot import") for p in problems)
     assert any("remediators.bad_params.params: argv must be" in p for p in problems)

@@ -1,7 +1,8 @@
 """Fakes shipped with the package so tests and the demo never need the internet.
 
 :mod:`supervisor.testing.fake_provider` is an OpenAI/Anthropic-compatible LLM
-server on loopback that the real SDKs talk to.
+server on loopback that the real SDKs talk to; the HTTP fakes share the
+lifecycle of :class:`supervisor.testing.loopback.LoopbackServer`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ providers' documented success and error shapes, so each SDK raises exactly the
 exception it raises in production (``RateLimitError``, ``APITimeoutError``,
 ``APIConnectionError``, ``InternalServerError`` for Anthropic's 529...).
 
-Standard library only: a ``ThreadingHTTPServer`` in a daemon thread.
+Standard library only: a :class:`~supervisor.testing.loopback.LoopbackServer`.
 
     with FakeProvider() as provider:
         provider.script(Reply.rate_limited(retry_after_s=1.5), Reply.text("hi"))
@@ -32,9 +32,10 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from supervisor.testing.loopback import LOOPBACK, LoopbackHTTPServer, LoopbackServer
 
 __all__ = [
     "FakeProvider",
@@ -464,9 +465,9 @@ class _State:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One request; the server's ``state`` says how to answer."""
+    """One request; the server's ``context`` (the fake's state) says how to answer."""
 
-    server: _Server
+    server: LoopbackHTTPServer[_State]
     protocol_version = "HTTP/1.1"
     # Headers and body go out in separate writes: without this, Nagle plus the
     # peer's delayed ACK add ~40 ms to every keep-alive request.
@@ -517,8 +518,8 @@ class _Handler(BaseHTTPRequestHandler):
                 404, self._openai_error_body("Not found", "invalid_request_error", "", "")
             )
             return
-        reply = self.server.state.next_reply()
-        self.server.state.record(
+        reply = self.server.context.next_reply()
+        self.server.context.record(
             RecordedRequest(
                 "POST",
                 path,
@@ -528,7 +529,7 @@ class _Handler(BaseHTTPRequestHandler):
                 len(raw),
             )
         )
-        if reply.delay_s > 0 and self.server.state.stopping.wait(min(reply.delay_s, MAX_DELAY_S)):
+        if reply.delay_s > 0 and self.server.context.stopping.wait(min(reply.delay_s, MAX_DELAY_S)):
             return  # stopping: abandon the reply
         if reply.drop_connection:
             self._drop()
@@ -587,7 +588,7 @@ class _Handler(BaseHTTPRequestHandler):
         }
 
     def _send_fault(self, reply: Reply, anthropic: bool) -> None:
-        request_id = f"req_fake{self.server.state.next_id():06d}"
+        request_id = f"req_fake{self.server.context.next_id():06d}"
         if reply.body is not None:
             payload: Any = dict(reply.body)
         elif anthropic:
@@ -617,7 +618,7 @@ class _Handler(BaseHTTPRequestHandler):
         return _estimate_tokens(prompt), _estimate_tokens(out)
 
     def _answer_openai(self, reply: Reply, params: Mapping[str, Any]) -> None:
-        n = self.server.state.next_id()
+        n = self.server.context.next_id()
         model = reply.model or str(params.get("model") or "gpt-4o-mini")
         prompt_tokens, completion_tokens = self._usage(reply, params)
         usage = {
@@ -705,7 +706,7 @@ class _Handler(BaseHTTPRequestHandler):
     # -- Anthropic messages ------------------------------------------------
 
     def _answer_anthropic(self, reply: Reply, params: Mapping[str, Any]) -> None:
-        n = self.server.state.next_id()
+        n = self.server.context.next_id()
         model = reply.model or str(params.get("model") or "claude-haiku-4-5")
         input_tokens, output_tokens = self._usage(reply, params)
         content: list[dict[str, Any]] = []
@@ -781,21 +782,17 @@ def _pieces(text: str, size: int = 8) -> Iterator[str]:
         yield text[i : i + size]
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    state: _State
-
-
-class FakeProvider:
+class FakeProvider(LoopbackServer[_State]):
     """An OpenAI/Anthropic-compatible server on loopback, scripted by the test.
 
     Thread-safe: the server answers each request on its own daemon thread, and
-    the test may :meth:`script` replies at any time.
+    the test may :meth:`script` replies at any time. Lifecycle (``start``,
+    ``stop``, ``with``, ``port``, ``url``) as :class:`LoopbackServer`'s.
     """
 
     def __init__(
         self,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK,
         port: int = 0,
         *,
         default: Reply | None = None,
@@ -803,78 +800,25 @@ class FakeProvider:
         max_script: int = 1024,
         max_requests: int = 1024,
     ) -> None:
-        self._host = host
-        self._port = port
         self._state = _State(
             default if default is not None else Reply.text("Hello from the fake provider."),
             fault_plan,
             max_script,
             max_requests,
         )
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-
-    # -- lifecycle ---------------------------------------------------------
-
-    def start(self) -> FakeProvider:
-        """Bind and serve in a daemon thread; idempotent."""
-        if self._server is not None:
-            return self
-        server = _Server((self._host, self._port), _Handler)
-        server.state = self._state
-        self._state.stopping.clear()
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": 0.05},
-            name=f"fake-provider:{server.server_address[1]}",
-            daemon=True,
-        )
-        self._thread.start()
-        return self
+        super().__init__(_Handler, self._state, host=host, port=port, name="FakeProvider")
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving, cut short any delayed reply, close the socket."""
-        server, thread = self._server, self._thread
-        if server is None:
-            return
+        """Stop serving, cutting short any delayed reply; see :meth:`LoopbackServer.stop`."""
         self._state.stopping.set()
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout)
-        self._server = None
-        self._thread = None
-
-    def __enter__(self) -> FakeProvider:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    # -- addresses ---------------------------------------------------------
-
-    @property
-    def port(self) -> int:
-        """The bound port (after :meth:`start`)."""
-        if self._server is None:
-            msg = "FakeProvider is not started"
-            raise RuntimeError(msg)
-        return int(self._server.server_address[1])
-
-    @property
-    def url(self) -> str:
-        """``http://host:port``, without the ``/v1`` suffix (the anthropic SDK's base URL)."""
-        return f"http://{self._host}:{self.port}"
+        try:
+            super().stop(timeout)
+        finally:
+            self._state.stopping.clear()  # a restarted provider delays its replies again
 
     @property
     def base_url(self) -> str:
-        """``http://host:port/v1``, the openai SDK's ``base_url``."""
+        """``http://host:port/v1``, the openai SDK's ``base_url`` (``url``: the anthropic SDK's)."""
         return f"{self.url}/v1"
 
     # -- scripting ---------------------------------------------------------

@@ -39,12 +39,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import MappingProxyType, TracebackType
-from typing import Any, Literal
+from http.server import BaseHTTPRequestHandler
+from types import MappingProxyType
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from supervisor.testing.fake_provider import MAX_BODY_BYTES, MAX_DELAY_S, FakeProvider, Reply
+from supervisor.testing.loopback import LOOPBACK, LoopbackHTTPServer, LoopbackServer
 
 __all__ = [
     "Answer",
@@ -75,6 +76,7 @@ _NOT_RELAYED = frozenset(
     }
 )
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+_Schedule = TypeVar("_Schedule", bound="FaultSchedule")
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,15 +305,10 @@ def tool_then_text(
     return answer
 
 
-class _FrontServer(ThreadingHTTPServer):
-    daemon_threads = True
-    schedule: FaultSchedule
-
-
 class _FrontHandler(BaseHTTPRequestHandler):
     """Reads a request, lets the schedule choose and forward, relays the answer."""
 
-    server: _FrontServer
+    server: LoopbackHTTPServer[FaultSchedule]
     protocol_version = "HTTP/1.1"
     # Headers and body go out in separate writes; see FakeProvider's handler.
     disable_nagle_algorithm = True
@@ -336,7 +333,7 @@ class _FrontHandler(BaseHTTPRequestHandler):
 
     def _handle(self, raw: bytes) -> None:
         headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _NOT_RELAYED]
-        answer = self.server.schedule._exchange(self.command, self.path, headers, raw)
+        answer = self.server.context._exchange(self.command, self.path, headers, raw)
         if answer is None:
             self.close_connection = True
             with contextlib.suppress(OSError):
@@ -355,7 +352,7 @@ class _FrontHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-class FaultSchedule:
+class FaultSchedule(LoopbackServer["FaultSchedule"]):
     """An OpenAI/Anthropic-compatible endpoint whose faults follow rules; see the module.
 
     Lifecycle: :meth:`start` (or ``with``) binds a free loopback port and starts
@@ -368,80 +365,39 @@ class FaultSchedule:
         provider: FakeProvider | None = None,
         *,
         answer: Answer | None = None,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK,
         port: int = 0,
         max_log: int = 4096,
     ) -> None:
+        super().__init__(_FrontHandler, self, host=host, port=port, name="FaultSchedule")
         self._owns_provider = provider is None
         self.provider = provider if provider is not None else FakeProvider()
         self.answer = answer
-        self._host = host
-        self._port = port
         #: Guards the rules, the log and the provider's script; held for a whole exchange.
         self._lock = threading.Lock()
         self._rules: list[Fault] = []
         self._served: deque[Served] = deque(maxlen=max_log)
         self._numbers = itertools.count(1)
-        self._server: _FrontServer | None = None
-        self._thread: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
-    def start(self) -> FaultSchedule:
-        """Bind and serve in a daemon thread (and start the provider); idempotent."""
-        if self._server is not None:
-            return self
-        self.provider.start()
-        server = _FrontServer((self._host, self._port), _FrontHandler)
-        server.schedule = self
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": 0.05},
-            name=f"fault-schedule:{server.server_address[1]}",
-            daemon=True,
-        )
-        self._thread.start()
-        return self
+    def start(self: _Schedule, timeout: float = 5.0) -> _Schedule:
+        """Start the provider (when the schedule made it), then bind and serve; idempotent."""
+        self.provider.start(timeout)
+        try:
+            return super().start(timeout)
+        except BaseException:
+            if self._owns_provider:
+                self.provider.stop(timeout)
+            raise
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving; stop the provider too when the schedule made it."""
-        server, thread = self._server, self._thread
         if self._owns_provider:
             self.provider.stop(timeout)  # first: cuts short a delayed reply being forwarded
-        if server is None:
-            return
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout)
-        self._server = None
-        self._thread = None
-
-    def __enter__(self) -> FaultSchedule:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        super().stop(timeout)
 
     # -- addresses -----------------------------------------------------------
-
-    @property
-    def port(self) -> int:
-        """The bound port (after :meth:`start`)."""
-        if self._server is None:
-            raise RuntimeError("FaultSchedule is not started")
-        return int(self._server.server_address[1])
-
-    @property
-    def url(self) -> str:
-        """``http://host:port`` (the anthropic SDK's base URL)."""
-        return f"http://{self._host}:{self.port}"
 
     @property
     def base_url(self) -> str:

@@ -15,10 +15,8 @@ Waiting is by condition variable with a deadline, never a fixed sleep.
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import http.server
-import socket
 import threading
 import time
 from collections import deque
@@ -36,6 +34,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from supervisor.testing.loopback import LOOPBACK, LoopbackHTTPServer, LoopbackServer
 
 _SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 _PATH = "/v1/traces"
@@ -76,7 +76,7 @@ class PlannedFailure:
 class OtlpRecorder:
     """OTLP/HTTP and OTLP/gRPC receivers that record, refuse or stall on demand."""
 
-    def __init__(self, *, max_requests: int = 10_000, host: str = "127.0.0.1") -> None:
+    def __init__(self, *, max_requests: int = 10_000, host: str = LOOPBACK) -> None:
         self._host = host
         self._cond = threading.Condition()
         self._requests: deque[RecordedRequest] = deque(maxlen=max_requests)
@@ -89,8 +89,7 @@ class OtlpRecorder:
         self.refused = 0
         #: Accepted requests pushed out of the bounded list.
         self.evicted = 0
-        self._http: _HttpServer | None = None
-        self._http_thread: threading.Thread | None = None
+        self._http = LoopbackServer(_Handler, self, host=host, name="otlp-recorder-http")
         self._grpc: Any = None
         self._grpc_pool: futures.ThreadPoolExecutor | None = None
         self.http_port = 0
@@ -100,15 +99,7 @@ class OtlpRecorder:
 
     def start(self) -> OtlpRecorder:
         """Bind both receivers on ephemeral ports and serve in background threads."""
-        self._http = _HttpServer((self._host, 0), _Handler, self)
-        self.http_port = int(self._http.server_address[1])
-        self._http_thread = threading.Thread(
-            target=self._http.serve_forever,
-            kwargs={"poll_interval": 0.02},
-            name="otlp-recorder-http",
-            daemon=True,
-        )
-        self._http_thread.start()
+        self.http_port = self._http.start().port
 
         self._grpc_pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="otlp-rec")
         self._grpc = grpc.server(self._grpc_pool)
@@ -131,14 +122,7 @@ class OtlpRecorder:
         if self._grpc_pool is not None:
             self._grpc_pool.shutdown(wait=True)
             self._grpc_pool = None
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.close_connections()
-            self._http.server_close()
-            self._http = None
-        if self._http_thread is not None:
-            self._http_thread.join(5)
-            self._http_thread = None
+        self._http.stop(5)
 
     def __enter__(self) -> OtlpRecorder:
         return self.start()
@@ -303,55 +287,17 @@ def _header_number(value: str | float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-class _HttpServer(http.server.ThreadingHTTPServer):
-    """Keeps its connections so ``close`` can end keep-alive threads promptly."""
-
-    daemon_threads = True
-
-    def __init__(
-        self, address: tuple[str, int], handler: type[_Handler], recorder: OtlpRecorder
-    ) -> None:
-        self.recorder = recorder
-        self._connections: set[socket.socket] = set()
-        self._connections_lock = threading.Lock()
-        super().__init__(address, handler)
-
-    def track(self, conn: socket.socket, alive: bool) -> None:
-        with self._connections_lock:
-            if alive:
-                self._connections.add(conn)
-            else:
-                self._connections.discard(conn)
-
-    def close_connections(self) -> None:
-        with self._connections_lock:
-            conns = list(self._connections)
-        for conn in conns:
-            with contextlib.suppress(OSError):  # already closed by the peer
-                conn.shutdown(socket.SHUT_RDWR)
-
-
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: _HttpServer
+    server: LoopbackHTTPServer[OtlpRecorder]
     # Idle keep-alive connections end on their own.
     timeout = 10
-
-    def setup(self) -> None:
-        super().setup()
-        self.server.track(self.connection, alive=True)
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self.server.track(self.connection, alive=False)
 
     def log_message(self, format: str, *args: Any) -> None:  # stdlib's parameter name
         return  # quiet: tests read the recorder, not stderr
 
     def do_POST(self) -> None:
-        recorder = self.server.recorder
+        recorder = self.server.context
         length = int(self.headers.get("Content-Length") or 0)
         if length < 0 or length > _MAX_BODY:
             self._answer(413, b"too large")
