@@ -102,6 +102,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from typing_extensions import TypedDict
 
+from supervisor.addresses import API_PORT_ENV, DEFAULT_API_PORT, api_url
 from supervisor.client import SupervisorClientError
 from supervisor.client.langgraph import Directive, LangGraphAdapter, supervision
 from supervisor.client.pull import CommandPuller
@@ -690,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--api",
-        default=f"http://127.0.0.1:{os.environ.get('SPANVISOR_API_PORT', '4320')}",
+        default=api_url(os.environ.get(API_PORT_ENV, DEFAULT_API_PORT)),
         help="the sidecar's control API (token: SPANVISOR_API_TOKEN)",
     )
     parser.add_argument(

@@ -26,6 +26,13 @@ import httpx
 
 from policies import Policy, json_schema, load_policy
 from supervisor import __version__
+from supervisor.addresses import (
+    API_PORT_ENV,
+    DEFAULT_API_PORT,
+    DEFAULT_API_URL,
+    LOOPBACK,
+    api_url,
+)
 from supervisor.errors import ConfigError, PolicyError, SupervisorError
 from supervisor.logs import configure_logging
 from supervisor.replay import BadRecord, jsonl_line, replay, table_header, table_row
@@ -113,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--host", help="address for the OTLP receivers (default 127.0.0.1)")
     run.add_argument("--grpc-port", type=int, dest="otlp_grpc_port", help="OTLP gRPC port (4317)")
     run.add_argument("--http-port", type=int, dest="otlp_http_port", help="OTLP HTTP port (4318)")
-    run.add_argument("--api-host", help="address for the control API (default 127.0.0.1)")
-    run.add_argument("--api-port", type=int, help="control API port (4320)")
+    run.add_argument("--api-host", help=f"address for the control API (default {LOOPBACK})")
+    run.add_argument("--api-port", type=int, help=f"control API port ({DEFAULT_API_PORT})")
     run.add_argument(
         "--observe",
         action="store_true",
@@ -148,9 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(verbs)
 
     remote = argparse.ArgumentParser(add_help=False)
-    remote.add_argument(
-        "--api", default=None, help="control API URL (default http://127.0.0.1:4320)"
-    )
+    remote.add_argument("--api", default=None, help=f"control API URL (default {DEFAULT_API_URL})")
     remote.add_argument(
         "--token", default=None, help="API token (default: SPANVISOR_API_TOKEN or the token file)"
     )
@@ -518,7 +523,7 @@ def _api(
     body: dict[str, object] | None = None,
 ) -> dict[str, Any]:
     """Call the running sidecar's control API; ConfigError with its message on any refusal."""
-    api = args.api or f"http://127.0.0.1:{os.environ.get('SPANVISOR_API_PORT', '4320')}"
+    api = args.api or api_url(os.environ.get(API_PORT_ENV, DEFAULT_API_PORT))
     token = args.token or os.environ.get("SPANVISOR_API_TOKEN") or _token_from_file()
     if not token:
         raise ConfigError(

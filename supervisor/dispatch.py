@@ -28,6 +28,7 @@ from tenacity import RetryCallState, Retrying, wait_random_exponential
 
 from supervisor.actuators import MAX_CONCURRENT_ATTEMPTS, Actuator, DeliveryResult
 from supervisor.bounded import LatencyWindow
+from supervisor.retry_after import MAX_RETRY_AFTER_S
 from supervisor.store import Store, StoredCommand
 
 log = logging.getLogger("spanvisor.dispatch")
@@ -190,7 +191,7 @@ class Dispatcher:
         state.attempt_number = attempt
         delay = float(self._wait(state))
         if result.retry_after_s is not None:
-            delay = max(delay, min(result.retry_after_s, 3600.0))
+            delay = max(delay, min(result.retry_after_s, MAX_RETRY_AFTER_S))
         self.store.attempt_failed(command.id, result.detail, now + delay)
         self._failed += 1
         log.warning(

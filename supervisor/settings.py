@@ -23,11 +23,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from supervisor.addresses import DEFAULT_API_PORT
+from supervisor.addresses import LOOPBACK as LOOPBACK  # noqa: PLC0414 - imported from here too
 from supervisor.errors import ConfigError
 
 log = logging.getLogger("spanvisor.settings")
-
-LOOPBACK = "127.0.0.1"
 
 
 class DownstreamSettings(BaseModel):
@@ -132,7 +132,7 @@ class Settings(BaseSettings):
     otlp_grpc_port: int = Field(default=4317, ge=0, le=65535)
     otlp_http_port: int = Field(default=4318, ge=0, le=65535)
     api_host: str = Field(default=LOOPBACK, description="Address the control API binds to.")
-    api_port: int = Field(default=4320, ge=0, le=65535)
+    api_port: int = Field(default=DEFAULT_API_PORT, ge=0, le=65535)
     api_token: str | None = Field(
         default=None,
         description="Bearer token for the control API. Unset: a random one is made "

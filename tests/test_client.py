@@ -755,6 +755,59 @@ def test_guard_async_breaker_open_without_fallback(sidecar: Sidecar) -> None:
         asyncio.run(main())
 
 
+def test_guard_attempts_in_a_with_block_are_bounded(
+    sidecar: Sidecar, client: SupervisorClient, sleeps: Sleeps
+) -> None:
+    sidecar.breaker(state("closed"))
+    sidecar.decide(*(answer("retry", delay_s=0.25) for _ in range(10)))
+    errors = [TimeoutError(f"try {n}") for n in range(10)]
+    numbers: list[int] = []
+
+    with pytest.raises(TimeoutError) as caught:
+        for attempt in guard(DEP, client=client, max_attempts=3).attempts():
+            with attempt:
+                numbers.append(attempt.number)
+                raise errors[attempt.number - 1]
+
+    assert numbers == [1, 2, 3]
+    assert caught.value is errors[2]
+    assert sleeps.delays == [0.25, 0.25]
+    assert [b["attempt"] for b in sidecar.posted()] == [1, 2, 3]
+    if sys.version_info >= (3, 11):
+        assert "3 attempts are spent" in caught.value.__notes__[0]
+
+
+class Interrupted(BaseException):
+    """Not an Exception: what a guard must let through unjudged (as KeyboardInterrupt)."""
+
+
+def test_guard_lets_base_exceptions_through_unjudged(
+    sidecar: Sidecar, client: SupervisorClient
+) -> None:
+    sidecar.breaker(state("closed"))
+    interrupted = Interrupted()
+    flaky = Flaky(interrupted)  # type: ignore[arg-type]
+    with pytest.raises(Interrupted) as caught:
+        guard(DEP, client=client).call(flaky, "hi")
+    assert caught.value is interrupted
+    assert flaky.calls == 1
+    assert sidecar.posted() == []  # not asked about
+
+
+def test_guard_async_attempts_are_bounded(sidecar: Sidecar, sleeps: Sleeps) -> None:
+    sidecar.breaker(state("closed"))
+    sidecar.decide(*(answer("retry", delay_s=0.5) for _ in range(5)))
+    flaky = Flaky(*(TimeoutError(f"try {n}") for n in range(5)))
+
+    async def main() -> None:
+        async with make_client(sidecar.url, sleeps) as client:
+            await guard(DEP, client=client, max_attempts=2).acall(flaky.acall, "hi")
+
+    with pytest.raises(TimeoutError, match="try 1"):
+        asyncio.run(main())
+    assert (flaky.calls, sleeps.delays) == (2, [0.5])
+
+
 def test_guard_refuses_nonsense() -> None:
     with pytest.raises(ValueError, match="dependency"):
         guard("")

@@ -16,6 +16,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 import supervisor.normalize as normalize
+from supervisor import retry_after
 from supervisor.normalize import attributes, evidence, genai, http_rpc
 from supervisor.normalize.attributes import (
     MAX_ATTRIBUTES,
@@ -1178,7 +1179,7 @@ def _reference_http_status(text: str) -> int | None:
 
 def _reference_retry_after(text: str) -> float | None:
     head = text[: evidence.SCAN_CHARS]
-    for match in evidence._RETRY_HINT.finditer(head):
+    for match in retry_after._RETRY_HINT.finditer(head):
         delay = evidence.parse_duration(head[match.end() : match.end() + 64])
         if delay is not None:
             return delay

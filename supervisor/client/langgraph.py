@@ -121,7 +121,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "supervisor.client.langgraph needs LangGraph: pip install 'spanvisor[langgraph]'"
     ) from exc
 
+from tenacity import wait_exponential
+
 from supervisor.client import SeenCommands
+from supervisor.client._backoff import wait_after
 from supervisor.client.pull import Command, CommandPuller
 
 __all__ = [
@@ -656,17 +659,18 @@ class LangGraphAdapter:
         the loop never spins. Raises what :meth:`CommandPuller.poll` raises (a
         refused token); an ``on_directive`` that raises is logged.
         """
-        pause = 0.0
+        pauses = wait_exponential(multiplier=0.25, max=wait_s)
+        quick_polls = 0  # empty polls in a row that came back long before wait_s
         while not stop.is_set():
             started = time.monotonic()
             commands = puller.poll(wait_s)
             if stop.is_set() and not commands:
                 return
             if commands or time.monotonic() - started >= wait_s / 2:
-                pause = 0.0
+                quick_polls = 0
             else:
-                pause = min(max(pause * 2.0, 0.25), wait_s)
-                stop.wait(pause)
+                quick_polls += 1
+                stop.wait(wait_after(pauses, quick_polls))
             for directive in self.handle(commands, puller.ack):
                 try:
                     on_directive(directive)

@@ -33,11 +33,7 @@ from urllib.parse import quote
 
 import httpx
 
-from supervisor.client import (
-    DEFAULT_BASE_URL,
-    SupervisorClientError,
-    _default_token,
-)
+from supervisor.client._http import DEFAULT_BASE_URL, SupervisorClientError, default_token
 
 __all__ = ["Command", "CommandPuller", "MalformedCommand"]
 
@@ -53,7 +49,7 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 class MalformedCommand(ValueError):
-    """A command whose JSON lacks what DESIGN's command schema promises."""
+    """A command whose JSON lacks what the command schema promises (``Command.to_json``)."""
 
 
 def _text(payload: Mapping[str, Any], key: str, *, required: bool = True) -> str:
@@ -85,7 +81,7 @@ def _moment(text: str) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """One command from the sidecar, as DESIGN's command schema writes it.
+    """One command from the sidecar, as ``supervisor.records.Command.to_json`` writes it.
 
     ``failure`` and ``params`` stay as the read-only JSON objects they came as:
     what a command type carries (``params.to`` of a ``switch_fallback``,
@@ -165,7 +161,7 @@ class CommandPuller:
         self._down = False
         self._unsent_acks: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
-        token = token or _default_token()
+        token = token or default_token()
         headers = {"Accept": "application/json", "User-Agent": "spanvisor-client"}
         if token:
             headers["Authorization"] = f"Bearer {token}"

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from datetime import datetime, timezone
-from email.utils import parsedate_to_datetime
 from typing import Final, NamedTuple
 
 from supervisor.normalize.attributes import (
@@ -52,6 +50,12 @@ from supervisor.normalize.attributes import (
 )
 from supervisor.normalize.http_rpc import GRPC_CODES
 from supervisor.records import AttrValue, ErrorEvidence
+from supervisor.retry_after import (
+    RETRY_HEADERS,
+    parse_duration,
+    retry_after_from_headers,
+    retry_after_from_text,
+)
 
 __all__ = [
     "FAILURE_FINISH_REASONS",
@@ -72,8 +76,6 @@ __all__ = [
 
 #: Characters of any free text that are scanned.
 SCAN_CHARS: Final = 8 * 1024
-#: Longest server-requested delay believed (a day); longer values are ignored.
-MAX_RETRY_AFTER_S: Final = 86_400.0
 
 #: Finish/stop reasons that mean the response is cut or refused (lower-case):
 #: OpenAI, Anthropic, Gemini (upper-case there), Bedrock.
@@ -396,77 +398,10 @@ def _grpc_from_text(text: str) -> int | None:
 
 
 # -- retry delays ------------------------------------------------------------
+# Parsed by supervisor.retry_after, which the agent-side client asks too.
 
-_RETRY_HINT: Final = re.compile(
-    r"(?:try again|retry|retrying)\s+(?:in|after)\s*:?\s*|\bretry[-_ ]after\s*[:=]?\s*",
-    re.IGNORECASE,
-)
-_DURATION_PART: Final = re.compile(
-    r"\s*(\d{1,9}(?:\.\d{1,9})?)\s*"
-    r"(ms|milliseconds?|msecs?|h|hours?|hrs?|m(?!s)|mins?|minutes?|s|secs?|seconds?)?"
-    r"(?![A-Za-z])",
-    re.IGNORECASE,
-)
-_UNIT_SECONDS: Final = {"h": 3600.0, "m": 60.0, "s": 1.0}
-
-
-def parse_duration(text: str) -> float | None:
-    """Seconds in ``"1.5"``, ``"20ms"``, ``"1m3s"``, ``"6m0s"``, ``"20 seconds"``; else ``None``."""
-    total = 0.0
-    pos = 0
-    found = False
-    limit = min(len(text), 64)
-    while pos < limit:
-        match = _DURATION_PART.match(text, pos, limit)
-        if match is None or match.end() == pos:
-            break
-        unit = (match.group(2) or "s").lower()
-        factor = 0.001 if unit.startswith(("mil", "ms")) else _UNIT_SECONDS.get(unit[0], 1.0)
-        total += float(match.group(1)) * factor
-        found = True
-        pos = match.end()
-        if match.group(2) is None:
-            break
-    if not found or not 0.0 <= total <= MAX_RETRY_AFTER_S:
-        return None
-    return total
-
-
-def retry_after_from_text(text: str) -> float | None:
-    """A delay the provider asks for in its own words ("Please try again in 1.5s")."""
-    head = text[:SCAN_CHARS]
-    lowered = head.lower()
-    if "try" not in lowered:  # every hint says "try again", "retry" or "retry-after"
-        return None
-    if not head.isascii():
-        matches: Iterable[re.Match[str]] = _RETRY_HINT.finditer(head)
-    else:
-        matches = _matches(_RETRY_HINT_LOWER, lowered, _starts(lowered, _RETRY_ANCHORS))
-    for match in matches:
-        delay = parse_duration(head[match.end() : match.end() + 64])
-        if delay is not None:
-            return delay
-    return None
-
-
-#: Every hint starts at "try" or at the "re" of "retry".
-_RETRY_ANCHORS: Final[tuple[tuple[str, int], ...]] = (("try", 0), ("retry", 0))
-_RETRY_HINT_LOWER: Final = _lowered(_RETRY_HINT)
-
-
+#: Attribute keys an instrumentation records a response header under.
 _HEADER_PREFIXES: Final[tuple[str, ...]] = ("http.response.header.", "")
-#: Header name → how to read it. ``ms``: milliseconds; ``s``: seconds, duration
-#: or HTTP date; ``reset``: an absolute RFC 3339 time (Anthropic).
-_RETRY_HEADERS: Final[tuple[tuple[str, str], ...]] = (
-    ("retry-after-ms", "ms"),
-    ("retry-after", "s"),
-    ("x-ratelimit-reset-requests", "s"),
-    ("x-ratelimit-reset-tokens", "s"),
-    ("anthropic-ratelimit-requests-reset", "reset"),
-    ("anthropic-ratelimit-tokens-reset", "reset"),
-    ("anthropic-ratelimit-input-tokens-reset", "reset"),
-    ("anthropic-ratelimit-output-tokens-reset", "reset"),
-)
 
 
 def _header_text(value: AttrValue) -> str:
@@ -477,64 +412,26 @@ def _header_text(value: AttrValue) -> str:
     return as_str(value, 128)
 
 
-def _absolute_delay(text: str, now_ns: int) -> float | None:
-    """Seconds from ``now_ns`` until an HTTP date or RFC 3339 time."""
-    when: datetime | None = None
-    try:
-        if text[:4].isdigit():
-            when = datetime.fromisoformat(text.replace("Z", "+00:00"))
-        else:
-            when = parsedate_to_datetime(text)
-    except (ValueError, TypeError, IndexError, OverflowError):
-        return None
-    if when is None:
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    delay = when.timestamp() - now_ns / 1e9
-    return min(max(delay, 0.0), MAX_RETRY_AFTER_S)
-
-
 _RETRY_KEYS: Final = frozenset(
-    prefix + name for name, _ in _RETRY_HEADERS for prefix in _HEADER_PREFIXES
+    prefix + name for name, _ in RETRY_HEADERS for prefix in _HEADER_PREFIXES
 )
 
 
 def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> float | None:
     """A delay from captured response headers, if an instrumentation recorded any.
 
-    ``retry-after-ms`` wins over ``retry-after``; without either, the
-    longest of the rate-limit reset headers (the limit that was hit is not
-    known, so waiting for the longest never retries too early).
+    See :func:`supervisor.retry_after.retry_after_from_headers` for which header wins.
     """
     if _RETRY_KEYS.isdisjoint(attrs):  # one pass over the keys instead of 16 lookups
         return None
-    resets: list[float] = []
-    for name, how in _RETRY_HEADERS:
+
+    def values(name: str) -> Iterator[str]:
         for prefix in _HEADER_PREFIXES:
             value = attrs.get(prefix + name)
-            if value is None:
-                continue
-            text = _header_text(value).strip()
-            if not text:
-                continue
-            delay: float | None
-            if how == "ms":
-                ms = parse_duration(text)
-                delay = None if ms is None else ms / 1000.0
-            elif how == "reset":
-                delay = _absolute_delay(text, now_ns)
-            else:
-                delay = parse_duration(text)
-                if delay is None and not text[:1].isdigit():
-                    delay = _absolute_delay(text, now_ns)
-            if delay is None:
-                continue
-            if name.startswith("retry-after"):
-                return delay
-            resets.append(delay)
-            break
-    return max(resets) if resets else None
+            if value is not None:
+                yield _header_text(value)
+
+    return retry_after_from_headers(values, now=now_ns / 1e9)
 
 
 # -- errors swallowed into OK output -----------------------------------------
