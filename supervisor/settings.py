@@ -1,8 +1,9 @@
 """Settings of the sidecar: defaults, a YAML file, ``SPANVISOR_*`` variables.
 
 Precedence, highest first: explicit overrides (CLI flags), ``SPANVISOR_*``
-environment variables, the YAML settings file, defaults. Where forwarded and
-own spans go is read from the standard ``OTEL_EXPORTER_OTLP_*`` variables
+environment variables, the YAML settings file, defaults; pydantic-settings reads
+and merges them, key by key (``supervisor.settings_sources``). Where forwarded
+and own spans go is read from the standard ``OTEL_EXPORTER_OTLP_*`` variables
 unless the settings name a downstream explicitly.
 
 Every knob is finite by default; loading never exits the process: errors are
@@ -12,22 +13,18 @@ the CLI only.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from supervisor.addresses import DEFAULT_API_PORT
 from supervisor.addresses import LOOPBACK as LOOPBACK  # noqa: PLC0414 - imported from here too
 from supervisor.errors import ConfigError
-
-log = logging.getLogger("spanvisor.settings")
+from supervisor.settings_sources import current_load, loading
 
 
 class DownstreamSettings(BaseModel):
@@ -226,109 +223,35 @@ class Settings(BaseSettings):
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    @field_validator("token_file", "policy", "state_path")
+    @classmethod
+    def _home(cls, path: Path | None) -> Path | None:
+        """``~`` in a path setting means the user's home, as in a shell."""
+        return Path(os.path.expanduser(path)) if path is not None else None
 
-def _expand_paths(settings: Settings) -> Settings:
-    """``~`` in a path setting means the user's home, as in a shell."""
-    changes = {
-        name: Path(os.path.expanduser(str(value)))
-        for name in ("token_file", "policy", "state_path")
-        if isinstance(value := getattr(settings, name), Path) and str(value).startswith("~")
-    }
-    return settings.model_copy(update=changes) if changes else settings
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Arguments, ``SPANVISOR_*`` variables, the settings file of :func:`load_settings`."""
+        return current_load().sources(settings_cls, init_settings)
 
 
 def load_settings(
     path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> Settings:
-    """Build settings from a YAML file, the environment and explicit overrides."""
-    file_values: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read settings file: {exc.strerror}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the settings file must be a mapping of keys to values")
-        file_values = loaded
-    env_values = _env_values()
-    for key, value in env_values.items():
-        # SPANVISOR_DOWNSTREAM__ENDPOINT overrides one key of the file's downstream.
-        from_file = file_values.get(key)
-        if isinstance(value, dict) and isinstance(from_file, dict):
-            env_values[key] = {**from_file, **value}
-    merged = {
-        **file_values,
-        **env_values,
-        **{k: v for k, v in (overrides or {}).items() if v is not None},
-    }
-    try:
-        # Values are merged here rather than by pydantic-settings' own sources so
-        # that the precedence above holds and errors name the file.
-        return _expand_paths(Settings(**merged))
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
-        origin = f"{path}: " if path is not None else ""
-        raise ConfigError(f"{origin}invalid settings: {problems}") from exc
+    """Build settings from a YAML file, the environment and explicit overrides.
 
-
-#: ``SPANVISOR_*`` names that are not settings: read by one component, or set by
-#: the command actuator for the commands it runs.
-_NOT_SETTINGS = frozenset(
-    {
-        "LLM_API_KEY",
-        "COMPILE",
-        "COMMAND",
-        "COMMAND_ID",
-        "COMMAND_TYPE",
-        "IDEMPOTENCY_KEY",
-        "RUN_ID",
-        "SERVICE",
-        "PHOENIX_PYTHON",
-    }
-)
-
-
-def _env_values() -> dict[str, Any]:
-    """``SPANVISOR_*`` variables as settings keys (``SPANVISOR_API_PORT`` → ``api_port``).
-
-    A value that starts with ``{`` or ``[`` is JSON (``SPANVISOR_AGENTS``);
-    ``SPANVISOR_DOWNSTREAM__ENDPOINT`` sets one key of a nested setting. A
-    ``SPANVISOR_*`` name that is no setting is logged: a misspelt variable
-    would otherwise change nothing, silently.
+    An override of None is no override: the CLI passes every flag, given or not.
     """
-    known = set(Settings.model_fields)
-    values: dict[str, Any] = {}
-    unknown: list[str] = []
-    for name, raw in sorted(os.environ.items()):
-        if not name.startswith("SPANVISOR_"):
-            continue
-        suffix = name[len("SPANVISOR_") :]
-        key, _, nested = suffix.lower().partition("__")
-        if key not in known:
-            if suffix not in _NOT_SETTINGS:
-                unknown.append(name)
-            continue
-        value: Any = raw
-        if raw.lstrip().startswith(("{", "[")):
-            try:
-                value = json.loads(raw)
-            except ValueError as exc:
-                raise ConfigError(f"{name}: not valid JSON: {exc}") from None
-        if nested:
-            into = values.setdefault(key, {})
-            if isinstance(into, dict):
-                into[nested] = value
-        else:
-            values[key] = value
-    if unknown:
-        log.warning(
-            "ignoring environment variables that name no setting: %s (see spanvisor run --help)",
-            ", ".join(unknown),
-        )
-    return values
+    given = {key: value for key, value in (overrides or {}).items() if value is not None}
+    with loading(Path(path) if path is not None else None) as load:
+        try:
+            return Settings(**given)
+        except ValidationError as exc:
+            raise load.explain(exc) from exc

@@ -1,10 +1,10 @@
 """The deployable examples in ``config/`` stay true to the code they deploy.
 
-A misspelt ``SPANVISOR_*`` variable is ignored without a word by the settings
-loader, a wrong flag only fails when the pod starts, and a wrong port only shows
-as spans that go nowhere: so the names, flags, files and ports in the Kubernetes
-manifest and the collector config are checked against the real settings model,
-CLI parser and policy loader here.
+A misspelt ``SPANVISOR_*`` variable is only a warning in the sidecar's log, a
+wrong flag only fails when the pod starts, and a wrong port only shows as spans
+that go nowhere: so the names, flags, files and ports in the Kubernetes manifest,
+the example settings file and the collector config are checked against the real
+settings model, CLI parser and policy loader here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from supervisor.settings import LOOPBACK, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "config" / "kubernetes-sidecar.yaml"
+EXAMPLE_SETTINGS = ROOT / "config" / "spanvisor.yaml"
 COLLECTOR = ROOT / "config" / "otel-collector-loadbalancing.yaml"
 
 ENV_PREFIX = str(Settings.model_config.get("env_prefix"))
@@ -275,6 +276,21 @@ def test_commands_reach_the_agent_container(
     assert delivery.webhook.resolved_secret() == SECRET_VALUES["research-agent-webhook-secret"]
     # The agent's client library and the sidecar share one API token.
     assert agent["SPANVISOR_API_TOKEN"] == spanvisor["SPANVISOR_API_TOKEN"]
+
+
+# ------------------------------------------------------------- settings file
+
+
+def test_example_settings_file_loads(no_spanvisor_env: pytest.MonkeyPatch) -> None:
+    settings = load_settings(EXAMPLE_SETTINGS)
+    # It shows the default ports, and an agent on each channel.
+    ports = ("otlp_grpc_port", "otlp_http_port", "api_port")
+    assert [getattr(settings, port) for port in ports] == [_default(port) for port in ports]
+    assert {settings.agents[name].channel for name in settings.agents} == {
+        "webhook",
+        "command",
+        "pull",
+    }
 
 
 # -------------------------------------------------------------------- collector
