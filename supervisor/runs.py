@@ -40,8 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from policies._budgets import ModelInfo, ModelTable, RunSpend, SloSpec, SloTracker
-from policies._detectors import DetectorSettings
+from policies import DetectorSettings, ModelInfo, ModelTable, RunSpend, SloSpec, SloTracker
 from supervisor.normalize.screen import (
     FIRST_TOOL_CALL,
     INPUT_TOKEN_KEYS,
@@ -382,7 +381,7 @@ class _Run:
         #: Tools called since the last LLM response, as ``tool:<name>`` (made when the
         #: first is: most runs never need it).
         self.tools_since_llm: list[str] | None = None
-        #: Tokens and cost so far (policies._budgets), from the first call with usage.
+        #: Tokens and cost so far (policies.RunSpend), from the first call with usage.
         self.spend: RunSpend | None = None
         #: The batch whose cache last held it (see ``RunTracker._run_for``).
         self.batch = 0
