@@ -10,7 +10,7 @@ calling one dependency through an outage, comparing:
   record with the same evidence, the attempt number counted per (run,
   dependency, kind) over the run's whole life), decided by the built-in
   policy (``policies.load_policy()``) and revised by
-  :class:`policies._governor.Governor` on the simulated clock. The governor
+  :class:`policies.Governor` on the simulated clock. The governor
   is told every call outcome (``observe(dependency, ok)``) before it revises
   the decision on a failure, as the pipeline does. A run retries only when
   the answer is ``retry``, after ``params["delay_s"]`` simulated seconds;
@@ -71,8 +71,7 @@ if __package__ in (None, ""):  # run as `python bench/amplification.py`
 from tenacity import RetryCallState, Retrying, stop_after_attempt, wait_exponential
 
 from bench.harness import BenchError, command_line, table
-from policies import Policy, load_policy
-from policies._governor import Governor
+from policies import Governor, Policy, load_policy
 from supervisor.normalize.evidence import build_evidence
 from supervisor.records import Action, Failure, Role, SpanRecord
 

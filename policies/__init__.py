@@ -10,21 +10,42 @@ beyond reading a policy file.
     governor = Governor(policy)                 # breakers, retry budget, restart intensity
     governor.observe_calls([(end_ns, "openai:gpt-4o", ok)])
     decision = governor.review(failure, decision)
+
+Everything the sidecar uses from here is exported below; the ``policies._*``
+modules are private.
 """
 
-from policies._breakers import BreakerState
-from policies._governor import Governor
+from policies._breakers import BreakerChange, BreakerState
+from policies._cascade import Cascade
+from policies._detectors import DetectorSettings
+from policies._governor import RUN_KINDS, Governor
 from policies._loader import json_schema, load_policy
+from policies._model_table import ModelTable
 from policies._policy import Policy
 from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, RemediatorSpec
+from policies._schema_budgets import SloSpec
+from policies._slo import SloTracker
+from policies._spend import ModelInfo, RunSpend
+from policies._verifiers import VerificationFailure, VerifierSet
 
 __all__ = [
     "BUILTIN_REMEDIATORS",
+    "RUN_KINDS",
+    "BreakerChange",
     "BreakerState",
+    "Cascade",
+    "DetectorSettings",
     "Governor",
+    "ModelInfo",
+    "ModelTable",
     "Policy",
     "RemediatorBudgetSpec",
     "RemediatorSpec",
+    "RunSpend",
+    "SloSpec",
+    "SloTracker",
+    "VerificationFailure",
+    "VerifierSet",
     "json_schema",
     "load_policy",
 ]

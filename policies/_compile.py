@@ -65,7 +65,7 @@ class CompiledRule:
 
 
 def compile_rule(rule: Rule) -> CompiledRule:
-    conditions = _conditions(rule.match)
+    conditions = _conditions(rule.match, rule.name)
     needs = 0
     for condition in conditions:
         needs |= condition.needs
@@ -79,7 +79,7 @@ def compile_rule(rule: Rule) -> CompiledRule:
     )
 
 
-def _conditions(match: RuleMatch) -> tuple[Condition, ...]:
+def _conditions(match: RuleMatch, rule: str) -> tuple[Condition, ...]:
     found: list[Condition] = []
     if match.swallowed is not None:
         found.append(Swallowed(match.swallowed))
@@ -106,9 +106,9 @@ def _conditions(match: RuleMatch) -> tuple[Condition, ...]:
     if match.span_name is not None:
         found.append(RecordGlob(_span_name, match.span_name))
     if match.attributes is not None:
-        found.append(Attributes(match.attributes))
+        found.append(Attributes(match.attributes, rule))
     if match.message is not None:
-        found.append(Message(match.message))
+        found.append(Message(match.message, rule))
     found.sort(key=lambda c: c.cost)
     return tuple(found)
 

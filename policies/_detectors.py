@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies._budgets import ContextPressureSpec, ModelTable, RunBudgetSpec, SloSpec
 from policies._cascade import CascadeSettings
 from policies._glob import GlobSet
+from policies._model_table import ModelTable
 from policies._schema import (
     CascadesSpec,
     DetectorsSpec,
@@ -21,6 +21,7 @@ from policies._schema import (
     ServiceDetectorsSpec,
     StallsSpec,
 )
+from policies._schema_budgets import ContextPressureSpec, RunBudgetSpec, SloSpec
 
 __all__ = ["DetectorSettings", "DetectorsSpec", "compile_detectors"]
 

@@ -1,17 +1,17 @@
 """A run's spend, priced by a model table entry: the part of budgets on the span path.
 
 Every LLM span with token usage adds to its run's :class:`RunSpend`, so this
-module is compiled with the span path (setup.py); the tables, specs and SLOs
-that are read once or per run stay in :mod:`policies._budgets`.
+module is compiled with the span path (setup.py); the table that prices a call
+is :mod:`policies._model_table`, the budget it is held to
+:class:`policies._schema_budgets.RunBudgetSpec`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import Final, Protocol
 
-if TYPE_CHECKING:
-    from policies._budgets import RunBudgetSpec
+from policies._schema_budgets import RunBudgetSpec
 
 __all__ = ["MAX_MODEL_NAME", "MAX_TOKENS_PER_CALL", "ModelInfo", "RunSpend", "clamp_tokens"]
 

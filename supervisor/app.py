@@ -31,9 +31,7 @@ import uvicorn
 from opentelemetry.sdk.metrics.export import MetricReader
 from starlette.applications import Starlette
 
-from policies import Policy, load_policy
-from policies._breakers import BreakerChange
-from policies._governor import Governor
+from policies import BreakerChange, Governor, Policy, load_policy
 from remediators.registry import check_policy
 from supervisor.act import Actor
 from supervisor.actuators import Actuator

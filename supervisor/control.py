@@ -23,8 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar, cast
 
-from policies import Policy
-from policies._governor import Governor
+from policies import Governor, Policy
 from supervisor.act import Actor
 from supervisor.errors import ConfigError
 from supervisor.inline import Question, decide

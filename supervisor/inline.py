@@ -21,8 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from policies import Policy
-from policies._governor import Governor
+from policies import Governor, Policy
 from supervisor.normalize.evidence import build_evidence
 from supervisor.records import Action, Failure, Role, SpanRecord
 

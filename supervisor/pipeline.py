@@ -36,10 +36,7 @@ from typing import Any, Final, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from policies import Policy
-from policies._cascade import Cascade
-from policies._governor import RUN_KINDS
-from policies._verifiers import VerificationFailure, VerifierSet
+from policies import RUN_KINDS, Cascade, Policy, VerificationFailure, VerifierSet
 from supervisor.bounded import BoundedMap
 from supervisor.normalize import (
     Span,

@@ -12,7 +12,7 @@ from typing import get_args
 import pytest
 
 from policies import Policy, json_schema, load_policy
-from policies._schema import ClassName, RoleName
+from policies._schema_fields import ClassName, RoleName
 from supervisor.errors import PolicyError, PolicyIssue
 from supervisor.records import (
     Action,

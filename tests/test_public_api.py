@@ -16,11 +16,22 @@ from supervisor.pipeline import Outcome
 def test_policies_exports() -> None:
     assert sorted(policies.__all__) == [
         "BUILTIN_REMEDIATORS",
+        "BreakerChange",
         "BreakerState",
+        "Cascade",
+        "DetectorSettings",
         "Governor",
+        "ModelInfo",
+        "ModelTable",
         "Policy",
+        "RUN_KINDS",
         "RemediatorBudgetSpec",
         "RemediatorSpec",
+        "RunSpend",
+        "SloSpec",
+        "SloTracker",
+        "VerificationFailure",
+        "VerifierSet",
         "json_schema",
         "load_policy",
     ]

@@ -1,4 +1,4 @@
-"""Context pressure, run budgets and SLOs (policies._budgets)."""
+"""Context pressure, run budgets and SLOs: the model table, spend, ledger and SLO tracker."""
 
 from __future__ import annotations
 
@@ -8,19 +8,11 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from policies._budgets import (
-    SLO_BUCKETS,
-    ContextPressureSpec,
-    ModelInfoSpec,
-    ModelTable,
-    RunBudgetSpec,
-    RunLedger,
-    RunSpend,
-    SloSpec,
-    SloTracker,
-    builtin_models,
-    context_pressure,
-)
+from policies._model_table import ModelTable, builtin_models, context_pressure
+from policies._run_ledger import RunLedger
+from policies._schema_budgets import ContextPressureSpec, ModelInfoSpec, RunBudgetSpec, SloSpec
+from policies._slo import SLO_BUCKETS, SloTracker
+from policies._spend import RunSpend
 
 
 def info(

@@ -3,34 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import textwrap
 import time
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from policies import _verifiers
+from policies._schema_verifiers import Verifiers, VerifierSpec
+from policies._verifier_checks import MAX_JSON_CHARS, MAX_REGEX_CHARS, NORMALIZED_OUTPUT_CHARS
 from policies._verifiers import (
-    MAX_JSON_CHARS,
-    MAX_REGEX_CHARS,
     MAX_TIMEOUTS,
-    NORMALIZED_OUTPUT_CHARS,
     VerificationFailure,
     VerifierError,
-    Verifiers,
     VerifierSet,
-    VerifierSpec,
-    backtracking_problem,
     compile_verifiers,
 )
 from supervisor.normalize.attributes import MAX_OUTPUT_CHARS
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
-HAS_REGEX = _verifiers._REGEX is not None
 ROOT = ""
 CHILD = "00f067aa0ba902b7"
 
@@ -88,13 +84,6 @@ def only_error(**fields: Any) -> tuple[str, str]:
     return errors[0]
 
 
-@pytest.fixture
-def no_regex(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Run as on a machine without the ``regex`` package: plain ``re``, no time limit."""
-    monkeypatch.setattr(_verifiers, "_REGEX", None)
-    yield
-
-
 # --------------------------------------------------------------------------- load errors
 
 
@@ -102,10 +91,7 @@ def no_regex(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     ("fields", "path", "words"),
     [
         ({"output_regex": {"pattern": "(unclosed"}}, "output_regex.pattern", "bad regex"),
-        ({"output_regex": {"pattern": "(a+)+$"}}, "output_regex.pattern", "exponential"),
-        ({"output_regex": {"pattern": "(.*)*x"}}, "output_regex.pattern", "empty string"),
-        ({"output_regex": {"pattern": "(a|a)*b"}}, "output_regex.pattern", "alternatives"),
-        ({"output_regex": {"pattern": r"^(\w+\s?)*$"}}, "output_regex.pattern", "(?>a+)"),
+        ({"output_regex": {"pattern": "a{2,1}"}}, "output_regex.pattern", "min repeat greater"),
         ({"output_regex": {"pattern": "x" * 5000}}, "output_regex.pattern", "longer than"),
         ({"output_regex": {"pattern": ""}}, "output_regex.pattern", "at least 1"),
         (
@@ -135,14 +121,24 @@ def no_regex(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             "not local",
         ),
         (
-            {"output_json_schema": {"properties": {"code": {"pattern": "(a+)+$"}}}},
+            {"output_json_schema": {"properties": {"code": {"pattern": "(unclosed"}}}},
             "output_json_schema",
-            "at $.properties.code.pattern can take exponential time",
+            "JSON Schema at $.properties.code.pattern: bad regex '(unclosed': missing )",
         ),
         (
-            {"output_json_schema": {"patternProperties": {"^(x|x)*$": {}}}},
+            {"output_json_schema": {"patternProperties": {"^(x": {}}}},
             "output_json_schema",
-            "at $.patternProperties",
+            "at $.patternProperties: bad regex",
+        ),
+        (
+            {
+                "output_json_schema": {
+                    "patternProperties": {"^x-": {}},
+                    "unevaluatedProperties": False,
+                }
+            },
+            "output_json_schema",
+            "unevaluatedProperties with patternProperties",
         ),
         (
             {"output_json_schema": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
@@ -191,10 +187,10 @@ def test_load_errors_name_the_field(fields: dict[str, Any], path: str, words: st
 
 def test_load_error_message_is_clear_in_the_exception_text() -> None:
     with pytest.raises(ValidationError) as caught:
-        spec(output_regex={"pattern": "(a+)+$"})
+        spec(output_regex={"pattern": "(unclosed"})
     text = str(caught.value)
     assert "output_regex.pattern" in text
-    assert "regex '(a+)+$' can take exponential time" in text
+    assert "bad regex '(unclosed': missing ) at position 9" in text
 
 
 def test_bad_name_and_duplicate_names() -> None:
@@ -258,72 +254,39 @@ def test_data_keywords_are_not_read_as_schema() -> None:
     spec(
         output_json_schema={
             "properties": {"pattern": {"type": "string"}},
-            "const": {"pattern": "(a+)+"},
+            "const": {"pattern": "(unclosed"},
         }
     )
 
 
-# --------------------------------------------------------------------------- the static regex check
+# --------------------------------------------------------------------------- regex syntax and time
 
 
 @pytest.mark.parametrize(
-    "pattern",
+    ("pattern", "output"),
     [
-        r"sk-[A-Za-z0-9]{20,}",
-        r"(\d+,)*\d+",
-        r"^(\w+\.)*\w+$",
-        r"(\w+\s)*",
-        r"(foo|bar)*x",
-        r"(\s*,\s*\w+)*",
-        r"(https?://)*",
-        r"(\d{1,3}\.){3}\d{1,3}",
-        r'"answer"\s*:\s*"[^"]*"',
-        r"foo.*bar.*",
-        r"\d+\.\d+",
-        r"(?>a+)+",
-        r"(a+)++",
-        r"(\w|\d)*",  # one character class to re: nothing to backtrack over
+        (r"(a+)+$", "a" * 28 + "!"),
+        (r"(.*)*x", "y" * 5000),
+        (r"(a|a)*b", "a" * 40),
+        (r"^(\w+\s?)*$", "word " * 40 + "!"),
+        (r"(x+x+)+y", "x" * 5000),
     ],
 )
-def test_safe_shapes_are_accepted(pattern: str) -> None:
-    assert backtracking_problem(pattern, polynomial=True) is None
+def test_backtracking_patterns_load_and_cost_bounded_time(pattern: str, output: str) -> None:
+    errors: list[VerifierError] = []
+    vset = verifiers({"output_regex": {"pattern": pattern, "must_match": False}}, errors=errors)
+    start = time.monotonic()
+    assert vset.check(span(output)) == []  # not found, or stopped: never a verdict on a timeout
+    assert time.monotonic() - start < 2.0
+    assert all("timed out after 50 ms" in e.message for e in errors)
 
 
-@pytest.mark.parametrize(
-    "pattern",
-    [r"(a+)+", r"(.*)*", r"(a|a)*", r"(\w+\s?)*$", r"(x+x+)+y", r"(a?a)*b", r"(?i)(A+a+)+"],
-)
-def test_exponential_shapes_are_rejected(pattern: str) -> None:
-    problem = backtracking_problem(pattern, polynomial=False)
-    assert problem is not None
-    assert "exponential" in problem
-
-
-@pytest.mark.parametrize("pattern", [r"a.*b.*c", r"(a.*)(b.*)c", r"\d+\d+x"])
-def test_polynomial_shapes_are_rejected_only_without_a_time_limit(pattern: str) -> None:
-    assert backtracking_problem(pattern, polynomial=False) is None
-    problem = backtracking_problem(pattern, polynomial=True)
-    assert problem is not None
-    assert "polynomial" in problem
-
-
-def test_without_regex_polynomial_patterns_fail_at_load(no_regex: None) -> None:
-    path, message = only_error(output_regex={"pattern": "a.*b.*c"})
-    assert path == "output_regex.pattern"
-    assert "polynomial" in message
-
-
-@pytest.mark.skipif(not HAS_REGEX, reason="needs the regex package")
-def test_with_regex_polynomial_patterns_load() -> None:
-    spec(output_regex={"pattern": "a.*b.*c"})
-
-
-def test_the_static_check_is_cheap_on_big_patterns() -> None:
-    start = time.perf_counter()
-    backtracking_problem("(" * 100 + "a+" + ")*" * 100)
-    backtracking_problem(r"(\w+x)" * 90)
-    backtracking_problem("|".join(f"word{i}" for i in range(500)))
-    assert time.perf_counter() - start < 2.0
+def test_re_syntax_works() -> None:
+    vset = verifiers(
+        {"output_regex": {"pattern": r"(?i)^answer: (?P<n>\d+) \((?P=n)\)$", "flags": "multiline"}}
+    )
+    assert messages(vset, span("thinking\nANSWER: 42 (42)")) == []
+    assert len(messages(vset, span("ANSWER: 42 (43)"))) == 1
 
 
 # --------------------------------------------------------------------------- each check
@@ -354,12 +317,6 @@ def test_output_regex_must_not_match() -> None:
     assert messages(folded, span("the key is SK-ABCDEFGH12")) == [
         "output matches /sk-[a-z0-9]{8,}/"
     ]
-
-
-def test_output_regex_without_the_regex_package(no_regex: None) -> None:
-    vset = verifiers({"output_regex": {"pattern": "done", "flags": ["ignorecase"]}})
-    assert messages(vset, span("DONE")) == []
-    assert messages(vset, span("working")) == ["output does not match /done/"]
 
 
 def test_long_patterns_are_shortened_in_messages() -> None:
@@ -427,6 +384,69 @@ def test_unique_items_is_linear() -> None:
     start = time.perf_counter()
     assert messages(vset, span(f"[{items}]")) == []
     assert time.perf_counter() - start < 2.0
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"a": 1, "x-b": 2},
+        {"a": 1, "x-b": "two"},
+        {"a": 1, "c": 3},
+        {"a": 1, "c": 3, "d": 4},
+        {"code": "AB-12"},
+        {"code": "ab-12"},
+        {"names": {"ok": 1, "Not OK": 2}},
+    ],
+)
+def test_json_schema_regex_keywords_say_what_jsonschema_says(document: dict[str, Any]) -> None:
+    # pattern, patternProperties and additionalProperties are replaced (bounded in time):
+    # the verdicts and messages must stay jsonschema's own.
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d+$"},
+            "names": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
+        },
+        "patternProperties": {"^x-": {"type": "integer"}},
+        "additionalProperties": False,
+    }
+    found = messages(verifiers({"output_json_schema": schema}), span(json.dumps(document)))
+    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(document))
+    expected = []
+    if errors:
+        best = jsonschema.exceptions.best_match(errors)
+        expected = [f"output fails the JSON Schema at {best.json_path}: {best.message}"]
+    assert found == expected
+
+
+def test_additional_properties_without_patterns_say_what_jsonschema_says() -> None:
+    schema = {"properties": {"a": {}}, "additionalProperties": False}
+    document = {"a": 1, "b": 2, "c": 3}
+    (found,) = messages(verifiers({"output_json_schema": schema}), span(json.dumps(document)))
+    best = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(schema).iter_errors(document)
+    )
+    assert found == f"output fails the JSON Schema at $: {best.message}"
+
+
+def test_json_schema_regexes_share_one_time_budget_per_output() -> None:
+    errors: list[VerifierError] = []
+    schema = {"type": "object", "patternProperties": {"^(a|a)*$": {"type": "integer"}}}
+    vset = verifiers({"output_json_schema": schema}, errors=errors)
+    # Each key fails the pattern in about half the time limit (~25 ms) and is no error,
+    # so every one is searched: 200 of them would take seconds.
+    output = json.dumps({"a" * 16 + f"!{i}": i for i in range(200)})
+    start = time.monotonic()
+    assert vset.check(span(output)) == []
+    assert time.monotonic() - start < 2.0
+    assert [e.message for e in errors] == [
+        "the JSON Schema's regexes took over 50 ms on one output; the span was not judged"
+    ]
+    assert messages(vset, span('{"aaaa": 1}')) == []
+    assert messages(vset, span('{"aaaa": "one"}')) == [
+        "output fails the JSON Schema at $.aaaa: 'one' is not of type 'integer'"
+    ]
 
 
 def test_attribute_range() -> None:
@@ -568,13 +588,6 @@ def test_a_megabyte_of_output_is_bounded() -> None:
     ]
 
 
-def test_a_megabyte_without_regex_is_bounded(no_regex: None) -> None:
-    vset = verifiers({"output_regex": {"pattern": "a.*b"}})
-    start = time.perf_counter()
-    assert vset.check(span("a" * 1024 * 1024)) == []  # not judged: may go on past the cut
-    assert time.perf_counter() - start < 1.0
-
-
 def test_cut_json_is_not_judged_unless_cuts_are_off() -> None:
     document = '{"items": [' + ",".join(['"item"'] * 2000)
     cut = document[:NORMALIZED_OUTPUT_CHARS]
@@ -588,7 +601,6 @@ def test_cut_json_is_not_judged_unless_cuts_are_off() -> None:
     assert messages(vset, span('{"items": [1, 2'))[0].startswith("output is not JSON: ")
 
 
-@pytest.mark.skipif(not HAS_REGEX, reason="needs the regex package")
 def test_a_slow_pattern_times_out_once_and_is_switched_off() -> None:
     errors: list[VerifierError] = []
     vset = verifiers({"output_regex": {"pattern": "a.*b.*c"}}, errors=errors)

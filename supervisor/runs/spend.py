@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from policies._budgets import ModelInfo, ModelTable, RunSpend
-from policies._detectors import DetectorSettings
+from policies import DetectorSettings, ModelInfo, ModelTable, RunSpend
 from supervisor.runs.detection import BUDGET_RULE, PRESSURE_RULE, Detection
 from supervisor.runs.state import RunState
 

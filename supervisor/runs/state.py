@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from policies._budgets import ModelInfo, RunSpend
-from policies._detectors import DetectorSettings
+from policies import DetectorSettings, ModelInfo, RunSpend
 from supervisor.runs.loops import RecentCalls
 
 __all__ = ["RunState", "RunView", "view"]

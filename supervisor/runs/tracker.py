@@ -32,8 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
-from policies._budgets import ModelTable, SloSpec, SloTracker
-from policies._detectors import DetectorSettings
+from policies import DetectorSettings, ModelTable, SloSpec, SloTracker
 from supervisor.normalize.span import Span, requested_calls
 from supervisor.runs.detection import LOOP_RULE, REANCHOR_RULE, STALL_RULE, Detection
 from supervisor.runs.loops import RecentCalls, Repeat, digest, instance_of

@@ -1,0 +1,171 @@
+"""Policy-file models of the money and time checks: context pressure, run budgets, SLOs.
+
+``context_pressure``, ``run_budget`` and ``slo`` in a policy file, and the
+packaged model table (``model_tables.yaml``) that gives each model its context
+window and list prices. Models only: :mod:`policies._model_table`,
+:mod:`policies._spend` and :mod:`policies._slo` run them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from policies._schema_fields import Glob, _Strict
+
+__all__ = [
+    "MAX_PRICE_PER_MTOK",
+    "MAX_SLO_WINDOW_S",
+    "MAX_WINDOW_TOKENS",
+    "ContextPressureSpec",
+    "ModelInfoSpec",
+    "ModelOverrides",
+    "ModelTableFile",
+    "RunBudgetSpec",
+    "SloSpec",
+]
+
+MAX_WINDOW_TOKENS = 100_000_000
+MAX_PRICE_PER_MTOK = 100_000.0
+MAX_SLO_WINDOW_S = 30 * 86_400.0
+
+
+class ModelInfoSpec(_Strict):
+    """One model's context window and list prices (USD per million tokens).
+
+    Prices come together or not at all: a model without them (self-hosted,
+    experimental, unknown) still has a window for context pressure, and its
+    calls make a run's cost *partial*. A self-hosted model that costs nothing
+    is ``input_per_mtok: 0, output_per_mtok: 0``.
+    """
+
+    context_window: int = Field(
+        gt=0, le=MAX_WINDOW_TOKENS, description="Input tokens the model accepts, in all."
+    )
+    input_per_mtok: float | None = Field(
+        default=None, ge=0, le=MAX_PRICE_PER_MTOK, description="USD per 1M input tokens."
+    )
+    output_per_mtok: float | None = Field(
+        default=None, ge=0, le=MAX_PRICE_PER_MTOK, description="USD per 1M output tokens."
+    )
+
+    @model_validator(mode="after")
+    def _prices_together(self) -> ModelInfoSpec:
+        if (self.input_per_mtok is None) != (self.output_per_mtok is None):
+            raise ValueError("give both input_per_mtok and output_per_mtok, or neither")
+        return self
+
+
+ModelOverrides = Annotated[dict[Glob, ModelInfoSpec], Field(max_length=256)]
+
+
+class ModelTableFile(_Strict):
+    """The packaged ``model_tables.yaml``: ordered globs over model names, first match wins."""
+
+    version: Literal[1]
+    models: Annotated[dict[Glob, ModelInfoSpec], Field(min_length=1, max_length=1000)]
+
+
+class ContextPressureSpec(_Strict):
+    """Predict a context overflow: an LLM call's input tokens reach ``share`` of the window.
+
+    ``models`` overrides or extends the built-in model table (windows *and*
+    prices, so it also serves run budgets and SLO costs): its globs are tried
+    before the built-in ones, in order, first match wins.
+    """
+
+    enabled: bool = True
+    share: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Fraction of the context window whose use counts as pressure (0 < share <= 1).",
+    )
+    models: ModelOverrides = Field(
+        default_factory=dict,
+        description="Model-name glob -> {context_window, input_per_mtok, output_per_mtok};"
+        " tried before the built-in table, first match wins.",
+    )
+
+
+class RunBudgetSpec(_Strict):
+    """What one run may spend before it is stopped: ``permanent / budget_exceeded``.
+
+    A budget is crossed when the run's spend goes *above* the limit (a run
+    that spends exactly ``max_tokens`` is within it). Unset limits are not
+    checked; with neither set there is no budget. Cost is counted only for
+    models the table prices; tokens of the others still count.
+    """
+
+    max_tokens: int | None = Field(
+        default=None, gt=0, le=10**12, description="Input plus output tokens per run."
+    )
+    max_cost_usd: float | None = Field(default=None, gt=0, le=1_000_000, description="USD per run.")
+    action: Literal["escalate", "abort_run"] = Field(
+        default="escalate", description="What a crossed budget leads to."
+    )
+
+
+class SloSpec(_Strict):
+    """A service's run SLO, judged over a short and a long sliding window.
+
+    A run is *good* when it succeeded and, where they are set, took no longer
+    than ``max_duration_s`` and cost no more than ``max_cost_usd_per_run``. The
+    SLO is that a share ``success_target`` of runs are good; its error budget is
+    ``1 - success_target``.
+
+    The *burn rate* of a window is how fast it spends that budget: the share of
+    bad runs divided by the budget, ``(1 - success) / (1 - target)``. A burn
+    rate of 1 spends the budget exactly over the SLO period; 14.4 spends 2 % of a
+    30-day budget in one hour, the "fast burn" threshold of Google's SRE
+    workbook (chapter "Alerting on SLOs"), paired there with a 1-hour long window
+    and a 5-minute short one, the defaults here.
+
+    The alert is the workbook's multi-window rule: burning fast means *both*
+    windows burn above ``burn_alert``. The long window says the budget is really
+    going; the short one says it is still going now, so the condition clears
+    within minutes of a recovery instead of an hour later. ``min_runs`` keeps a
+    quiet service from burning on one failed run out of one: the long window
+    needs that many runs before it can burn at all.
+
+    ``burn_alert`` must be below ``1 / (1 - success_target)``, the burn rate of
+    a window where every run is bad, or the alert could never fire (with a 0.9
+    target the highest burn rate is 10, below the default 14.4).
+    """
+
+    success_target: float = Field(
+        default=0.95, gt=0, lt=1, description="Share of runs that must be good (0 < target < 1)."
+    )
+    max_duration_s: float | None = Field(
+        default=None, gt=0, le=MAX_SLO_WINDOW_S, description="A run longer than this is bad."
+    )
+    max_cost_usd_per_run: float | None = Field(
+        default=None, gt=0, le=1_000_000, description="A run that costs more is bad."
+    )
+    short_window_s: float = Field(default=300.0, ge=60, le=86_400)
+    long_window_s: float = Field(default=3600.0, ge=60, le=MAX_SLO_WINDOW_S)
+    burn_alert: float = Field(
+        default=14.4,
+        gt=0,
+        le=1000,
+        description="Burn rate above which both windows must be to burn fast (14.4: Google SRE).",
+    )
+    min_runs: int = Field(
+        default=10, ge=1, le=1_000_000, description="Runs the long window needs to burn at all."
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> SloSpec:
+        if self.long_window_s <= self.short_window_s:
+            raise ValueError(
+                f"long_window_s ({self.long_window_s:g}) must be longer than"
+                f" short_window_s ({self.short_window_s:g})"
+            )
+        ceiling = 1.0 / (1.0 - self.success_target)
+        if self.burn_alert >= ceiling:
+            raise ValueError(
+                f"burn_alert {self.burn_alert:g} can never be reached: with success_target"
+                f" {self.success_target:g} the highest burn rate is {ceiling:.4g}"
+            )
+        return self
