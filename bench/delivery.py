@@ -17,7 +17,7 @@ the breaker opens after five and the decisions become ``fail_fast``.
 Requests are paced at ``--rate`` per second (default 200) from a pool of
 sending threads, each with a keep-alive httpx client, so the figure is latency,
 not queueing. The receiver verifies every signature with
-:func:`supervisor.signing.verify`, answers 200, and notes the arrival time;
+:func:`supervisor.act.signing.verify`, answers 200, and notes the arrival time;
 the trace id in the command's ``trigger`` matches it to the request.
 
 Figures (p50, p99, max over the measured failures):
@@ -72,7 +72,7 @@ from bench.harness import (
     sidecar_env,
     table,
 )
-from supervisor.signing import SignatureError, verify
+from supervisor.act.signing import SignatureError, verify
 from supervisor.testing.loopback import LoopbackHTTPServer, LoopbackServer
 
 GOAL_P99_MS = 50.0

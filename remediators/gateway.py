@@ -1,7 +1,7 @@
 """What the runner needs from the sidecar: the actuator interface and a read-only view.
 
 Remediators never touch the store, the receivers or the pipeline. The sidecar
-(:mod:`supervisor.remediation`) implements this protocol over them; tests use
+(:mod:`supervisor.remediation.engine`) implements this protocol over them; tests use
 :class:`RecordingGateway`, a fake with the same behaviour kept in memory.
 
 Every method is synchronous and safe to call from the runner's tool
@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from remediators.base import Trigger
-from supervisor.actuators.command import CommandActuator
+from supervisor.act.actuators.command import CommandActuator
 
 __all__ = ["Gateway", "RecordingGateway", "WorkerRestart"]
 

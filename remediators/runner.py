@@ -904,7 +904,7 @@ class _SqliteNormalSync(types.ModuleType):
     commit still survives the process being killed, which is what recovery
     is for; only a power loss can take back the last commits, and then a
     step runs again, as DBOS steps may (tool calls carry idempotency keys).
-    The span store makes the same choice (:mod:`supervisor.store`).
+    The span store makes the same choice (:mod:`supervisor.act.store`).
     """
 
     def __init__(self) -> None:

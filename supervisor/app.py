@@ -33,30 +33,30 @@ from starlette.applications import Starlette
 
 from policies import BreakerChange, Governor, Policy, load_policy
 from remediators.registry import check_policy
-from supervisor.act import Actor
-from supervisor.actuators import Actuator
-from supervisor.actuators.command import CommandActuator
-from supervisor.actuators.webhook import WebhookActuator
-from supervisor.api import build_control_app, ensure_token
+from supervisor.act.actor import Actor
+from supervisor.act.actuators import Actuator
+from supervisor.act.actuators.command import CommandActuator
+from supervisor.act.actuators.webhook import WebhookActuator
+from supervisor.act.dispatch import Dispatcher, actuator_table
+from supervisor.act.failure_log import RecentFailures
+from supervisor.act.store import Store
+from supervisor.act.store_writer import StoreWriter
+from supervisor.api.control import Control
+from supervisor.api.server import build_control_app, ensure_token
 from supervisor.bounded import LatencyWindow
 from supervisor.collector import Collector
-from supervisor.control import Control
-from supervisor.dispatch import Dispatcher, actuator_table
-from supervisor.downstream import Downstream, downstream_from_env
 from supervisor.errors import ConfigError, PolicyError
-from supervisor.failure_log import RecentFailures
-from supervisor.forward import Forwarder
+from supervisor.forward.downstream import Downstream, downstream_from_env
+from supervisor.forward.metrics import SidecarMetrics
+from supervisor.forward.relay import Forwarder
+from supervisor.forward.telemetry import DecisionTracer
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import Batch, IngestQueue
-from supervisor.metrics import SidecarMetrics
-from supervisor.pipeline import Outcome, Pipeline, detected_failure
-from supervisor.remediation import Remediations
+from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
+from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
-from supervisor.store import Store
-from supervisor.store_writer import StoreWriter
-from supervisor.telemetry import DecisionTracer
 
 log = logging.getLogger("spanvisor.app")
 
@@ -423,7 +423,7 @@ class Sidecar:
         """
         if self.forwarder is not None:
             self.forwarder.offer(batch.raw_protobuf, batch.span_count)
-        outcomes, rest = self.pipeline.first_pass(batch.raw_protobuf, batch.received_ns)
+        outcomes, rest = self.pipeline.first_pass(batch.request, batch.received_ns)
         self._report(outcomes, batch)
         later = self.pipeline.rest_pass(rest)
         self._report(later, batch)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.actuators import Actuator, DeliveryResult
-from supervisor.actuators.command import CommandActuator
+from supervisor.act.actuators import Actuator, DeliveryResult
+from supervisor.act.actuators.command import CommandActuator
 from supervisor.records import AttrValue, Command, CommandType, command_key
 
 PY = sys.executable

@@ -23,9 +23,9 @@ from types import TracebackType
 import orjson
 import pytest
 
-from supervisor import signing
-from supervisor.actuators import Actuator, DeliveryResult
-from supervisor.actuators.webhook import WebhookActuator, parse_retry_after
+from supervisor.act import signing
+from supervisor.act.actuators import Actuator, DeliveryResult
+from supervisor.act.actuators.webhook import WebhookActuator, parse_retry_after
 from supervisor.records import AttrValue, Command, CommandType, command_key
 
 SECRET = "whsec_" + "c2VjcmV0LWZvci10ZXN0cy0xMjM0NTY3ODkw"

@@ -1,6 +1,6 @@
 """The control API in process: tokens, input checks, and each route over real parts.
 
-The app runs over a real :class:`~supervisor.control.Control` (an in-memory
+The app runs over a real :class:`~supervisor.api.control.Control` (an in-memory
 store, the built-in policy, a real governor), so a route answers what the
 sidecar would.
 """
@@ -16,13 +16,13 @@ from fastapi.testclient import TestClient
 
 from policies import load_policy
 from policies._governor import Governor
-from supervisor.act import Actor
-from supervisor.api import build_control_app, ensure_token
-from supervisor.control import Control
-from supervisor.pipeline import Outcome
+from supervisor.act.actor import Actor
+from supervisor.act.store import Store
+from supervisor.api.control import Control
+from supervisor.api.server import build_control_app, ensure_token
+from supervisor.judge.pipeline import Outcome
 from supervisor.records import Action, Decision, ErrorEvidence, Failure, FailureClass, Role
 from supervisor.settings import AgentDelivery, PullChannel
-from supervisor.store import Store
 
 AUTH = {"Authorization": "Bearer t0k3n"}
 

@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from policies import load_policy
 from supervisor.app import BackgroundSidecar, Sidecar
 from supervisor.errors import ConfigError
+from supervisor.forward.telemetry import DecisionTracer
 from supervisor.settings import Settings, load_settings
-from supervisor.telemetry import DecisionTracer
 
 
 def settings(tmp_path: Path, **overrides: object) -> Settings:

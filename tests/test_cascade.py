@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from policies import BreakerState, Governor, load_policy
 from policies._cascade import CascadeDetector, CascadeSettings
-from supervisor.pipeline import Pipeline
+from supervisor.judge.pipeline import Pipeline
 from supervisor.records import ErrorEvidence, Failure, FailureClass, Role
 from tests.test_runs import llm, payload
 

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from supervisor.cli import main
+from supervisor.cli.verbs import main
 from supervisor.testing.fake_provider import FakeProvider, Reply
 from tests.otlp_files import length_prefixed, to_otlp_json
 

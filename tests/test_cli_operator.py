@@ -20,7 +20,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from policies import load_policy
 from supervisor.app import BackgroundSidecar, Sidecar
-from supervisor.cli import main
+from supervisor.cli.verbs import main
 from supervisor.settings import load_settings
 
 POLICY = """\

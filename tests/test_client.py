@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from supervisor.act.signing import signature_headers
 from supervisor.client import (
     Advice,
     BreakerOpen,
@@ -40,7 +41,6 @@ from supervisor.client import (
 )
 from supervisor.errors import SupervisorError
 from supervisor.records import Action
-from supervisor.signing import signature_headers
 from supervisor.testing.loopback import LoopbackHTTPServer, LoopbackServer
 
 TOKEN = "test-token"

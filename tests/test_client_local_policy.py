@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import Policy, load_policy
+from supervisor.api.inline import Question, decide
 from supervisor.client import LocalPolicy, SupervisorClient
-from supervisor.inline import Question, decide
 from supervisor.records import Action
 
 DEP = "openai:gpt-4o"

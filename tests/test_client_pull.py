@@ -1,8 +1,8 @@
 """supervisor.client.pull against the sidecar's real control API on loopback.
 
 The server is the real thing, minus the OTLP half: :func:`build_control_app`
-over a real :class:`~supervisor.control.Control`, an in-memory
-:class:`~supervisor.store.Store` and an :class:`~supervisor.act.Actor` with a
+over a real :class:`~supervisor.api.control.Control`, an in-memory
+:class:`~supervisor.act.store.Store` and an :class:`~supervisor.act.actor.Actor` with a
 pull channel, served by uvicorn on a free port. Commands are made the way the
 sidecar makes them (:meth:`Actor.record` of a decided failure, on the server's
 event loop, which wakes long polls), except the malformed ones, which are
@@ -30,12 +30,13 @@ import uvicorn
 
 from policies import load_policy
 from policies._governor import Governor
-from supervisor.act import Actor
-from supervisor.api import build_control_app
+from supervisor.act.actor import Actor
+from supervisor.act.store import NewIncident, Store, StoredCommand
+from supervisor.api.control import Control
+from supervisor.api.server import build_control_app
 from supervisor.client import SeenCommands, SupervisorClientError
 from supervisor.client.pull import Command, CommandPuller, MalformedCommand
-from supervisor.control import Control
-from supervisor.pipeline import Outcome
+from supervisor.judge.pipeline import Outcome
 from supervisor.records import (
     Action,
     CommandType,
@@ -47,7 +48,6 @@ from supervisor.records import (
 )
 from supervisor.records import Command as SidecarCommand
 from supervisor.settings import AgentDelivery, PullChannel
-from supervisor.store import NewIncident, Store, StoredCommand
 
 TOKEN = "pull-test-token-0123456789"
 SERVICE = "pull-agent"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from supervisor.cli import build_parser, main
+from supervisor.cli.verbs import build_parser, main
 from supervisor.settings import LOOPBACK, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from supervisor.downstream import Downstream
+from supervisor.forward.downstream import Downstream
+from supervisor.forward.telemetry import DecisionTracer, TracerStats, flatten_params
 from supervisor.records import (
     Action,
     AttrValue,
@@ -26,7 +27,6 @@ from supervisor.records import (
     FailureClass,
     Role,
 )
-from supervisor.telemetry import DecisionTracer, TracerStats, flatten_params
 from supervisor.testing.otlp_recorder import OtlpRecorder
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from supervisor.demo import DEADLINE_S
-from supervisor.demo_view import (
+from supervisor.cli.demo import DEADLINE_S
+from supervisor.cli.demo_view import (
     Event,
     Facts,
     LineView,

@@ -44,7 +44,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydantic.warnings import PydanticDeprecatedSince20
 
 from policies import load_policy
-from supervisor.pipeline import Outcome, Pipeline, detected_failure
+from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.runs import RunTracker
 from supervisor.testing import FakeProvider, Reply, ToolCall
 from tests.screening import assert_early_reads_agree

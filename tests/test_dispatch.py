@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from supervisor import signing
-from supervisor.actuators.webhook import WebhookActuator
-from supervisor.dispatch import PUSH_CHANNELS, Dispatcher, actuator_table
+from supervisor.act import signing
+from supervisor.act.actuators.webhook import WebhookActuator
+from supervisor.act.dispatch import PUSH_CHANNELS, Dispatcher, actuator_table
+from supervisor.act.store import NewIncident, Store, StoredCommand
 from supervisor.records import Command, CommandType, command_key
-from supervisor.store import NewIncident, Store, StoredCommand
 from supervisor.testing.loopback import LoopbackHTTPServer, LoopbackServer
 
 SECRET = "whsec_" + "ZGlzcGF0Y2gtdGVzdHMtc2VjcmV0LTEyMzQ1Ng=="

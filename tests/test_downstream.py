@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from supervisor.downstream import Downstream, downstream_from_env
 from supervisor.errors import ConfigError
+from supervisor.forward.downstream import Downstream, downstream_from_env
 
 E = "OTEL_EXPORTER_OTLP_ENDPOINT"
 TE = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"

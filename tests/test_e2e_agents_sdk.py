@@ -53,8 +53,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from policies import load_policy
+from supervisor.judge.pipeline import Outcome, Pipeline
 from supervisor.normalize import normalize_request
-from supervisor.pipeline import Outcome, Pipeline
 from supervisor.records import Role, SpanRecord
 from supervisor.testing import FakeProvider
 from supervisor.testing.fake_provider import Reply

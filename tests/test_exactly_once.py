@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from bench.spans import make_requests
-from supervisor import signing
+from supervisor.act import signing
 from supervisor.records import command_key
 from supervisor.testing.sidecar_process import SidecarProcess, wait_until
 from tests.test_dispatch import Answer, Delivery, WebhookReceiver

@@ -17,9 +17,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from supervisor.downstream import Downstream
 from supervisor.errors import ConfigError
-from supervisor.forward import Forwarder, ForwardStats, parse_retry_after
+from supervisor.forward.downstream import Downstream
+from supervisor.forward.relay import Forwarder, ForwardStats, parse_retry_after
 from supervisor.testing.otlp_recorder import OtlpRecorder
 
 PROTOCOLS = ["http/protobuf", "grpc"]

@@ -195,6 +195,11 @@ def small(shared_small: Receivers) -> Receivers:
     return shared_small.reset()
 
 
+def decoded(batch: Batch) -> ExportTraceServiceRequest:
+    """The batch's one decoding (attributes left encoded), read as a whole request."""
+    return ExportTraceServiceRequest.FromString(batch.request.SerializeToString())
+
+
 def sdk_spans(*names: str) -> list[ReadableSpan]:
     """Real SDK spans (a parent and its children), captured in memory."""
     memory = InMemorySpanExporter()
@@ -228,7 +233,7 @@ def received(batches: list[Batch]) -> set[tuple[str, bytes, bytes]]:
     return {
         (span.name, span.trace_id, span.span_id)
         for batch in batches
-        for rs in batch.request.resource_spans
+        for rs in decoded(batch).resource_spans
         for ss in rs.scope_spans
         for span in ss.spans
     }
@@ -570,7 +575,7 @@ def test_http_large_json_is_decoded_off_the_loop_and_arrives(rx: Receivers) -> N
     [batch] = rx.drain()
     expected = {(f"s{n}", TRACE, n.to_bytes(8, "big")) for n in range(1, 2001)}
     assert received([batch]) == expected
-    assert ExportTraceServiceRequest.FromString(batch.raw_protobuf) == batch.request
+    assert ExportTraceServiceRequest.FromString(batch.raw_protobuf) == decoded(batch)
 
 
 def test_http_all_spans_rejected_enqueues_nothing(rx: Receivers) -> None:
@@ -592,7 +597,7 @@ def test_http_huge_attribute_value_under_limit_is_accepted(rx: Receivers) -> Non
     [batch] = rx.drain()
     assert (
         attr.value.string_value
-        == batch.request.resource_spans[0].scope_spans[0].spans[0].attributes[0].value.string_value
+        == decoded(batch).resource_spans[0].scope_spans[0].spans[0].attributes[0].value.string_value
     )
 
 
@@ -796,7 +801,7 @@ def test_otlp_json_by_hand_decodes_to_the_same_spans_as_protobuf(rx: Receivers) 
     response = httpx.post(rx.url, content=json.dumps(document), headers={"Content-Type": JS})
     assert (response.status_code, response.json()) == (200, {})
     [batch] = rx.drain()
-    assert request == batch.request
+    assert request == decoded(batch)
     assert request.SerializeToString() == batch.raw_protobuf
 
 
@@ -892,8 +897,8 @@ def test_queue_get_waits_then_close_wakes_and_raises() -> None:
             await asyncio.wait_for(pending, 5)
         assert not queue.offer(batch_of(1))
         return [
-            got.request.resource_spans[0].scope_spans[0].spans[0].name,
-            left.request.resource_spans[0].scope_spans[0].spans[0].name,
+            decoded(got).resource_spans[0].scope_spans[0].spans[0].name,
+            decoded(left).resource_spans[0].scope_spans[0].spans[0].name,
         ]
 
     assert asyncio.run(scenario()) == ["first", "left-over"]
@@ -908,6 +913,6 @@ def test_queue_cancelled_getter_does_not_lose_a_batch() -> None:
         queue.offer(batch_of(1, "only"))
         first.cancel()  # woken but cancelled before it ran
         got = await asyncio.wait_for(second, 5)
-        return got.request.resource_spans[0].scope_spans[0].spans[0].name
+        return decoded(got).resource_spans[0].scope_spans[0].spans[0].name
 
     assert asyncio.run(scenario()) == "only"

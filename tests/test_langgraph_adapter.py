@@ -51,7 +51,7 @@ from supervisor.client.langgraph import (
     supervision,
 )
 from supervisor.client.pull import Command, CommandPuller
-from supervisor.pipeline import Pipeline
+from supervisor.judge.pipeline import Pipeline
 from supervisor.testing.fake_provider import FakeProvider, Reply
 
 PRIMARY = "gpt-4o"

@@ -10,7 +10,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from policies import load_policy
-from supervisor.pipeline import Pipeline
+from supervisor.judge.pipeline import Pipeline
 from supervisor.records import Action, ErrorEvidence, FailureClass, Role, SpanRecord
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"

@@ -8,9 +8,9 @@ import dataclasses
 import policies
 import supervisor.testing
 from supervisor import records
-from supervisor.cli import build_parser
-from supervisor.failure_log import outcome_json
-from supervisor.pipeline import Outcome
+from supervisor.act.failure_log import outcome_json
+from supervisor.cli.verbs import build_parser
+from supervisor.judge.pipeline import Outcome
 
 
 def test_policies_exports() -> None:

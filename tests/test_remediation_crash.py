@@ -38,7 +38,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from supervisor import signing
+from supervisor.act import signing
 from supervisor.testing.otlp_recorder import OtlpRecorder
 from supervisor.testing.sidecar_process import wait_until
 from tests.test_dispatch import Delivery, WebhookReceiver

@@ -16,12 +16,12 @@ import pytest
 from policies import Governor, load_policy
 from remediators.base import Trigger
 from remediators.gateway import WorkerRestart
-from supervisor import signing
-from supervisor.act import Actor
+from supervisor.act import signing
+from supervisor.act.actor import Actor
+from supervisor.act.store import Store
 from supervisor.errors import ConfigError
-from supervisor.remediation import RecoveryWatch, Remediations, SidecarGateway
+from supervisor.remediation.engine import RecoveryWatch, Remediations, SidecarGateway
 from supervisor.settings import AgentDelivery, PullChannel, load_settings
-from supervisor.store import Store
 from tests.test_dispatch import Answer, WebhookReceiver
 
 SECRET = "notify-secret-0123456789abcdef"

@@ -1,6 +1,6 @@
 """The operator surface of remediations: control API routes and ``spanvisor remediations``.
 
-The routes run over a real :class:`~supervisor.control.Control` (an in-memory
+The routes run over a real :class:`~supervisor.api.control.Control` (an in-memory
 store, a real governor) whose remediations are a fake with an in-memory
 runner: DBOS itself is started by the remediation runner's own tests. The
 fake runner refuses to be called on an event loop's thread, as the real one
@@ -26,12 +26,12 @@ from fastapi.testclient import TestClient
 
 from policies import load_policy
 from policies._governor import Governor
-from supervisor.act import Actor
-from supervisor.api import build_control_app
-from supervisor.cli import main
-from supervisor.control import Control
+from supervisor.act.actor import Actor
+from supervisor.act.store import Store
+from supervisor.api.control import Control
+from supervisor.api.server import build_control_app
+from supervisor.cli.verbs import main
 from supervisor.errors import ConfigError
-from supervisor.store import Store
 
 TOKEN = "t0k3n"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -154,7 +154,7 @@ class FakeRunner:
 
 
 class FakeRemediations:
-    """``supervisor.remediation.Remediations`` as the control API sees it."""
+    """``supervisor.remediation.engine.Remediations`` as the control API sees it."""
 
     def __init__(self, runner: FakeRunner | None) -> None:
         self.runner = runner

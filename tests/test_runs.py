@@ -11,8 +11,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from policies import load_policy
 from policies._detectors import DetectorSettings
+from supervisor.judge.pipeline import Pipeline, detected_failure
 from supervisor.normalize import read_spans
-from supervisor.pipeline import Pipeline, detected_failure
 from supervisor.runs import Detection, RunTracker
 
 TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")

@@ -1,6 +1,6 @@
 """The operator surface of run progress: ``GET /v1/runs`` and ``spanvisor runs``.
 
-The routes run over a real :class:`~supervisor.control.Control` (an in-memory
+The routes run over a real :class:`~supervisor.api.control.Control` (an in-memory
 store, a real governor) whose run tracker is a fake holding real
 :class:`~supervisor.runs.RunView` objects; one test reads a real
 :class:`~supervisor.runs.RunTracker` fed encoded spans. The fake tracker
@@ -28,14 +28,14 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from policies import load_policy
 from policies._governor import Governor
-from supervisor import cli
-from supervisor.act import Actor
-from supervisor.api import build_control_app
-from supervisor.cli import main
-from supervisor.control import Control, RunsView
+from supervisor.act.actor import Actor
+from supervisor.act.store import Store
+from supervisor.api.control import Control, RunsView
+from supervisor.api.server import build_control_app
+from supervisor.cli import verbs as cli
+from supervisor.cli.verbs import main
 from supervisor.normalize import read_spans
 from supervisor.runs import RunTracker, RunView
-from supervisor.store import Store
 from tests.test_remediations_api import _Served
 
 TOKEN = "t0k3n"
@@ -593,7 +593,7 @@ def test_the_cli_help_explains_the_verb(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_slo_lines_show_each_service_against_its_target() -> None:
-    from supervisor.cli import _slo_lines
+    from supervisor.cli.verbs import _slo_lines
 
     lines = _slo_lines(
         {

@@ -20,8 +20,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from policies import load_policy
 from policies._cascade import Cascade
+from supervisor.judge.pipeline import Outcome, Pipeline
 from supervisor.normalize import read_spans
-from supervisor.pipeline import Outcome, Pipeline
 from supervisor.records import Decision, Failure
 from supervisor.runs import RunTracker
 

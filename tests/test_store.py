@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from supervisor import records
+from supervisor.act.store import ApprovalError, NewIncident, Store, StoredCommand
 from supervisor.errors import ConfigError
 from supervisor.records import Command, CommandType, command_key
-from supervisor.store import ApprovalError, NewIncident, Store, StoredCommand
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 T0 = 1_000.0
@@ -597,7 +597,7 @@ def test_commands_added_after_an_incident_are_deduplicated_by_their_key(store: S
 
 def test_every_planned_command_is_named_by_its_key_which_is_what_deduplicates_it() -> None:
     """The commands table has no index on ``key``: its primary key, the id, is the key's."""
-    from supervisor.commands import approval_result, plan_commands
+    from supervisor.act.commands import approval_result, plan_commands
     from supervisor.records import Action, Decision, ErrorEvidence, Failure, FailureClass, Role
 
     failure = Failure(

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.act import Actor
+from supervisor.act.actor import Actor
+from supervisor.act.store import NewIncident, Store, StoredCommand
+from supervisor.act.store_writer import StoreWriter
 from supervisor.records import Action
 from supervisor.settings import AgentDelivery, PullChannel
-from supervisor.store import NewIncident, Store, StoredCommand
-from supervisor.store_writer import StoreWriter
 from tests.test_api import _outcome
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import thread_cpu as module
-from supervisor.thread_cpu import thread_cpu
+from supervisor.api import thread_cpu as module
+from supervisor.api.thread_cpu import thread_cpu
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from policies import load_policy
-from supervisor.pipeline import Pipeline
+from supervisor.judge.pipeline import Pipeline
 from tests.test_runs import llm, payload, span, tool
 
 POLICY = """\

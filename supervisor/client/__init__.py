@@ -19,6 +19,7 @@ library), so an agent pays little for importing it. Its modules:
 says), ``_guard`` (:func:`guard` on tenacity), ``_webhooks``.
 """
 
+from supervisor.act.signing import SignatureError
 from supervisor.client._advice import Advice
 from supervisor.client._evidence import exception_type_name
 from supervisor.client._guard import BreakerOpen, FallbackAdvised, Guard, GuardedAttempt, guard
@@ -27,7 +28,6 @@ from supervisor.client._http import TOKEN_ENV as TOKEN_ENV
 from supervisor.client._http import SupervisorClient, SupervisorClientError
 from supervisor.client._local import LocalPolicy
 from supervisor.client._webhooks import SeenCommands, verify_webhook
-from supervisor.signing import SignatureError
 
 __all__ = [
     "Advice",

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor.signing import DEFAULT_TOLERANCE_S, verify
+from supervisor.act.signing import DEFAULT_TOLERANCE_S, verify
 
 
 def verify_webhook(

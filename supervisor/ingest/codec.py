@@ -40,6 +40,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from supervisor.errors import IngestError, PayloadTooLarge
+from supervisor.normalize.wire import LiteRequest
 
 __all__ = [
     "JSON",
@@ -49,6 +50,7 @@ __all__ = [
     "content_coding",
     "decode_payload",
     "decode_request",
+    "decode_spans",
     "decompress",
     "encode_response",
     "encode_status",
@@ -177,6 +179,22 @@ def decode_payload(payload: bytes, *, media: str) -> ExportTraceServiceRequest:
     return _decode_protobuf(payload)
 
 
+def decode_spans(payload: bytes) -> Any:
+    """The one decoding of a protobuf request that everything after ingest reads.
+
+    An ``ExportTraceServiceRequest`` in the lite schema
+    (:data:`supervisor.normalize.wire.LiteRequest`): the same messages, with
+    each span's attributes left encoded until a stage reads them. The
+    request's structure, strings and ids are checked here; an attribute
+    value that does not decode reads as absent where it is read. (OTLP/JSON
+    is parsed by :func:`decode_payload`, then read as its protobuf encoding.)
+    """
+    try:
+        return LiteRequest.FromString(payload)
+    except (DecodeError, RecursionError, ValueError) as exc:
+        raise IngestError(_clip(_explain_protobuf_failure(payload), _MAX_MESSAGE)) from exc
+
+
 def decode_request(
     body: bytes, *, content_type: str, content_encoding: str, max_bytes: int
 ) -> ExportTraceServiceRequest:
@@ -279,7 +297,7 @@ def _hex_id(value: object) -> bytes:
 # ------------------------------------------------------------------- validation
 
 
-def validate_spans(request: ExportTraceServiceRequest) -> Validation:
+def validate_spans(request: Any) -> Validation:
     """Remove, in place, the spans no trace backend could store.
 
     A span is rejected when its trace_id is not 16 bytes or is all zero, its
@@ -348,7 +366,7 @@ def _id_problem(name: str, value: bytes, size: int, *, allow_zero: bool = False)
     return None
 
 
-def _prune_emptied(request: ExportTraceServiceRequest) -> None:
+def _prune_emptied(request: Any) -> None:
     for resource_spans in request.resource_spans:
         for s in reversed(range(len(resource_spans.scope_spans))):
             if not resource_spans.scope_spans[s].spans:

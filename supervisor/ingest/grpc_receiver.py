@@ -29,7 +29,6 @@ from typing import Any
 
 import grpc
 from google.rpc import status_pb2
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from supervisor.errors import ConfigError, IngestError, PayloadTooLarge
 from supervisor.ingest import codec
@@ -148,9 +147,9 @@ class GrpcReceiver:
         self._queue.record_rejected(validation.rejected)
         return codec.encode_response(validation.rejected, validation.message, json=False)
 
-    def _decode(self, raw: bytes) -> tuple[ExportTraceServiceRequest, codec.Validation]:
+    def _decode(self, raw: bytes) -> tuple[Any, codec.Validation]:
         payload = codec.decompress(raw, content_encoding="identity", max_bytes=self._max_body_bytes)
-        request = codec.decode_payload(payload, media=codec.PROTOBUF)
+        request = codec.decode_spans(payload)
         return request, codec.validate_spans(request)
 
     def _throttled(self) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:

@@ -19,9 +19,8 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -137,16 +136,15 @@ class _HttpReceiver:
 
     def _decode(
         self, body: bytes, *, coding: str, media: str
-    ) -> tuple[ExportTraceServiceRequest, bytes, codec.Validation]:
+    ) -> tuple[Any, bytes, codec.Validation]:
         """Decompress, decode and validate; the bytes are what gets forwarded."""
         payload = codec.decompress(body, content_encoding=coding, max_bytes=self._max_body_bytes)
-        request = codec.decode_payload(payload, media=media)
-        if media == codec.PROTOBUF:
-            validation = codec.validate_spans(request)
-            if not validation.rejected:
-                return request, payload, validation
-        else:
-            validation = codec.validate_spans(request)
+        if media == codec.JSON:  # forwarded, and read, as protobuf
+            payload = codec.decode_payload(payload, media=media).SerializeToString()
+        request = codec.decode_spans(payload)
+        validation = codec.validate_spans(request)
+        if not validation.rejected:
+            return request, payload, validation
         raw = request.SerializeToString() if validation.accepted else b""
         return request, raw, validation
 

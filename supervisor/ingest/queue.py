@@ -22,9 +22,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
-
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from typing import Any, Literal
 
 from supervisor.errors import ConfigError, SupervisorError
 
@@ -43,7 +41,9 @@ class QueueClosed(SupervisorError):
 class Batch:
     """One accepted export request, as it goes downstream."""
 
-    request: ExportTraceServiceRequest
+    #: The request as ingest decoded it, once (:func:`supervisor.ingest.codec.decode_spans`):
+    #: what the pipeline reads.
+    request: Any
     #: What is forwarded: the bytes as received when they were protobuf and
     #: nothing was rejected, else ``request.SerializeToString()``.
     raw_protobuf: bytes

@@ -74,6 +74,7 @@ def _build_lite_request() -> Any:
             ("end_time_unix_nano", 8, _F.TYPE_FIXED64, _OPTIONAL, ""),
             ("attributes", 9, _F.TYPE_MESSAGE, _REPEATED, ".spanvisor.lite.Span.AttributesEntry"),
             ("events", 11, _F.TYPE_MESSAGE, _REPEATED, _TRACE + "Span.Event"),
+            ("links", 13, _F.TYPE_MESSAGE, _REPEATED, _TRACE + "Span.Link"),
             ("status", 15, _F.TYPE_MESSAGE, _OPTIONAL, _TRACE + "Status"),
         ],
     )

@@ -34,8 +34,8 @@ from supervisor.addresses import (
     api_url,
 )
 from supervisor.errors import ConfigError, PolicyError, SupervisorError
+from supervisor.judge.replay import BadRecord, jsonl_line, replay, table_header, table_row
 from supervisor.logs import configure_logging
-from supervisor.replay import BadRecord, jsonl_line, replay, table_header, table_row
 
 log = logging.getLogger("spanvisor.cli")
 
@@ -54,7 +54,7 @@ forwarded and own spans go to OTEL_EXPORTER_OTLP_ENDPOINT when it is set.
 """
 
 
-#: Workflow states, as :data:`supervisor.control.REMEDIATION_STATUSES` (not imported: heavy).
+#: Workflow states, as :data:`supervisor.api.control.REMEDIATION_STATUSES` (not imported: heavy).
 REMEDIATION_STATUSES = (
     "PENDING",
     "ENQUEUED",
@@ -78,7 +78,7 @@ has a `remediate` action and the sidecar keeps state in a file (not ':memory:').
 """
 
 
-#: A run's statuses, as :data:`supervisor.control.RUN_STATUSES` (not imported: heavy).
+#: A run's statuses, as :data:`supervisor.api.control.RUN_STATUSES` (not imported: heavy).
 RUN_STATUSES = ("running", "failing", "stalled", "ended")
 
 RUNS_EPILOG = """\
@@ -380,7 +380,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(json_schema(), indent=2, sort_keys=True))
         return 0
     if verb == "demo":
-        from supervisor.demo import run_demo  # the demo pulls in the example agent's needs
+        from supervisor.cli.demo import run_demo  # the demo pulls in the example agent's needs
 
         return run_demo(runs=args.runs, seed=args.seed, live=args.live, keep=args.keep)
     if verb == "incidents":

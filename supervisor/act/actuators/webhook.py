@@ -1,7 +1,7 @@
 """The webhook actuator: one signed ``POST`` of a command to the agent.
 
 The body is the command's JSON, signed as Standard Webhooks say
-(:mod:`supervisor.signing`), so the agent can check that it comes from its
+(:mod:`supervisor.act.signing`), so the agent can check that it comes from its
 sidecar and drop a replay; ``Idempotency-Key`` lets it drop a command it has
 already acted on, since the dispatcher may deliver one twice after a crash.
 
@@ -26,10 +26,10 @@ from typing import Final
 import httpx
 import orjson
 
-from supervisor.actuators import MAX_CONCURRENT_ATTEMPTS, DeliveryResult, one_line
+from supervisor.act.actuators import MAX_CONCURRENT_ATTEMPTS, DeliveryResult, one_line
+from supervisor.act.signing import ID_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, signature_headers
 from supervisor.records import Command
 from supervisor.retry_after import parse_retry_after
-from supervisor.signing import ID_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, signature_headers
 
 __all__ = ["RETRYABLE_STATUSES", "WebhookActuator", "parse_retry_after"]
 

@@ -1,6 +1,6 @@
 """What the control API and the CLI can do to a running sidecar, without HTTP.
 
-:mod:`supervisor.api` maps routes onto these methods, so every operation is
+:mod:`supervisor.api.server` maps routes onto these methods, so every operation is
 testable in process with real components (an in-memory store, a real
 governor). Answers are JSON-ready; span content in them is data.
 
@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar, cast
 
 from policies import Governor, Policy
-from supervisor.act import Actor
+from supervisor.act.actor import Actor
+from supervisor.act.store import ApprovalError, Store
+from supervisor.api.inline import Question, decide
+from supervisor.api.thread_cpu import thread_cpu
 from supervisor.errors import ConfigError
-from supervisor.inline import Question, decide
 from supervisor.settings import AgentDelivery, PullChannel
-from supervisor.store import ApprovalError, Store
-from supervisor.thread_cpu import thread_cpu
 
 MAX_WAIT_S = 30.0
 MAX_LIMIT = 1000
@@ -74,7 +74,7 @@ class RemediationRunner(Protocol):
 
 
 class RemediationsView(Protocol):
-    """What the control API reads of :class:`supervisor.remediation.Remediations`."""
+    """What the control API reads of :class:`supervisor.remediation.engine.Remediations`."""
 
     @property
     def runner(self) -> RemediationRunner | None: ...

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from tenacity import RetryCallState, Retrying, wait_random_exponential
 
-from supervisor.actuators import MAX_CONCURRENT_ATTEMPTS, Actuator, DeliveryResult
+from supervisor.act.actuators import MAX_CONCURRENT_ATTEMPTS, Actuator, DeliveryResult
+from supervisor.act.store import Store, StoredCommand
 from supervisor.bounded import LatencyWindow
 from supervisor.retry_after import MAX_RETRY_AFTER_S
-from supervisor.store import Store, StoredCommand
 
 log = logging.getLogger("spanvisor.dispatch")
 

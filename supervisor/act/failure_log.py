@@ -6,7 +6,7 @@ import logging
 from collections import deque
 from typing import Any
 
-from supervisor.pipeline import Outcome
+from supervisor.judge.pipeline import Outcome
 from supervisor.records import params_dict
 
 log = logging.getLogger("spanvisor.failures")

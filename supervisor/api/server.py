@@ -6,7 +6,7 @@ generated at start and written to a file only the user can read, and the
 sidecar refuses to listen beyond loopback without one configured. Errors are
 ``{"error": "..."}`` with a 4xx status that says which kind; span content in
 answers is JSON data, never interpreted. The routes only translate HTTP:
-what they do is :class:`supervisor.control.Control`'s.
+what they do is :class:`supervisor.api.control.Control`'s.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from supervisor.control import REMEDIATION_STATUSES, RUN_STATUSES, Control, ControlError
-from supervisor.inline import Question
+from supervisor.api.control import REMEDIATION_STATUSES, RUN_STATUSES, Control, ControlError
+from supervisor.api.inline import Question
 
 __all__ = ["build_control_app", "ensure_token"]
 

@@ -37,15 +37,15 @@ from remediators.base import Trigger
 from remediators.gateway import WorkerRestart
 from remediators.registry import RemediatorNotFound, allowed_tools, budget_of, resolve
 from remediators.runner import DurableRunner, RunnerSettings, build_request, redact_url
-from supervisor.act import Actor
-from supervisor.actuators import DeliveryResult
-from supervisor.actuators.command import CommandActuator
-from supervisor.failure_log import outcome_json
-from supervisor.pipeline import Outcome
+from supervisor.act.actor import Actor
+from supervisor.act.actuators import DeliveryResult
+from supervisor.act.actuators.command import CommandActuator
+from supervisor.act.failure_log import outcome_json
+from supervisor.act.signing import signature_headers
+from supervisor.act.store import StoredCommand
+from supervisor.judge.pipeline import Outcome
 from supervisor.records import Action, Command, CommandType, command_key
 from supervisor.settings import Settings
-from supervisor.signing import signature_headers
-from supervisor.store import StoredCommand
 
 log = logging.getLogger("spanvisor.remediate")
 

@@ -3,7 +3,7 @@
 SQLite commits take a millisecond or more per batch (the sqlite3 module
 releases the GIL while it writes), and on the pipeline's thread they delayed
 the next batch's decisions. The writer takes batches of outcomes from a
-bounded queue, stores them (:meth:`supervisor.act.Actor.store_outcomes`) and
+bounded queue, stores them (:meth:`supervisor.act.actor.Actor.store_outcomes`) and
 hands the new commands back to the event loop, which wakes the deliverers.
 
 Under load, commits are spaced (``min_commit_interval_s``, 10 ms): a batch
@@ -30,8 +30,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from supervisor.act import Actor
-from supervisor.pipeline import Outcome
+from supervisor.act.actor import Actor
+from supervisor.judge.pipeline import Outcome
 
 log = logging.getLogger("spanvisor.store")
 

@@ -45,8 +45,8 @@ from tenacity import (
 )
 from tenacity.wait import wait_base
 
-from supervisor.downstream import Downstream
 from supervisor.errors import ConfigError, DeliveryError
+from supervisor.forward.downstream import Downstream
 from supervisor.retry_after import parse_retry_after
 
 log = logging.getLogger("spanvisor.forward")

@@ -22,10 +22,10 @@ from typing import IO, Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from policies import Policy
+from supervisor.act.failure_log import outcome_json
 from supervisor.errors import IngestError
-from supervisor.failure_log import outcome_json
 from supervisor.ingest.codec import decode_request, validate_spans
-from supervisor.pipeline import Outcome, Pipeline, detected_failure
+from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.runs import RunTracker
 
 #: Far above any real request; a corrupt length prefix fails clearly instead.

@@ -38,8 +38,8 @@ from opentelemetry.util.types import AttributeValue
 
 from remediators.tracing import PresetIdGenerator
 from supervisor import __version__
-from supervisor.downstream import Downstream
 from supervisor.errors import ConfigError
+from supervisor.forward.downstream import Downstream
 from supervisor.records import AttrValue, Decision, Failure
 
 log = logging.getLogger("spanvisor.telemetry")

@@ -30,7 +30,7 @@ from typing import Final
 
 import orjson
 
-from supervisor.actuators import DeliveryResult, one_line
+from supervisor.act.actuators import DeliveryResult, one_line
 from supervisor.records import Command
 
 __all__ = ["PLACEHOLDERS", "CommandActuator"]

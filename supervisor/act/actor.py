@@ -1,9 +1,9 @@
 """Acting on decisions: store each incident with its commands, then wake the deliverers.
 
 The pipeline decides; this module makes the decision durable and deliverable:
-one :class:`~supervisor.store.NewIncident` per outcome (its key is the
+one :class:`~supervisor.act.store.NewIncident` per outcome (its key is the
 triggering span and rule, so a span seen twice adds nothing), its commands
-(:func:`supervisor.commands.plan_commands`) routed to the channel configured
+(:func:`supervisor.act.commands.plan_commands`) routed to the channel configured
 for the agent's service, and for escalations an approval request. Answering
 an approval stores the ``approval_result`` command the same way.
 
@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from supervisor.commands import approval_result, incident_key, plan_commands, proposal
-from supervisor.failure_log import outcome_json
-from supervisor.pipeline import Outcome
+from supervisor.act.commands import approval_result, incident_key, plan_commands, proposal
+from supervisor.act.failure_log import outcome_json
+from supervisor.act.store import Approval, NewIncident, Store, StoredCommand
+from supervisor.judge.pipeline import Outcome
 from supervisor.records import Action
 from supervisor.settings import AgentDelivery
-from supervisor.store import Approval, NewIncident, Store, StoredCommand
 
 log = logging.getLogger("spanvisor.act")
 

@@ -31,7 +31,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 
 from supervisor import __version__
-from supervisor.downstream import Downstream
+from supervisor.forward.downstream import Downstream
 
 log = logging.getLogger("spanvisor.metrics")
 

@@ -32,7 +32,7 @@ The story, in the order it happens (both agents run at once):
   as an operator would;
 * ``billing-2``: a 401: permanent, the run is aborted.
 
-The view (:mod:`supervisor.demo_view`) reads the control API as an operator
+The view (:mod:`supervisor.cli.demo_view`) reads the control API as an operator
 would. The demo exits 0 when every part of the story happened, else 1 with
 what did not; everything is bounded by one deadline and cleaned up on any exit.
 """
@@ -66,7 +66,7 @@ import httpx
 
 from policies import load_policy
 from supervisor.app import BackgroundSidecar, Sidecar, resolve_downstream
-from supervisor.demo_view import (
+from supervisor.cli.demo_view import (
     Event,
     Facts,
     LineView,
@@ -78,7 +78,7 @@ from supervisor.demo_view import (
     clean,
     summary,
 )
-from supervisor.downstream import Downstream
+from supervisor.forward.downstream import Downstream
 from supervisor.logs import JsonFormatter
 from supervisor.settings import load_settings
 from supervisor.testing.fake_provider import Reply
@@ -872,7 +872,7 @@ class Demo:
         return problems
 
     def _summary(self, watcher: Watcher, outage: Outage, downstream: Downstream | None) -> None:
-        """The summary (:func:`~supervisor.demo_view.summary`) with what only the demo knows."""
+        """The summary (:func:`~supervisor.cli.demo_view.summary`) with what only the demo knows."""
         notes: dict[str, str] = {}
         if self.story.crash_code == -signal.SIGKILL:
             notes[f"{BILLING_PREFIX}-1"] = (

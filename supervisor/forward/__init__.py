@@ -1,0 +1,4 @@
+"""What leaves the sidecar for the downstream: the agent's spans relayed unchanged
+(:mod:`.relay`), the sidecar's own spans (:mod:`.telemetry`) and metrics (:mod:`.metrics`),
+all to one OTLP downstream (:mod:`.downstream`).
+"""
