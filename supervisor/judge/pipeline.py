@@ -6,26 +6,10 @@ may be failures are normalized (:mod:`supervisor.normalize.screen` decides
 that from a few attributes), and only those that are go further (dedup,
 classification, attribution, decision), so spans that succeed pay little.
 
-A failure is reported once, at the span where it originates. Ancestors that
-only propagate it are attributed to it instead of being reported again:
-
-* within one request (the usual case: an SDK exports a child and the parent
-  it fails in the same batch) by walking failing parents up from each
-  failing span;
-* across requests through a bounded map from a parent's ids to a small
-  signature of the origin already reported, for parents that end in a later batch;
-* through spans that did not fail: a framework often puts an OK span between
-  the call that failed and the agent span that fails with it (the OpenAI
-  Agents SDK's ``turn``), and those spans are never normalized. A failing
-  agent or chain span whose time range contains an origin's in the same
-  trace, and that shows nothing beyond its error, propagates it; the closest
-  such origin is taken, within the request and from a few origins remembered
-  per trace. (Calls are not containers: parallel siblings overlap in time.)
-
-When the origin is a plain HTTP or unlabelled span under an LLM or tool span
-that propagated it, the failure keeps the origin's span but takes the
-dependency of that LLM or tool span: a breaker belongs to ``openai:gpt-4o``,
-not to ``http:api.openai.com``.
+Each stage has its module: which successes verifiers read
+(:mod:`.verifying`), where each failure originates (:mod:`.attribution`),
+what a failure says (:mod:`.failures`); the policy classifies and decides,
+the governor (breakers, budgets) revises.
 """
 
 from __future__ import annotations
@@ -36,39 +20,35 @@ from typing import Any, Final, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from policies import RUN_KINDS, Cascade, Policy, VerificationFailure, VerifierSet
+from policies import RUN_KINDS, Cascade, Policy
 from supervisor.bounded import BoundedMap
-from supervisor.normalize import (
-    Span,
-    SpanReader,
-    may_fail_quietly,
-    shows_failure_signal,
+from supervisor.judge.attribution import Attribution, Candidate, signature
+from supervisor.judge.failures import (
+    cascade_failure,
+    detected_failure,
+    failure_at,
+    verification_failure,
 )
-from supervisor.normalize.span import requested_calls
-from supervisor.records import (
-    Action,
-    Classification,
-    Decision,
-    ErrorEvidence,
-    Failure,
-    FailureClass,
-    Role,
-    SpanRecord,
-)
-from supervisor.runs import CASCADE_RULE, Detection, RunTracker
+from supervisor.judge.verifying import WantedBy, only_calls_tools
+from supervisor.normalize import Span, SpanReader, may_fail_quietly, shows_failure_signal
+from supervisor.records import Action, Decision, Failure, SpanRecord
+from supervisor.runs import Detection, RunTracker
+
+__all__ = [
+    "OWN_SERVICE",
+    "Governor",
+    "Outcome",
+    "Pipeline",
+    "PipelineStats",
+    "RecoveryListener",
+    "Remainder",
+    "detected_failure",
+]
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
 OWN_SERVICE: Final = "spanvisor"
-_MESSAGE_LIMIT: Final = 300
-_SPECIFIC_ROLES: Final[tuple[Role, ...]] = (Role.LLM, Role.TOOL)
 #: Decisions after which the run is expected to go on (a silence is then a stall).
 _GOES_ON: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK, Action.REMEDIATE)
-#: Spans that may propagate a failure from below an OK span: the ones that run
-#: others. Calls (LLM, tool, HTTP) overlap in time as parallel siblings, and two
-#: parallel calls timing out are two failures, not one propagating the other.
-_CONTAINER_ROLES: Final[tuple[Role, ...]] = (Role.AGENT, Role.CHAIN)
-#: Characters of an origin's message kept to recognise it in a parent's.
-_SIGNATURE_TEXT: Final = 120
 #: Spans read at a time from a request (SpanReader): about 45 KB of attributes,
 #: which stay in the caches while each step goes over them.
 _CHUNK_SPANS: Final = 32
@@ -128,35 +108,6 @@ class PipelineStats:
     evictions: int
 
 
-class _Signature:
-    """What attribution compares of an origin; small, so many can be remembered."""
-
-    __slots__ = ("exception_tail", "failure_class", "kind", "text")
-
-    def __init__(
-        self, failure_class: FailureClass, kind: str, exception_tail: str, text: str
-    ) -> None:
-        self.failure_class = failure_class
-        self.kind = kind
-        self.exception_tail = exception_tail
-        self.text = text
-
-
-class _Reported:
-    """An origin reported in a trace, for ancestors that end in a later request."""
-
-    __slots__ = ("end_ns", "sig", "start_ns")
-
-    def __init__(self, start_ns: int, end_ns: int, sig: _Signature) -> None:
-        self.start_ns = start_ns
-        self.end_ns = end_ns
-        self.sig = sig
-
-
-#: Origins remembered per trace for attribution through spans that did not fail.
-_ORIGINS_PER_TRACE: Final = 8
-
-
 @dataclass(frozen=True, slots=True)
 class Remainder:
     """The spans of a batch left after :meth:`Pipeline.first_pass`.
@@ -169,16 +120,6 @@ class Remainder:
     quiet: list[Span]
     verify: list[Span]
     received_ns: int
-
-
-@dataclass(slots=True)
-class _Candidate:
-    record: SpanRecord
-    #: The run the span belongs to (the run tracker's answer).
-    run_id: str
-    verdict: Classification
-    sig: _Signature
-    attributed_to: _Candidate | None = None
 
 
 class Pipeline:
@@ -205,17 +146,16 @@ class Pipeline:
         self.observe_only = observe_only
         # trace + span id of failing spans already judged: exporters re-send batches.
         self._seen: BoundedMap[str, bool] = BoundedMap(seen_capacity)
-        # trace + span id of a parent → the signature of the origin below it.
-        self._origin_below: BoundedMap[str, _Signature] = BoundedMap(seen_capacity)
-        # trace id → the last origins reported in it, for ancestors above OK spans.
-        self._origins_in: BoundedMap[str, list[_Reported]] = BoundedMap(runs_capacity)
+        self._attribution = Attribution(
+            seen_capacity=seen_capacity, traces_capacity=runs_capacity
+        )
         # (run, dependency) → failures since its last success in the run: a step's
         # attempts (the retry of a step is another call of the same dependency).
         self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
         # Dependencies with attempts counted: only their successes are looked up.
         self._attempted: set[str] = set()
         # Which verifiers want a successful span, memoized per policy (_WantedBy).
-        self._wants = _WantedBy(None)
+        self._wants = WantedBy(None)
         #: Told when a dependency that a remediation waits for succeeds in a run.
         self.recovery: RecoveryListener | None = None
         #: Every span's run: progress, loops, stalls (None: not tracked).
@@ -224,7 +164,6 @@ class Pipeline:
         self._spans = 0
         self._failing = 0
         self._failures = 0
-        self._attributed = 0
         self._duplicates = 0
         self._own = 0
 
@@ -290,7 +229,7 @@ class Pipeline:
         calls: list[tuple[int, str, bool]] = []
         outcomes = self._judge_spans(rest.quiet, rest.received_ns, calls)
         if rest.verify:
-            answers = [s.record() for s in rest.verify if not _only_calls_tools(s, s.record())]
+            answers = [s.record() for s in rest.verify if not only_calls_tools(s, s.record())]
             outcomes += self._verify(answers, rest.received_ns)
         if self.runs is not None:
             self.runs.settle()
@@ -312,7 +251,7 @@ class Pipeline:
         verifiers = self.policy.verifiers
         wants = self._wants
         if wants.verifiers is not verifiers:  # a new policy
-            wants = self._wants = _WantedBy(verifiers)
+            wants = self._wants = WantedBy(verifiers)
         for span in ok:
             if wants.verifying and wants.wanted(span):
                 verify.append(span)  # its output must pass a verifier: normalize it
@@ -374,7 +313,7 @@ class Pipeline:
                 continue
             if record.dependency:
                 self._succeeded(span.trace_hex, span.session_id, span, record.dependency, calls)
-            if not _only_calls_tools(span, record):
+            if not only_calls_tools(span, record):
                 passed.append(record)
         outcomes = self._judge(failing, received_ns, calls)
         return outcomes + self._verify(passed, received_ns)
@@ -385,7 +324,7 @@ class Pipeline:
         if not len(verifiers) or not records:
             return []
         unverified = [
-            _verification_failure(
+            verification_failure(
                 record, self._run_of(record.trace_id, record.session_id), found, received_ns
             )
             for record in records
@@ -428,12 +367,11 @@ class Pipeline:
             processed_spans=self._spans,
             failing_spans=self._failing,
             failures=self._failures,
-            attributed=self._attributed,
+            attributed=self._attribution.attributed,
             duplicates=self._duplicates,
             own_spans_skipped=self._own,
             evictions=self._seen.evictions
-            + self._origin_below.evictions
-            + self._origins_in.evictions
+            + self._attribution.evictions
             + self._attempts.evictions,
         )
 
@@ -449,22 +387,10 @@ class Pipeline:
         (breakers count failures in a row), before it reviews the decisions.
         """
         candidates = self._candidates(failing)
+        self._attribution.link(candidates)
         outcomes: list[Outcome] = []
-        attributed_by = _attributions(candidates)
-        for key, cand in candidates.items():
-            if cand.attributed_to is not None:
-                self._attributed += 1
-                continue
-            earlier = self._origin_below.get(key) or self._origin_within(cand)
-            if earlier is not None and _propagates(cand, earlier):
-                # A descendant failed in an earlier request with the same error.
-                self._attributed += 1
-                self._remember_origin(cand.record, earlier)
-                continue
-            parents = _ancestors_attributed_to(cand, candidates, attributed_by)
-            failure = self._failure(cand, parents, received_ns)
-            self._remember_origin((parents[-1] if parents else cand).record, cand.sig)
-            self._remember_in_trace(cand)
+        for cand, parents in self._attribution.origins(candidates):
+            failure = failure_at(cand, parents, received_ns)
             attempt_key = (failure.run_id, failure.dependency)
             attempt = (self._attempts.get(attempt_key) or 0) + 1
             self._attempts.set(attempt_key, attempt)
@@ -481,9 +407,9 @@ class Pipeline:
                 self.runs.failed(failure.run_id)
         return self._finish(outcomes, calls)
 
-    def _candidates(self, failing: list[SpanRecord]) -> dict[str, _Candidate]:
-        """The failing spans not judged before, classified, each attributed within the batch."""
-        candidates: dict[str, _Candidate] = {}
+    def _candidates(self, failing: list[SpanRecord]) -> dict[str, Candidate]:
+        """The failing spans not judged before (nor the sidecar's own), classified."""
+        candidates: dict[str, Candidate] = {}
         for record in failing:
             if record.service == OWN_SERVICE and record.name.startswith("spanvisor."):
                 self._own += 1
@@ -498,24 +424,7 @@ class Pipeline:
             if verdict is None:  # the policy found nothing to report
                 continue
             run_id = self._run_of(record.trace_id, record.session_id)
-            candidates[key] = _Candidate(record, run_id, verdict, _signature(record, verdict))
-        # Within the request: a failing parent that only propagates its
-        # failing child is attributed to the child.
-        for cand in candidates.values():
-            rec = cand.record
-            if not rec.parent_span_id:
-                continue
-            parent = candidates.get(rec.trace_id + rec.parent_span_id)
-            if (
-                parent is not None
-                and parent is not cand  # a malformed span that names itself its parent
-                and parent.attributed_to is None
-                and _propagates(parent, cand.sig)
-            ):
-                parent.attributed_to = cand
-        if len(candidates) > 1:
-            _attribute_through_ok_spans(candidates)
-
+            candidates[key] = Candidate(record, run_id, verdict, signature(record, verdict))
         return candidates
 
     def _finish(
@@ -534,7 +443,7 @@ class Pipeline:
                 )
             outcomes = self._govern(self.governor, outcomes, calls)
             if started:
-                outcomes += self.judge_detected([_cascade_failure(c) for c in started])
+                outcomes += self.judge_detected([cascade_failure(c) for c in started])
         if self.observe_only:
             outcomes = [
                 o if o.decision.observe_only else replace(o, decision=_observed(o.decision))
@@ -560,70 +469,6 @@ class Pipeline:
             reviewed.append(o if decision is o.decision else Outcome(o.failure, decision))
         return reviewed
 
-    def _remember_origin(self, record: SpanRecord, sig: _Signature) -> None:
-        if record.parent_span_id:
-            self._origin_below.set(record.trace_id + record.parent_span_id, sig)
-
-    def _remember_in_trace(self, origin: _Candidate) -> None:
-        rec = origin.record
-        reported = self._origins_in.get(rec.trace_id)
-        if reported is None:
-            reported = []
-            self._origins_in.set(rec.trace_id, reported)
-        if len(reported) >= _ORIGINS_PER_TRACE:
-            del reported[0]
-        reported.append(_Reported(rec.start_ns, rec.end_ns, origin.sig))
-
-    def _origin_within(self, cand: _Candidate) -> _Signature | None:
-        """The closest origin reported earlier in the trace within the span's time."""
-        reported = self._origins_in.get(cand.record.trace_id)
-        if not reported or cand.record.role not in _CONTAINER_ROLES:
-            return None
-        rec = cand.record
-        inside = [
-            r
-            for r in reported
-            if _contains(rec.start_ns, rec.end_ns, r.start_ns, r.end_ns)
-            and _propagates(cand, r.sig)
-        ]
-        if not inside:
-            return None
-        return min(inside, key=lambda r: r.end_ns - r.start_ns).sig
-
-    def _failure(
-        self,
-        origin: _Candidate,
-        parents: list[_Candidate],
-        received_ns: int,
-    ) -> Failure:
-        """The failure ``origin`` reports; ``parents``: its ancestors that propagate it."""
-        rec = origin.record
-        verdict = origin.verdict
-        attributed: list[str] = []
-        dependency = verdict.dependency or rec.dependency
-        for parent in parents:
-            attributed.append(parent.record.span_id)
-            if rec.role not in _SPECIFIC_ROLES and parent.record.role in _SPECIFIC_ROLES:
-                dependency = parent.record.dependency or dependency
-        return Failure(
-            trace_id=rec.trace_id,
-            span_id=rec.span_id,
-            parent_span_id=rec.parent_span_id,
-            service=rec.service,
-            span_name=rec.name,
-            run_id=origin.run_id,
-            role=rec.role,
-            failure_class=verdict.failure_class,
-            kind=verdict.kind,
-            dependency=dependency,
-            rule=verdict.rule,
-            message=_summary(rec),
-            evidence=rec.error,  # type: ignore[arg-type]  # only failing records get here
-            received_ns=received_ns,
-            attributed=tuple(attributed),
-        )
-
-
 def _goes_on_after(outcome: Outcome) -> float | None:
     """When a decision tells the run to go on (Unix seconds); None when it does not."""
     decision = outcome.decision
@@ -640,175 +485,8 @@ def _goes_on_after(outcome: Outcome) -> float | None:
     return outcome.failure.received_ns / 1e9 + max(0.0, delay)
 
 
-def _attributions(candidates: dict[str, _Candidate]) -> dict[str, _Candidate]:
-    """Candidate key -> the first candidate (in the batch's order) attributed to it.
-
-    Built once per batch, after attribution: looking each origin's containers
-    up by scanning every candidate made a batch of n failures cost n squared,
-    which is at its worst in an outage, when most spans fail.
-    """
-    index: dict[str, _Candidate] = {}
-    for cand in candidates.values():
-        target = cand.attributed_to
-        if target is not None:
-            index.setdefault(target.record.trace_id + target.record.span_id, cand)
-    return index
-
-
-def _ancestors_attributed_to(
-    origin: _Candidate, candidates: dict[str, _Candidate], attributed_by: dict[str, _Candidate]
-) -> list[_Candidate]:
-    """The candidates attributed to ``origin``, nearest first (a parent, or a container)."""
-    chain: list[_Candidate] = []
-    current = origin
-    for _ in range(64):  # spans nest deeply only in pathological traces
-        rec = current.record
-        parent = candidates.get(rec.trace_id + rec.parent_span_id) if rec.parent_span_id else None
-        if parent is None or parent.attributed_to is not current:
-            parent = attributed_by.get(rec.trace_id + rec.span_id)
-        if parent is None:
-            break
-        chain.append(parent)
-        current = parent
-    return chain
-
-
-def _contains(start: int, end: int, inner_start: int, inner_end: int) -> bool:
-    """Whether [start, end] holds [inner_start, inner_end] and is longer."""
-    return start <= inner_start and inner_end <= end and end - start > inner_end - inner_start
-
-
-def _attribute_through_ok_spans(candidates: dict[str, _Candidate]) -> None:
-    """Attribute failing ancestors whose failing descendant sits below a span that did not fail.
-
-    A candidate not attributed yet that contains others of its trace in time
-    and propagates their error is attributed to the closest of them: the
-    longest, which holds the rest, so that nested containers (agent > step >
-    call) form one chain and the failure lists each of them, nearest first.
-    Durations strictly shrink along these links, and a candidate is never
-    attributed to one whose own chain already leads back to it, so no cycle
-    can form.
-    """
-    by_trace: dict[str, list[_Candidate]] = {}
-    for cand in candidates.values():
-        by_trace.setdefault(cand.record.trace_id, []).append(cand)
-    for group in by_trace.values():
-        if len(group) < 2:
-            continue
-        for outer in group:
-            if outer.attributed_to is not None or outer.record.role not in _CONTAINER_ROLES:
-                continue
-            o = outer.record
-            inside = [
-                c
-                for c in group
-                if c is not outer
-                and _contains(o.start_ns, o.end_ns, c.record.start_ns, c.record.end_ns)
-                and _propagates(outer, c.sig)
-                and not _leads_to(c, outer)
-            ]
-            if inside:
-                outer.attributed_to = max(inside, key=lambda c: c.record.end_ns - c.record.start_ns)
-
-
-def _leads_to(cand: _Candidate, target: _Candidate) -> bool:
-    current = cand.attributed_to
-    for _ in range(64):
-        if current is None:
-            return False
-        if current is target:
-            return True
-        current = current.attributed_to
-    return True  # a chain this long: refuse the link rather than risk a cycle
-
-
 def _observed(decision: Decision) -> Decision:
     return replace(decision, observe_only=True)
-
-
-def _signature(record: SpanRecord, verdict: Classification) -> _Signature:
-    ev = record.error
-    assert ev is not None  # only failing records are judged
-    return _Signature(
-        verdict.failure_class,
-        verdict.kind,
-        _tail(ev.exception_type) if ev.exception_type else "",
-        (ev.exception_message or ev.status_message)[:_SIGNATURE_TEXT],
-    )
-
-
-def _propagates(parent: _Candidate, child: _Signature) -> bool:
-    """Whether a failing parent shows nothing beyond its failing child's error."""
-    verdict, evidence = parent.verdict, parent.record.error
-    if evidence is None:
-        return False
-    if verdict.kind == "unknown":
-        return True  # the parent says nothing more specific than "it failed"
-    if (verdict.failure_class, verdict.kind) == (child.failure_class, child.kind):
-        return True
-    if evidence.exception_type and child.exception_tail:
-        return _tail(evidence.exception_type) == child.exception_tail
-    return bool(child.text) and child.text in evidence.text()
-
-
-def _tail(exception_type: str) -> str:
-    return exception_type.rsplit(".", 1)[-1]
-
-
-def _summary(record: SpanRecord) -> str:
-    ev = record.error
-    if ev is None:
-        return ""
-    parts: list[str] = []
-    if ev.exception_type:
-        parts.append(ev.exception_type)
-    text = ev.exception_message or ev.status_message
-    if text:
-        parts.append(text)
-    if ev.http_status is not None and f"{ev.http_status}" not in text:
-        parts.append(f"HTTP {ev.http_status}")
-    if ev.grpc_code is not None:
-        parts.append(f"gRPC {ev.grpc_code}")
-    if ev.provider_code and ev.provider_code not in text:
-        parts.append(ev.provider_code)
-    if ev.finish_reasons:
-        parts.append("finish_reason=" + ",".join(ev.finish_reasons))
-    if ev.invalid_tool_calls:
-        parts.append("invalid tool calls: " + ", ".join(ev.invalid_tool_calls))
-    if ev.swallowed:
-        parts.append("(caught by the tool, span status OK)")
-    line = ": ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
-    line = " ".join(line.split())  # one line, whatever the message held
-    return line if len(line) <= _MESSAGE_LIMIT else line[: _MESSAGE_LIMIT - 1] + "…"
-
-
-def detected_failure(found: Detection, received_ns: int) -> Failure:
-    """What a run detector found, as a failure at its span."""
-    if found.role:
-        role = Role(found.role)
-    else:
-        role = Role.TOOL if found.dependency.startswith("tool:") else Role.LLM
-    return Failure(
-        trace_id=found.trace_id,
-        span_id=found.span_id,
-        parent_span_id="",
-        service=found.service,
-        span_name=found.span_name,
-        run_id=found.run_id,
-        role=role,
-        failure_class=FailureClass(found.failure_class),
-        kind=found.kind,
-        dependency=found.dependency,
-        rule=found.rule,
-        message=found.message[:512],
-        evidence=ErrorEvidence(),
-        received_ns=received_ns,
-        details=found.details,
-    )
-
-
-#: Roles a span without a dependency may have, for choosing the verifiers that want it.
-_UNNAMED_ROLES: Final[tuple[Role, ...]] = (Role.AGENT, Role.CHAIN, Role.OTHER)
 
 
 def _recovered(
@@ -829,118 +507,3 @@ def _recovered(
         recovery.succeeded(run_id, dependency, span_hex)
     if by_trace:
         recovery.succeeded(trace_id, dependency, span_hex)
-
-
-class _WantedBy:
-    """Whether some verifier looks at a successful span (it is then normalized), memoized.
-
-    The answer depends on the span's service, name and role only, and asking
-    the verifier set (interpreted, a generator per span) cost more than the
-    rest of a successful span's bookkeeping. Span names are the agents' to
-    choose, so the memo is bounded: cleared when full.
-    """
-
-    __slots__ = ("_by_service", "_size", "verifiers", "verifying")
-
-    def __init__(self, verifiers: VerifierSet | None) -> None:
-        self.verifiers = verifiers
-        #: Whether there are any (``len`` of the set runs interpreted: asked once).
-        self.verifying = verifiers is not None and len(verifiers) > 0
-        # service -> span name -> a bit per role group (_TOOL, _HTTP, _LLM, _UNNAMED)
-        self._by_service: dict[str, dict[str, int]] = {}
-        self._size = 0
-
-    def wanted(self, span: Span) -> bool:
-        service, name, dependency = span.service, span.name, span.dependency
-        by_name = self._by_service.get(service)
-        if by_name is None:
-            by_name = self._by_service[service] = {}
-        bits = by_name.get(name)
-        if bits is None:
-            bits = self._ask(service, name)
-            if self._size >= _WANTED_ENTRIES:
-                self._by_service = {service: by_name}
-                by_name.clear()
-                self._size = 0
-            by_name[name] = bits
-            self._size += 1
-        if dependency.startswith("tool:"):
-            return bits & _TOOL != 0
-        if dependency.startswith("http:"):
-            return bits & _HTTP != 0
-        if dependency:
-            return bits & _LLM != 0
-        return bits & _UNNAMED != 0
-
-    def _ask(self, service: str, name: str) -> int:
-        verifiers = self.verifiers
-        if verifiers is None:
-            return 0
-        bits = 0
-        if verifiers.wants(service, Role.TOOL, name):
-            bits |= _TOOL
-        if verifiers.wants(service, Role.HTTP, name):
-            bits |= _HTTP
-        if verifiers.wants(service, Role.LLM, name):
-            bits |= _LLM
-        if any(verifiers.wants(service, role, name) for role in _UNNAMED_ROLES):
-            bits |= _UNNAMED
-        return bits
-
-
-_TOOL: Final = 1
-_HTTP: Final = 2
-_LLM: Final = 4
-_UNNAMED: Final = 8
-_WANTED_ENTRIES: Final = 4096
-
-
-def _verification_failure(
-    record: SpanRecord, run_id: str, found: VerificationFailure, received_ns: int
-) -> Failure:
-    return Failure(
-        trace_id=record.trace_id,
-        span_id=record.span_id,
-        parent_span_id=record.parent_span_id,
-        service=record.service,
-        span_name=record.name,
-        run_id=run_id,
-        role=record.role,
-        failure_class=FailureClass.SEMANTIC,
-        kind="verification_failed",
-        dependency=record.dependency,
-        rule=f"verifier.{found.verifier}",
-        message=f"{found.verifier}: {found.message}"[:512],
-        evidence=ErrorEvidence(),
-        received_ns=received_ns,
-        details={"verifier": found.verifier},
-    )
-
-
-def _cascade_failure(found: Cascade) -> Failure:
-    """A cascade as one incident, at the failure that completed it, listing the runs hit."""
-    last = found.trigger
-    runs = ", ".join(found.runs[:5]) + (" ..." if len(found.runs) > 5 else "")
-    return replace(
-        last,
-        rule=CASCADE_RULE,
-        message=(
-            f"{found.dependency} failing across runs: {found.failures} of {found.calls} calls"
-            f" ({found.error_rate:.0%}) from {len(found.runs)} runs ({runs})"
-        )[:512],
-        attributed=(),
-        details={
-            "runs": found.runs,
-            "failures": found.failures,
-            "calls": found.calls,
-            "error_rate": round(found.error_rate, 4),
-        },
-    )
-
-
-def _only_calls_tools(span: Span, record: SpanRecord) -> bool:
-    """An LLM turn with no text that asked for tool calls: not an answer to verify."""
-    if record.role is not Role.LLM or record.output_text:
-        return False
-    requested = span.requested()
-    return requested is not None and bool(requested_calls(requested))

@@ -64,14 +64,17 @@ _OBJECTIVE_KEYS: Final = tuple(k for a in _RUN_ORDER for k in a.OBJECTIVE_KEYS)
 #: An LLM span whose response may ask for tool calls.
 _REQUEST_MARKERS: Final = frozenset({openinference.FIRST_TOOL_CALL, genai.OUTPUT_MESSAGES})
 #: Every key a run reads from a span: the reader notes which of them each span carries.
-WATCHED_RUN_KEYS: Final = frozenset(
-    SESSION_KEYS
-    + _INPUT_TOKEN_KEYS
-    + _OUTPUT_TOKEN_KEYS
-    + _TOOL_ARGUMENT_KEYS
-    + _LLM_TEXT_KEYS
-    + _OBJECTIVE_KEYS
-) | _REQUEST_MARKERS
+WATCHED_RUN_KEYS: Final = (
+    frozenset(
+        SESSION_KEYS
+        + _INPUT_TOKEN_KEYS
+        + _OUTPUT_TOKEN_KEYS
+        + _TOOL_ARGUMENT_KEYS
+        + _LLM_TEXT_KEYS
+        + _OBJECTIVE_KEYS
+    )
+    | _REQUEST_MARKERS
+)
 
 #: Raw values longer than this are not kept past their batch (requested calls).
 _MAX_KEPT_BYTES: Final = 16 * 1024
@@ -589,4 +592,3 @@ def _identified(
         return "", False
     uses_name = role is Role.TOOL and not draft.tool_name
     return dependency_and_tool(draft, role, name)[1], uses_name
-

@@ -92,9 +92,7 @@ class RecentCalls:
         found = seen.get(digest)
         if found is None:  # the usual case: a call not made lately
             if len(seen) >= 4 * window:
-                self._seen = seen = {
-                    k: v for k, v in seen.items() if _last_seq(v) > seq - window
-                }
+                self._seen = seen = {k: v for k, v in seen.items() if _last_seq(v) > seq - window}
             seen[digest] = (seq, instance)
             self.seq = seq
             return None
