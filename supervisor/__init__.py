@@ -1,3 +1,3 @@
 """spanvisor: a reliability sidecar for AI agents (the runtime package)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
