@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from supervisor.normalize import may_fail_quietly, read_spans, shows_failure_signal
 from supervisor.normalize.attributes import Draft
-from supervisor.normalize.span import Span, dependency_and_tool, identify
+from supervisor.normalize.identity import dependency_and_tool, identify
+from supervisor.normalize.span import Span
 from supervisor.normalize.wire import LazyConverted
 from supervisor.records import Role
 

@@ -284,6 +284,11 @@ class RawAttributes(Mapping[str, AttrValue]):
     def __init__(self, encoded: Any) -> None:
         self._map = encoded
 
+    @property
+    def encoded(self) -> Any:
+        """The attribute map as the parser left it (key to encoded ``AnyValue``)."""
+        return self._map
+
     def full(self, key: str) -> AttrValue:
         encoded = raw_value(self._map, key)
         if encoded is None:
