@@ -257,7 +257,7 @@ class Pipeline:
                 verify.append(span)  # its output must pass a verifier: normalize it
             dependency = span.dependency
             if dependency:
-                self._succeeded(span.trace_hex, span.session_id, span, dependency, calls)
+                self._succeeded(span, dependency, calls)
 
     def _book_quiet_successes(
         self, quiet: list[Span], calls: list[tuple[int, str, bool]], verify: list[Span]
@@ -278,14 +278,7 @@ class Pipeline:
                 left.append(span)
         return left
 
-    def _succeeded(
-        self,
-        trace_id: str,
-        session_id: str,
-        span: Span | SpanRecord,
-        dependency: str,
-        calls: list[tuple[int, str, bool]],
-    ) -> None:
+    def _succeeded(self, span: Span, dependency: str, calls: list[tuple[int, str, bool]]) -> None:
         """One successful call: the governor's count, the step's attempts, a recovery."""
         if self.governor is not None:
             calls.append((span.end_ns, dependency, True))
@@ -294,7 +287,8 @@ class Pipeline:
         recovering = recovery is not None and dependency in recovery.dependencies
         if not (watched or recovering):
             return
-        run_id = self._run_of(trace_id, session_id)
+        trace_id = span.trace_hex
+        run_id = self._run_of(trace_id, span.session_id)
         if watched:
             self._attempts.pop((run_id, dependency))
         if recovering and recovery is not None:
@@ -312,7 +306,7 @@ class Pipeline:
                 failing.append(record)
                 continue
             if record.dependency:
-                self._succeeded(span.trace_hex, span.session_id, span, record.dependency, calls)
+                self._succeeded(span, record.dependency, calls)
             if not only_calls_tools(span, record):
                 passed.append(record)
         outcomes = self._judge(failing, received_ns, calls)

@@ -80,7 +80,8 @@ def read_spans(request: bytes | Any) -> list[Span]:
         resource, service = _resource(resource_spans.resource)
         for scope_spans in resource_spans.scope_spans:
             for message in scope_spans.spans:
-                out.append(Span(message, resource, service, watched(message.attributes)))
+                encoded = message.attributes
+                out.append(Span(message, resource, service, watched(encoded), encoded))
     return out
 
 

@@ -27,7 +27,7 @@ from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import as_int
 from supervisor.normalize.identity import RUN_ORDER, SESSION_KEYS, dependency_of, session_of
 from supervisor.normalize.record import MAX_SPAN_NAME, record_of
-from supervisor.normalize.wire import LazyConverted, RawAttributes, raw_value
+from supervisor.normalize.wire import LazyConverted, RawAttributes, raw_value, value_of
 from supervisor.records import AttrValue, SpanRecord
 
 __all__ = [
@@ -145,6 +145,7 @@ class Span:
         "present",
         "resource",
         "service",
+        "trace_id",
     )
 
     def __init__(
@@ -153,7 +154,10 @@ class Span:
         resource: Mapping[str, AttrValue],
         service: str,
         present: frozenset[str],
+        encoded: Any = None,
     ) -> None:
+        """``encoded``: ``message.attributes`` when the caller read it already (each read of
+        a field of a decoded message makes a new Python object)."""
         #: The decoded OTLP ``Span`` (the lite schema: attributes left encoded).
         self._message = message
         #: The resource's attributes, converted once per resource.
@@ -162,7 +166,9 @@ class Span:
         #: Which of the keys the screens and runs watch the span carries.
         self.present = present
         #: Its attributes, decoded when read.
-        self.attributes = RawAttributes(message.attributes)
+        self.attributes = RawAttributes(message.attributes if encoded is None else encoded)
+        #: The trace id, read once: most stages ask for it.
+        self.trace_id: bytes = message.trace_id
         self._shape: _Shape | None = None
         self._dependency: str | None = None
         self._session: str | None = None
@@ -177,10 +183,6 @@ class Span:
         return self._message
 
     @property
-    def trace_id(self) -> bytes:
-        return bytes(self._message.trace_id)
-
-    @property
     def span_id(self) -> bytes:
         return bytes(self._message.span_id)
 
@@ -188,7 +190,7 @@ class Span:
     def trace_hex(self) -> str:
         found = self._trace_hex
         if found is None:
-            found = self._trace_hex = self._message.trace_id.hex()
+            found = self._trace_hex = self.trace_id.hex()
         return found
 
     @property
@@ -255,6 +257,11 @@ class Span:
             keys = self._shape_of().session_keys
             found = self._session = session_of(self.attributes, keys) if keys else ""
         return found
+
+    @property
+    def names_session(self) -> bool:
+        """Whether the span carries one of the session keys (a value may still be empty)."""
+        return bool(self._shape_of().session_keys)
 
     @property
     def run_id(self) -> str:
@@ -355,9 +362,12 @@ class Span:
 
 def _count(attrs: RawAttributes, key: str | None) -> int:
     """A token count (0 when absent or not a plausible count)."""
-    if key is None:
+    raw = raw_value(attrs.encoded, key) if key is not None else None
+    if raw is None:
         return 0
-    value = as_int(attrs.get(key))
+    value = value_of(raw)  # memoized by the encoding: counts repeat
+    if type(value) is not int:
+        value = as_int(value)  # an integral float or a decimal string
     return value if value is not None and 0 <= value < 1 << 40 else 0
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from supervisor.runs.state import RunState
 
 __all__ = [
     "BUDGET_RULE",
@@ -14,6 +17,7 @@ __all__ = [
     "REANCHOR_RULE",
     "STALL_RULE",
     "Detection",
+    "detection_at",
 ]
 
 #: The rules that run detectors report under (policies match on them like any other).
@@ -44,3 +48,33 @@ class Detection:
     details: Mapping[str, Any]
     #: The failing role when it is not the dependency's (a stall: the agent's).
     role: str = ""
+
+
+def detection_at(
+    run: RunState,
+    span_id: bytes,
+    dependency: str,
+    *,
+    kind: str,
+    failure_class: str,
+    rule: str,
+    message: str,
+    details: Mapping[str, Any],
+    name: str | None = None,
+    role: str = "",
+) -> Detection:
+    """What a detector found in ``run`` at the span ``span_id`` (``name``: the run's step)."""
+    return Detection(
+        kind=kind,
+        failure_class=failure_class,
+        rule=rule,
+        run_id=run.run_id,
+        service=run.service,
+        trace_id=run.trace.hex(),
+        span_id=span_id.hex(),
+        span_name=(run.step if name is None else name)[:256],
+        dependency=dependency,
+        message=message,
+        details=details,
+        role=role,
+    )

@@ -58,13 +58,14 @@ class RecentCalls:
         #: Calls counted so far (re-sent spans are not counted).
         self.seq = 0
         self._seen: dict[int, tuple[int, int] | _Repeats] = {}
-        #: digest -> (times reported, when last: Unix ns)
-        self._reported: dict[int, tuple[int, int]] = {}
+        #: digest -> (times reported, when last: Unix ns); made at the first report
+        #: (most runs never loop, and a run's containers are what it costs to keep).
+        self._reported: dict[int, tuple[int, int]] | None = None
 
     def clear(self) -> None:
         self.seq = 0
         self._seen.clear()
-        self._reported.clear()
+        self._reported = None
 
     def count(
         self,
@@ -84,7 +85,8 @@ class RecentCalls:
         next: calls made before the agent could be told (a backlog exported
         at once) are not evidence that it ignored what it was told.
         """
-        last = self._reported.get(digest)
+        reported = self._reported
+        last = reported.get(digest) if reported is not None else None
         if last is not None and start_ns < last[1]:
             return None
         seen = self._seen
@@ -120,11 +122,11 @@ class RecentCalls:
         if occurrences < repeats or first is None:
             return None
         occurrence = 1 if last is None else last[0] + 1
-        if occurrence > MAX_LOOP_REPORTS or (
-            occurrence == 1 and len(self._reported) >= _MAX_REPORTED
-        ):
+        if reported is None:
+            reported = self._reported = {}
+        if occurrence > MAX_LOOP_REPORTS or (occurrence == 1 and len(reported) >= _MAX_REPORTED):
             return None
-        self._reported[digest] = (occurrence, now_ns)
+        reported[digest] = (occurrence, now_ns)
         seen[digest] = (seq, instance)  # count again from here
         return first[0], first[1], occurrence
 

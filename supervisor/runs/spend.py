@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Final
 
 from policies import DetectorSettings, ModelInfo, ModelTable, RunSpend
-from supervisor.runs.detection import BUDGET_RULE, PRESSURE_RULE, Detection
+from supervisor.runs.detection import BUDGET_RULE, PRESSURE_RULE, Detection, detection_at
 from supervisor.runs.state import RunState
 
 __all__ = ["Charges"]
 
 #: Dependencies whose model table entry is remembered (then forgotten at once).
 _MAX_MODELS_MEMO: Final = 4096
-
-#: Builds a detection at the run's current span (see RunTracker).
-Report = Callable[..., Detection]
 
 
 class Charges:
@@ -33,12 +29,12 @@ class Charges:
     def charge(
         self,
         run: RunState,
+        span_id: bytes,
         dependency: str,
         prompt: int,
         completion: int,
         *,
         settings: DetectorSettings,
-        report: Report,
         found: list[Detection],
     ) -> None:
         """One LLM call's tokens: context pressure, then the run's spend against its budget."""
@@ -59,8 +55,9 @@ class Charges:
             window = info.context_window
             model = dependency.partition(":")[2]
             found.append(
-                report(
+                detection_at(
                     run,
+                    span_id,
                     dependency,
                     kind="context_overflow",
                     failure_class="model",
@@ -85,8 +82,9 @@ class Charges:
         crossed = spend.crossed(budget)
         if crossed is not None:
             found.append(
-                report(
+                detection_at(
                     run,
+                    span_id,
                     dependency,
                     kind="budget_exceeded",
                     failure_class="permanent",

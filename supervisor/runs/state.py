@@ -60,8 +60,10 @@ class RunState:
 
     __slots__ = (
         "anchored",
+        "by_trace",
         "errors",
         "go_on_at",
+        "gone",
         "input_tokens",
         "last_dependency",
         "last_llm",
@@ -91,6 +93,8 @@ class RunState:
     def __init__(self, run_id: str, service: str, trace: bytes, now: float) -> None:
         #: The run: its session, or its trace id in hex.
         self.run_id = run_id
+        #: Keyed by its trace: a later span of the trace may still name a session.
+        self.by_trace = False
         self.service = service
         #: The trace of the run's latest span.
         self.trace = trace
@@ -108,6 +112,8 @@ class RunState:
         self.output_tokens = 0
         #: The run's turn has not ended (its root span has not arrived).
         self.open = True
+        #: Left the tracker (evicted, expired, or folded into its session's run).
+        self.gone = False
         self.stalled = False
         #: When the sidecar's command telling the run to go on after a failure may be
         #: delivered (0: none): a failed root keeps the run open, idle time counts from it.
@@ -125,8 +131,9 @@ class RunState:
         self.outputs: RecentCalls | None = None
         #: What names the tool calls the last LLM response asked for (encoded values).
         self.last_llm: dict[str, bytes] | None = None
-        #: Tools called since the last LLM response, as ``tool:<name>`` (at most 64).
-        self.tools_since_llm: list[str] = []
+        #: Tools called since the last LLM response, as ``tool:<name>`` (at most 64; made
+        #: when the first is: most runs never need it).
+        self.tools_since_llm: list[str] | None = None
         #: Tokens and cost so far, from the first call with usage.
         self.spend: RunSpend | None = None
 

@@ -29,12 +29,18 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from policies import DetectorSettings, ModelTable, SloSpec, SloTracker
 from supervisor.normalize.span import Span, requested_calls
-from supervisor.runs.detection import LOOP_RULE, REANCHOR_RULE, STALL_RULE, Detection
+from supervisor.runs.detection import (
+    LOOP_RULE,
+    REANCHOR_RULE,
+    STALL_RULE,
+    Detection,
+    detection_at,
+)
 from supervisor.runs.loops import RecentCalls, Repeat, digest, instance_of
 from supervisor.runs.spend import Charges
 from supervisor.runs.state import RunState, RunView, view
@@ -46,6 +52,9 @@ _MAX_SERVICES: Final = 1024
 _MAX_SINCE_LLM: Final = 64
 _SAME_CALL: Final = "the same tool call"
 _SAME_OUTPUT: Final = "the same LLM output"
+#: What a loop compares of a call: its encoded value, what tells its instances
+#: apart, and how a report names it.
+_Compared = tuple[bytes, int, str]
 
 
 class RunTracker:
@@ -84,6 +93,10 @@ class RunTracker:
         self._sessions_before: dict[str, str] = {}
         self.evicted = 0
         self.expired = 0
+        #: trace id -> its run, for the rest of the batch: a batch holds the interleaved
+        #: spans of a few dozen traces, and most spans then find their run in one lookup.
+        #: A run that left the tracker is marked gone and looked up again.
+        self._batch: dict[bytes, RunState] = {}
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -167,46 +180,22 @@ class RunTracker:
         settings = self.settings_for(span.service)
         if settings.reanchor_after is not None or settings.reanchor_after_s is not None:
             self._reanchor(run, settings, span_id, dependency, now=now, found=found)
-        if dependency.startswith("tool:"):
-            run.tool_calls += 1
-            if run.last_llm is not None and len(run.tools_since_llm) < _MAX_SINCE_LLM:
-                run.tools_since_llm.append(dependency)
-            if not settings.loops or not repeats:
-                return
-            calls = run.tools
-            if calls is None:
-                calls = run.tools = RecentCalls()
-            raw = span.tool_arguments or b""  # a tool called without arguments: b""
-            instance = instance_of(span_id)
-            what = _SAME_CALL
-        else:
-            prompt, completion = span.input_tokens, span.output_tokens
-            run.llm_calls += 1
-            run.input_tokens += prompt
-            run.output_tokens += completion
-            if prompt or completion:
-                self._charges.charge(
-                    run,
-                    dependency,
-                    prompt,
-                    completion,
-                    settings=settings,
-                    report=_reporter(span_id),
-                    found=found,
-                )
-            run.last_llm = span.requested()
-            run.tools_since_llm.clear()
-            answer = span.answer
-            if not settings.loops or not repeats or not answer:
-                return  # no output recorded: nothing to compare
-            calls = run.outputs
-            if calls is None:
-                calls = run.outputs = RecentCalls()
-            raw = answer
-            # The same answer to the same prompt (as long: its token count) is a call
-            # tried again; a loop answers the same to a context that keeps growing.
-            instance = prompt & 0xFFFFFFFF if prompt else instance_of(span_id)
-            what = _SAME_OUTPUT
+        tool = dependency.startswith("tool:")
+        compared = (
+            self._tool_call(run, span, dependency)
+            if tool
+            else self._llm_call(run, span, dependency, settings, found)
+        )
+        if compared is None or not settings.loops or not repeats:
+            return
+        raw, instance, what = compared
+        calls = run.tools if tool else run.outputs
+        if calls is None:
+            calls = RecentCalls()
+            if tool:
+                run.tools = calls
+            else:
+                run.outputs = calls
         first = calls.count(
             digest(raw, dependency),
             instance,
@@ -219,6 +208,47 @@ class RunTracker:
         )
         if first is not None:
             found.append(_loop(run, dependency, first, repeats=settings.loop_repeats, what=what))
+
+    @staticmethod
+    def _tool_call(run: RunState, span: Span, dependency: str) -> _Compared:
+        """Count a tool call; what a loop of it compares (its arguments, as encoded)."""
+        run.tool_calls += 1
+        if run.last_llm is not None:
+            since = run.tools_since_llm
+            if since is None:
+                since = run.tools_since_llm = []
+            if len(since) < _MAX_SINCE_LLM:
+                since.append(dependency)
+        raw = span.tool_arguments or b""  # a tool called without arguments: b""
+        return raw, instance_of(span.span_id), _SAME_CALL
+
+    def _llm_call(
+        self,
+        run: RunState,
+        span: Span,
+        dependency: str,
+        settings: DetectorSettings,
+        found: list[Detection],
+    ) -> _Compared | None:
+        """Count an LLM call, its tokens and spend; what a loop of it compares (its answer)."""
+        prompt, completion = span.input_tokens, span.output_tokens
+        run.llm_calls += 1
+        run.input_tokens += prompt
+        run.output_tokens += completion
+        if prompt or completion:
+            self._charges.charge(
+                run, span.span_id, dependency, prompt, completion, settings=settings, found=found
+            )
+        run.last_llm = span.requested()
+        if run.tools_since_llm:
+            run.tools_since_llm.clear()
+        answer = span.answer
+        if not answer:
+            return None  # no output recorded: nothing to compare
+        # The same answer to the same prompt (as long: its token count) is a call
+        # tried again; a loop answers the same to a context that keeps growing.
+        instance = prompt & 0xFFFFFFFF if prompt else instance_of(span.span_id)
+        return answer, instance, _SAME_OUTPUT
 
     def _reanchor(
         self,
@@ -243,8 +273,9 @@ class RunTracker:
             return
         run.anchored = steps
         found.append(
-            _reporter(span_id)(
+            detection_at(
                 run,
+                span_id,
                 dependency,
                 kind="goal_drift",
                 failure_class="semantic",
@@ -277,6 +308,15 @@ class RunTracker:
             run.objective = span.objective() if anchoring else ""
 
     def _run_for(self, span: Span, now: float) -> RunState:
+        """The span's run, made if new; the batch's cache first (see ``_batch``)."""
+        trace_id = span.trace_id
+        run = self._batch.get(trace_id)
+        if run is not None and not run.gone and not (run.by_trace and span.names_session):
+            return run
+        run = self._batch[trace_id] = self._find_run(span, now)
+        return run
+
+    def _find_run(self, span: Span, now: float) -> RunState:
         trace = span.trace_hex
         run_id = self.run_of(span)
         runs = self._runs
@@ -290,18 +330,21 @@ class RunTracker:
             runs[run_id] = run
         elif run is None:
             while len(runs) >= self.max_runs:
-                runs.popitem(last=False)
+                runs.popitem(last=False)[1].gone = True
                 self.evicted += 1
             run = runs[run_id] = RunState(run_id, span.service, span.trace_id, now)
         else:
             runs.move_to_end(run_id)
         if early is not None:
             run.fold(early)
+            early.gone = True
+        run.by_trace = run_id == trace
         run.trace = span.trace_id
         return run
 
     def settle(self, now: float | None = None) -> None:
         """The batch is judged: runs that ended in it count in their service's SLO."""
+        self._batch.clear()
         ending, self._ending = self._ending, []
         slo = self.slo
         if slo is None:
@@ -387,8 +430,9 @@ class RunTracker:
             unverified = _unanswered(run)
             listed = ", ".join(unverified) or "none seen"
             found.append(
-                _reporter(run.last_span, run.step)(
+                detection_at(
                     run,
+                    run.last_span,
                     run.last_dependency,
                     kind="stall",
                     failure_class="transient",
@@ -400,6 +444,7 @@ class RunTracker:
             )
         for run in expired:
             del self._runs[run.run_id]
+            run.gone = True
             self.expired += 1
         return found
 
@@ -419,43 +464,13 @@ class RunTracker:
         return {"tracked": len(self._runs), "evicted": self.evicted, "expired": self.expired}
 
 
-def _reporter(span_id: bytes, name: str | None = None) -> Callable[..., Detection]:
-    """Makes the detections found at one span (``name``: the run's step when not given)."""
-
-    def report(
-        run: RunState,
-        dependency: str,
-        *,
-        kind: str,
-        failure_class: str,
-        rule: str,
-        message: str,
-        details: Mapping[str, Any],
-        role: str = "",
-    ) -> Detection:
-        return Detection(
-            kind=kind,
-            failure_class=failure_class,
-            rule=rule,
-            run_id=run.run_id,
-            service=run.service,
-            trace_id=run.trace.hex(),
-            span_id=span_id.hex(),
-            span_name=(run.step if name is None else name)[:256],
-            dependency=dependency,
-            message=message,
-            details=details,
-            role=role,
-        )
-
-    return report
-
-
 def _loop(run: RunState, dependency: str, first: Repeat, *, repeats: int, what: str) -> Detection:
     span_id, name, occurrence = first
-    return _reporter(span_id, name)(
+    return detection_at(
         run,
+        span_id,
         dependency,
+        name=name,
         kind="reasoning_loop",
         failure_class="model",
         rule=LOOP_RULE,
@@ -470,7 +485,7 @@ def _unanswered(run: RunState) -> tuple[str, ...]:
     if run.last_llm is None:
         return ()
     requested = requested_calls(run.last_llm)
-    answered = [dependency[5:] for dependency in run.tools_since_llm]
+    answered = [dependency[5:] for dependency in run.tools_since_llm or ()]
     left: list[str] = []
     for call in requested:
         name = call.split("(", 1)[0]
