@@ -21,8 +21,8 @@ SPANS_PER_REQUEST = 500
 def make_sidecar(folder: Path, *, track: bool, tracked_runs: int) -> Any:
     """A sidecar with ``detectors.py``'s policy and its store in ``folder`` (not started)."""
     from policies import load_policy
-    from supervisor.app import Sidecar
     from supervisor.settings import load_settings
+    from supervisor.wiring import build_sidecar
 
     policy = folder / "policy.yaml"
     policy.write_text(POLICY)
@@ -34,7 +34,7 @@ def make_sidecar(folder: Path, *, track: bool, tracked_runs: int) -> Any:
             "tracked_runs": tracked_runs,
         },
     )
-    return Sidecar(settings, load_policy(policy))
+    return build_sidecar(settings, load_policy(policy))
 
 
 def _no_clock() -> float:

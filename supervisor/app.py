@@ -1,16 +1,7 @@
-"""The sidecar process: receivers, pipeline, forwarder, own spans and control API.
+"""The sidecar process: it runs the parts that :mod:`supervisor.wiring` built.
 
-Everything runs in one asyncio event loop. Lifecycle:
-
-1. :meth:`Sidecar.start` binds the gRPC and HTTP receivers and the control
-   API (ports 0 pick free ones; :attr:`Sidecar.ports` says which) and starts
-   the pipeline worker and the forwarder.
-2. The worker takes batches from the bounded ingest queue, hands the raw
-   bytes to the forwarder (never waiting on it), judges the spans and, for
-   each failure, logs it, keeps it for the API and emits ``spanvisor.decide``.
-3. :meth:`Sidecar.shutdown` stops in order: stop accepting, drain the queue
-   (bounded by ``drain_timeout_s``), flush the forwarder and the own-span
-   exporter, stop the control API.
+:class:`Sidecar` starts, serves, reloads and stops them; its docstring has the
+lifecycle. :class:`BackgroundSidecar` runs one on an event loop of its own.
 """
 
 from __future__ import annotations
@@ -22,41 +13,38 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import pybreaker
 import uvicorn
-from opentelemetry.sdk.metrics.export import MetricReader
 from starlette.applications import Starlette
 
-from policies import BreakerChange, Governor, Policy, load_policy
+from policies import Governor, Policy, load_policy
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
-from supervisor.act.actuators.command import CommandActuator
-from supervisor.act.actuators.webhook import WebhookActuator
-from supervisor.act.dispatch import Dispatcher, actuator_table
+from supervisor.act.dispatch import Dispatcher
 from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
 from supervisor.act.store_writer import StoreWriter
 from supervisor.api.control import Control
-from supervisor.api.server import build_control_app, ensure_token
+from supervisor.api.server import build_control_app
 from supervisor.bounded import LatencyWindow
 from supervisor.collector import Collector
 from supervisor.errors import ConfigError, PolicyError
-from supervisor.forward.downstream import Downstream, downstream_from_env
+from supervisor.forward.breaker_report import BreakerReport
+from supervisor.forward.downstream import Downstream
 from supervisor.forward.metrics import SidecarMetrics
 from supervisor.forward.relay import Forwarder
 from supervisor.forward.telemetry import DecisionTracer
 from supervisor.ingest.grpc_receiver import GrpcReceiver
-from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
+from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
-from supervisor.settings import LOOPBACK, AgentDelivery, Settings
+from supervisor.settings import Settings
 
 log = logging.getLogger("spanvisor.app")
 
@@ -76,124 +64,122 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def resolve_downstream(settings: Settings) -> Downstream | None:
-    """The settings' explicit downstream, else the standard ``OTEL_*`` variables."""
-    configured = settings.downstream
-    if configured is None:
-        return downstream_from_env(os.environ)
-    return Downstream(
-        endpoint=configured.endpoint,
-        protocol=configured.protocol,
-        headers=tuple(configured.headers.items()),
-        timeout_s=configured.timeout_s,
-        insecure=True,
-        compression=configured.compression,
-    )
+@dataclass(frozen=True, slots=True)
+class SidecarParts:
+    """What a sidecar runs, built and connected by :func:`supervisor.wiring.build_sidecar`.
+
+    Nothing in it is started: no port is bound, no thread or task runs.
+    """
+
+    settings: Settings
+    #: The policy in force; a reload replaces it.
+    policy: PolicyInForce
+    downstream: Downstream | None
+    queue: IngestQueue
+    grpc: GrpcReceiver
+    #: The OTLP/HTTP receiver's ASGI app (the sidecar serves it).
+    otlp_http: Starlette
+    pipeline: Pipeline
+    #: Every run's progress; the pipeline feeds it only when ``track_runs`` is on.
+    runs: RunTracker
+    governor: Governor
+    #: What the governor calls on each breaker change.
+    breakers: BreakerReport
+    store: Store
+    #: Push channels by service (``"*"``: the default); one actuator may serve several.
+    actuators: Mapping[str, Actuator]
+    dispatcher: Dispatcher
+    actor: Actor
+    remediations: Remediations
+    writer: StoreWriter
+    #: None: no downstream, the agents' spans are not relayed.
+    forwarder: Forwarder | None
+    tracer: DecisionTracer
+    metrics: SidecarMetrics
+    failures: RecentFailures
+    #: When cyclic garbage is collected; ``spanvisor run`` hands it the collector.
+    collector: Collector
+    #: The control API's bearer token.
+    token: str
 
 
 class Sidecar:
-    """One running sidecar. Not reusable: start once, shut down once."""
+    """One running sidecar. Not reusable: start once, shut down once.
 
-    def __init__(
-        self,
-        settings: Settings,
-        policy: Policy,
-        *,
-        downstream: Downstream | None = None,
-        tracer: DecisionTracer | None = None,
-        metric_reader: MetricReader | None = None,
-    ) -> None:
-        if not _is_loopback(settings.api_host) and not settings.api_token:
-            raise ConfigError(
-                f"the control API would listen on {settings.api_host}, beyond loopback, without"
-                " a token: set SPANVISOR_API_TOKEN (or api_token in the settings file)"
-            )
-        self.settings = settings
-        self.policy = policy
-        self.downstream = downstream
-        self.queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
-        self.breaker_changes = 0
-        self.metrics = SidecarMetrics(downstream, reader=metric_reader)
-        self.governor = Governor(
-            policy,
-            on_breaker_change=self._breaker_changed,
-            max_runs=settings.tracked_runs,
-            breaker_storage=_shared_breakers(settings.breaker_redis_url),
-        )
-        self.pipeline = Pipeline(
-            policy,
-            seen_capacity=settings.seen_failure_spans,
-            runs_capacity=settings.tracked_runs,
-            observe_only=settings.observe_only,
-            governor=self.governor,
-        )
-        self.runs = RunTracker(
-            # Through self.policy at each call: a reloaded policy's detectors apply.
-            settings=lambda service: self.policy.detectors.for_service(service),  # noqa: PLW0108
-            models=policy.detectors.models,
-            slo=policy.detectors.slo,
-            max_runs=settings.tracked_runs,
-        )
-        self.runs.stall_horizon_s = policy.detectors.shortest_idle_s
-        if settings.track_runs:
-            self.pipeline.runs = self.runs
-        self.store = Store.open(
-            settings.state_path,
-            max_pending=settings.max_pending_commands,
-            retention_s=settings.retention_s,
-        )
-        self.actuators = _actuators(settings.agents)
-        self.dispatcher = Dispatcher(
-            self.store,
-            actuator_table(self.actuators),
-            max_attempts=lambda service: _max_attempts(settings.agents, service),
-        )
-        self.actor = Actor(
-            self.store,
-            settings.agents,
-            wake_push=self.dispatcher.wake,
-            on_answer=lambda approval: self.remediations.answered(approval.to_json()),
-        )
-        self._policy_stamp = _stamp(settings.policy)
-        self.reloads = {"ok": 0, "rejected": 0}
-        self.failures = RecentFailures(settings.recent_failures)
-        self.latency = LatencyWindow()
-        #: When cyclic garbage is collected; ``spanvisor run`` hands it the collector.
-        self.collector = Collector()
-        self.tracer = tracer if tracer is not None else DecisionTracer(downstream)
-        _check_remediators(policy)
-        self.remediations = Remediations(
-            settings,
-            self.actor,
-            self.governor,
-            lambda: self.policy,
-            tracer=self.tracer.tracer,
-        )
-        self.pipeline.recovery = self.remediations.watch
-        self.writer = StoreWriter(
-            self.actor,
-            after_store=self.remediations.dispatch,
-            min_commit_interval_s=settings.store_commit_interval_s,
-        )
-        self.forwarder = (
-            Forwarder(
-                downstream,
-                max_queue_batches=settings.forward_queue_batches,
-                max_queue_bytes=settings.forward_queue_bytes,
-                max_attempts=settings.forward_max_attempts,
-            )
-            if downstream is not None
-            else None
-        )
-        self.token = ensure_token(settings.api_token, settings.token_file)
+    Built by :func:`supervisor.wiring.build_sidecar`; this class keeps only the
+    lifecycle. Everything of its own runs on one asyncio event loop, the one
+    that calls :meth:`start`.
+
+    **Start** (:meth:`start`), in this order; a failure undoes what it can and
+    raises:
+
+    1. the OTLP/gRPC receiver binds (gRPC's core runs its own threads), then
+       the OTLP/HTTP server (a uvicorn task); spans queue from now on;
+    2. the forwarder's task (``spanvisor-forwarder``), when there is a downstream;
+    3. the actuators (a webhook's HTTP client), then the dispatcher's task
+       (``spanvisor-dispatch``, plus one ``deliver-<id>`` task per delivery);
+    4. remediations: bound to the loop; when earlier ones may be pending, DBOS is
+       launched in the background (a worker thread that starts the runner's
+       thread ``spanvisor-remediate``, which runs DBOS's loop, DBOS's own threads
+       and the ``spanvisor-remediate-tool`` pool). Otherwise the first
+       ``remediate`` decision launches it, on the store writer's thread;
+    5. the store writer's thread (``spanvisor-store``): it stores each batch's
+       outcomes and hands the remediations their decisions;
+    6. the pipeline worker's task (``spanvisor-pipeline``) and three timers:
+       ``spanvisor-gc`` (garbage collection, every second), ``spanvisor-house``
+       (policy file polling, pruning the store) and ``spanvisor-runs`` (stalled
+       runs, every second);
+    7. the control API: its operations (:class:`~supervisor.api.control.Control`,
+       over these parts), then its server (a uvicorn task); then :attr:`ports`
+       is set and the sidecar is ready.
+
+    **Reload** (:meth:`reload_policy`: SIGHUP under ``spanvisor run``, the control
+    API, or the housekeeping timer when the policy file changed), on the loop: a
+    policy that loads and checks replaces the one in force, in the pipeline, the
+    governor and the run tracker; a bad one is rejected and the old one kept.
+
+    Threads not ours: the own-span exporter's and the metrics reader's (the
+    OpenTelemetry SDK's), and ``asyncio.to_thread``'s pool for blocking calls.
+
+    **Shutdown** (:meth:`shutdown`), in this order, all within
+    ``drain_timeout_s`` (each step bounded by what is left, most by 5 s too):
+    not ready; stop the gRPC receiver (at most 2 s grace) and the OTLP/HTTP
+    server; drain the ingest queue (what is still queued at the deadline is
+    not judged); cancel the worker and the timers; close the store writer
+    (stores what it holds); close the remediations (pending ones resume at the
+    next start); stop the dispatcher, then close the actuators; flush the
+    forwarder, the own-span exporter and the metrics; stop the control API;
+    close the store.
+    """
+
+    def __init__(self, parts: SidecarParts) -> None:
+        self.settings = parts.settings
+        self.policy_in_force = parts.policy
+        self.downstream = parts.downstream
+        self.queue = parts.queue
+        self._grpc = parts.grpc
+        self._otlp_http = parts.otlp_http
+        self.pipeline = parts.pipeline
+        self.runs = parts.runs
+        self.governor = parts.governor
+        self.breakers = parts.breakers
+        self.store = parts.store
+        self.actuators = parts.actuators
+        self.dispatcher = parts.dispatcher
+        self.actor = parts.actor
+        self.remediations = parts.remediations
+        self.writer = parts.writer
+        self.forwarder = parts.forwarder
+        self.tracer = parts.tracer
+        self.metrics = parts.metrics
+        self.failures = parts.failures
+        self.collector = parts.collector
+        self.token = parts.token
+        # Its own state: what it serves, what runs, what it counted.
         self.ports: Ports | None = None
-        self._grpc = GrpcReceiver(
-            self.queue,
-            host=settings.host,
-            port=settings.otlp_grpc_port,
-            max_body_bytes=settings.max_body_bytes,
-            retry_after_s=settings.retry_after_s,
-        )
+        self.reloads = {"ok": 0, "rejected": 0}
+        self.latency = LatencyWindow()
+        self._policy_stamp = _stamp(self.settings.policy)
         self._http: _EmbeddedServer | None = None
         self._api: _EmbeddedServer | None = None
         self._server_tasks: dict[int, asyncio.Task[None]] = {}
@@ -206,6 +192,20 @@ class Sidecar:
         self._errors = 0
         self._ready = False
         self._busy = False
+
+    @property
+    def policy(self) -> Policy:
+        """The policy in force (a reload replaces it)."""
+        return self.policy_in_force()
+
+    @property
+    def breaker_changes(self) -> int:
+        """Breaker changes since start."""
+        return self.breakers.changes
+
+    def ready(self) -> bool:
+        """Whether it serves: started, and not shutting down (the control API's readiness)."""
+        return self._ready
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -228,13 +228,8 @@ class Sidecar:
 
     async def _start(self) -> Ports:
         grpc_port = await self._grpc.start()
-        http_app = build_otlp_http_app(
-            self.queue,
-            max_body_bytes=self.settings.max_body_bytes,
-            retry_after_s=self.settings.retry_after_s,
-        )
         self._http, http_port = await self._serve(
-            http_app, self.settings.host, self.settings.otlp_http_port
+            self._otlp_http, self.settings.host, self.settings.otlp_http_port
         )
         if self.forwarder is not None:
             self.forwarder.start()
@@ -258,10 +253,10 @@ class Sidecar:
             store=self.store,
             actor=self.actor,
             governor=self.governor,
-            policy=lambda: self.policy,
+            policy=self.policy_in_force,
             failures=self.failures.latest,
             stats=self.stats,
-            ready=lambda: self._ready,
+            ready=self.ready,
             reload=self.reload_policy,
             remediations=self.remediations,
             runs=self.runs,
@@ -440,26 +435,6 @@ class Sidecar:
         """Hand a batch's outcomes to the store writer (one transaction per batch)."""
         self.writer.put(outcomes)
 
-    def _breaker_changed(self, change: BreakerChange) -> None:
-        self.breaker_changes += 1
-        log.warning(
-            "circuit breaker changed state",
-            extra={
-                "event": "breaker",
-                "dependency": change.dependency,
-                "from": change.old.value,
-                "to": change.new.value,
-                "reason": change.reason,
-                "failures": change.failures,
-            },
-        )
-        self.tracer.emit_breaker_change(
-            change.dependency, change.old.value, change.new.value, change.reason, change.failures
-        )
-        self.metrics.breaker_changed(
-            change.dependency, change.old.value, change.new.value, change.reason
-        )
-
     # -- policy reload -------------------------------------------------------
 
     def reload_policy(self) -> dict[str, Any]:
@@ -482,7 +457,7 @@ class Sidecar:
                 extra={"policy": str(path), "problems": problems},
             )
             return {"reloaded": False, "source": self.policy.source, "error": "; ".join(problems)}
-        self.policy = policy
+        self.policy_in_force.replace(policy)
         self.pipeline.policy = policy
         self.governor.set_policy(policy)
         self.runs.reset_settings()
@@ -569,7 +544,7 @@ class Sidecar:
             "runs": {**self.runs.stats(), "slo": self.runs.slo_status()},
             "breakers": {
                 "tracked": len(self.governor.board),
-                "changes": self.breaker_changes,
+                "changes": self.breakers.changes,
                 "not_closed": sum(
                     1 for b in self.governor.board.snapshot() if b.state.value != "closed"
                 ),
@@ -579,56 +554,6 @@ class Sidecar:
             "policy": {"source": self.policy.source, "reloads": dict(self.reloads)},
             "gc": asdict(self.collector.stats()),
         }
-
-
-def _is_loopback(host: str) -> bool:
-    return host in (LOOPBACK, "localhost", "::1") or host.startswith("127.")
-
-
-def _max_attempts(agents: dict[str, AgentDelivery], service: str) -> int:
-    found = agents.get(service) or agents.get("*")
-    return found.max_attempts if found is not None else 1
-
-
-def _actuators(agents: dict[str, AgentDelivery]) -> dict[str, Actuator]:
-    """One actuator per service with a push channel (webhook or command)."""
-    built: dict[str, Actuator] = {}
-    for service, delivery in agents.items():
-        if delivery.webhook is not None:
-            hook = delivery.webhook
-            built[service] = WebhookActuator(
-                url=hook.url,
-                secret=hook.resolved_secret(),
-                timeout_s=hook.timeout_s,
-                headers=hook.headers,
-            )
-        elif delivery.command is not None:
-            run = delivery.command
-            built[service] = CommandActuator(argv=run.argv, timeout_s=run.timeout_s, env=run.env)
-    return built
-
-
-def _shared_breakers(url: str | None) -> Callable[[str], pybreaker.CircuitBreakerStorage] | None:
-    """pybreaker's Redis storage per dependency, so a fleet of sidecars shares its breakers."""
-    if url is None:
-        return None
-    try:
-        import redis  # the `fleet` extra: only sidecars that share breakers need it
-    except ImportError as exc:
-        raise ConfigError(
-            "breaker_redis_url needs the redis package: pip install 'spanvisor[fleet]'"
-        ) from exc
-    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        raise ConfigError(f"cannot reach the breakers' Redis at {url}: {exc}") from exc
-
-    def storage(dependency: str) -> pybreaker.CircuitBreakerStorage:
-        namespace = f"spanvisor:breaker:{dependency}"
-        return pybreaker.CircuitRedisStorage(pybreaker.STATE_CLOSED, client, namespace=namespace)
-
-    return storage
 
 
 def _stamp(path: object) -> tuple[int, int] | None:
@@ -700,11 +625,3 @@ class BackgroundSidecar:
         self._ready.set()
         await self._stopped.wait()
         await self.sidecar.shutdown()
-
-
-def _check_remediators(policy: Policy) -> None:
-    problems = check_policy(policy)
-    if problems:
-        raise ConfigError(
-            f"the policy {policy.source} names remediators that cannot run: " + "; ".join(problems)
-        )

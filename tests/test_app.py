@@ -15,10 +15,11 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from policies import load_policy
-from supervisor.app import BackgroundSidecar, Sidecar
+from supervisor.app import BackgroundSidecar
 from supervisor.errors import ConfigError
 from supervisor.forward.telemetry import DecisionTracer
 from supervisor.settings import Settings, load_settings
+from supervisor.wiring import build_sidecar
 
 
 def settings(tmp_path: Path, **overrides: object) -> Settings:
@@ -64,7 +65,7 @@ def exporter() -> InMemorySpanExporter:
 
 @pytest.fixture
 def running(tmp_path: Path, exporter: InMemorySpanExporter) -> Iterator[BackgroundSidecar]:
-    sidecar = Sidecar(
+    sidecar = build_sidecar(
         settings(tmp_path),
         load_policy(),
         tracer=DecisionTracer(None, exporter=exporter, schedule_delay_s=0.05),
@@ -114,7 +115,7 @@ def test_a_port_in_use_is_a_clear_start_up_error(tmp_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         background = BackgroundSidecar(
-            Sidecar(settings(tmp_path, otlp_http_port=port), load_policy())
+            build_sidecar(settings(tmp_path, otlp_http_port=port), load_policy())
         )
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
             background.start()
@@ -122,7 +123,7 @@ def test_a_port_in_use_is_a_clear_start_up_error(tmp_path: Path) -> None:
 
 def test_a_control_api_beyond_loopback_needs_a_configured_token(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="beyond loopback, without a token"):
-        Sidecar(settings(tmp_path, api_host="0.0.0.0", api_token=None), load_policy())
+        build_sidecar(settings(tmp_path, api_host="0.0.0.0", api_token=None), load_policy())
 
 
 def test_a_breaker_change_is_a_span_a_metric_and_a_log_line(
@@ -131,7 +132,7 @@ def test_a_breaker_change_is_a_span_a_metric_and_a_log_line(
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     reader = InMemoryMetricReader()
-    sidecar = Sidecar(
+    sidecar = build_sidecar(
         settings(tmp_path),
         load_policy(),
         tracer=DecisionTracer(None, exporter=exporter, schedule_delay_s=0.05),
@@ -198,7 +199,7 @@ def test_a_remediate_decision_runs_a_remediation_traced_and_linked_to_its_span(
 ) -> None:
     policy_file = tmp_path / "policy.yaml"
     policy_file.write_text(REMEDIATE_TIMEOUTS)
-    sidecar = Sidecar(
+    sidecar = build_sidecar(
         settings(tmp_path, policy=str(policy_file)),
         load_policy(policy_file),
         tracer=DecisionTracer(None, exporter=exporter, schedule_delay_s=0.05),

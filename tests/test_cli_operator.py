@@ -19,9 +19,10 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from policies import load_policy
-from supervisor.app import BackgroundSidecar, Sidecar
+from supervisor.app import BackgroundSidecar
 from supervisor.cli.verbs import main
 from supervisor.settings import load_settings
+from supervisor.wiring import build_sidecar
 
 POLICY = """\
 version: 1
@@ -71,7 +72,7 @@ def running(tmp_path: Path) -> Iterator[tuple[BackgroundSidecar, list[str], Path
             "agents": {"agent": {"pull": {}}},
         }
     )
-    background = BackgroundSidecar(Sidecar(settings, load_policy(policy_file)))
+    background = BackgroundSidecar(build_sidecar(settings, load_policy(policy_file)))
     ports = background.start()
     remote = ["--api", f"http://127.0.0.1:{ports.api}", "--token", "operator-token"]
     try:

@@ -325,9 +325,9 @@ class Agent:
     def use_policy(self, text: str | None) -> None:
         """A fresh pipeline with a run tracker, as the app builds them."""
         policy = load_policy(text=text) if text is not None else load_policy()
-        self.pipeline = Pipeline(policy)
-        self.pipeline.runs = RunTracker(
-            settings=policy.detectors.for_service, models=policy.detectors.models
+        self.pipeline = Pipeline(
+            policy,
+            runs=RunTracker(settings=policy.detectors.for_service, models=policy.detectors.models),
         )
 
     # -- the agent's steps --------------------------------------------------------

@@ -175,8 +175,8 @@ def test_observe_only_decisions_spend_nothing(governor: Governor) -> None:
 def test_two_sidecars_share_breakers_through_redis() -> None:
     import uuid
 
-    from supervisor.app import _shared_breakers
     from supervisor.errors import ConfigError
+    from supervisor.wiring import _shared_breakers
 
     try:
         storage = _shared_breakers("redis://127.0.0.1:6379/0")

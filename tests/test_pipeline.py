@@ -375,8 +375,7 @@ def test_successes_are_passed_on_only_for_the_runs_a_remediation_waits_for() -> 
 
     watched_run = TRACE.hex()
     waits = _Waits(watched_run, "openai:gpt-4o")
-    pipeline = Pipeline(load_policy())
-    pipeline.recovery = waits
+    pipeline = Pipeline(load_policy(), recovery=waits)
     elsewhere = llm("fine")
     elsewhere.trace_id = b"\x22" * 16
     recovered = llm("fine")

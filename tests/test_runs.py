@@ -242,10 +242,8 @@ def test_a_run_told_to_retry_that_then_goes_silent_stalls() -> None:
     # The turn failed (its root span ended with the error) and the sidecar decided a
     # retry: an agent killed before acting on it leaves the run half done.
     policy = load_policy(text="version: 1\ndetectors:\n  stalls: {idle_seconds: 60}\n")
-    pipeline = Pipeline(policy)
-    tracker = pipeline.runs = RunTracker(
-        settings=policy.detectors.for_service, models=policy.detectors.models
-    )
+    tracker = RunTracker(settings=policy.detectors.for_service, models=policy.detectors.models)
+    pipeline = Pipeline(policy, runs=tracker)
     failed = llm(**{"error.type": "openai.RateLimitError"})
     failed.status.code = 2
     failed.status.message = (
@@ -336,9 +334,9 @@ def test_a_run_evicted_by_a_later_batch_leaves_nothing_to_the_new_run() -> None:
 
 def test_the_pipeline_reports_a_loop_and_the_policy_sends_the_loop_breaker() -> None:
     policy = load_policy()
-    pipeline = Pipeline(policy)
-    pipeline.runs = RunTracker(
-        settings=policy.detectors.for_service, models=policy.detectors.models
+    pipeline = Pipeline(
+        policy,
+        runs=RunTracker(settings=policy.detectors.for_service, models=policy.detectors.models),
     )
     calls = [tool("search", {"q": "weather"}) for _ in range(3)]
     outcomes = pipeline.process_payload(payload(*calls), received_ns=1_000_000_000_000)
@@ -366,10 +364,8 @@ detectors:
     "batch-*": {stalls: {idle_seconds: 30}}
 """
     )
-    pipeline = Pipeline(policy)
-    tracker = pipeline.runs = RunTracker(
-        settings=policy.detectors.for_service, models=policy.detectors.models
-    )
+    tracker = RunTracker(settings=policy.detectors.for_service, models=policy.detectors.models)
+    pipeline = Pipeline(policy, runs=tracker)
     pipeline.process_payload(payload(llm("a"), service="batch-7"), received_ns=10**12)
     pipeline.process_payload(payload(llm("b"), service="web"), received_ns=10**12)
     (stall,) = tracker.stalled(now=1000.0 + 31)
@@ -406,9 +402,9 @@ def test_context_pressure_is_predicted_once_per_run() -> None:
 
 def test_a_run_over_its_budget_is_stopped_once() -> None:
     policy = load_policy(text="version: 1\nrun_budget: {max_tokens: 300, action: abort_run}\n")
-    pipeline = Pipeline(policy)
-    pipeline.runs = RunTracker(
-        settings=policy.detectors.for_service, models=policy.detectors.models
+    pipeline = Pipeline(
+        policy,
+        runs=RunTracker(settings=policy.detectors.for_service, models=policy.detectors.models),
     )
     outcomes = pipeline.process_payload(
         payload(llm("a"), llm("b"), llm("c"), llm("d")), received_ns=10**12
@@ -428,9 +424,9 @@ detectors:
   reanchor: {after_steps: 3, every_steps: 2}
 """
     )
-    pipeline = Pipeline(policy)
-    pipeline.runs = RunTracker(
-        settings=policy.detectors.for_service, models=policy.detectors.models
+    pipeline = Pipeline(
+        policy,
+        runs=RunTracker(settings=policy.detectors.for_service, models=policy.detectors.models),
     )
     objective = json.dumps(
         [{"role": "user", "parts": [{"type": "text", "content": "Refund order 1234."}]}]
@@ -443,8 +439,8 @@ detectors:
     assert anchors[0].failure.details["objective"] == "Refund order 1234."
     assert anchors[0].decision.params["remediator"] == "reanchor"
     # Off unless a policy sets it.
-    plain = Pipeline(load_policy())
-    plain.runs = RunTracker(settings=plain.policy.detectors.for_service)
+    plain_policy = load_policy()
+    plain = Pipeline(plain_policy, runs=RunTracker(settings=plain_policy.detectors.for_service))
     assert [
         o for o in plain.process_payload(payload(*steps), 10**12) if o.failure.kind == "goal_drift"
     ] == []
@@ -469,13 +465,13 @@ policies:
 """
     )
     clock = [1000.0]
-    pipeline = Pipeline(policy)
-    runs = pipeline.runs = RunTracker(
+    runs = RunTracker(
         settings=policy.detectors.for_service,
         models=policy.detectors.models,
         slo=policy.detectors.slo,
         clock=lambda: clock[0],
     )
+    pipeline = Pipeline(policy, runs=runs)
     for n in range(4):  # four runs end, each after a failed call
         trace = bytes([n + 1]) * 16
         failing = llm("")

@@ -83,13 +83,9 @@ def request(*spans: Span, service: str = "agent") -> bytes:
 
 def tracked_pipeline() -> tuple[Pipeline, RunTracker, RecordingGovernor]:
     policy = load_policy()
-    pipeline = Pipeline(policy)
     governor = RecordingGovernor()
-    pipeline.governor = governor
-    runs = pipeline.runs = RunTracker(
-        settings=policy.detectors.for_service, models=policy.detectors.models
-    )
-    return pipeline, runs, governor
+    runs = RunTracker(settings=policy.detectors.for_service, models=policy.detectors.models)
+    return Pipeline(policy, governor=governor, runs=runs), runs, governor
 
 
 GENAI_CHAT = {

@@ -7,7 +7,8 @@ triggering span and rule, so a span seen twice adds nothing), its commands
 for the agent's service, and for escalations an approval request. Answering
 an approval stores the ``approval_result`` command the same way.
 
-Lifecycle: built by the sidecar with the store and the delivery settings;
+Lifecycle: built by :func:`supervisor.wiring.build_sidecar` with the store and the
+delivery settings, then told where answered approvals go (:attr:`Actor.on_answer`);
 :meth:`Actor.record` per batch of outcomes from the pipeline's thread (a
 short SQLite transaction); :meth:`Actor.answer` from the control API.
 """
@@ -68,8 +69,10 @@ class Actor:
         on_answer: Callable[[Approval], None] | None = None,
     ) -> None:
         self.store = store
-        #: Told of every answered approval (a remediation may be waiting for it).
-        self._on_answer = on_answer
+        #: Told of every answered approval (a remediation may be waiting for it). Public:
+        #: the remediations act through this actor, so they are connected to it after both
+        #: exist (:func:`supervisor.wiring.build_sidecar`).
+        self.on_answer = on_answer
         self.agents = dict(agents)
         self._wake_push = wake_push
         self.waiters = waiters or PullWaiters()
@@ -162,8 +165,8 @@ class Actor:
             answered.incident_key, [(command, self.channel_for(command.service))]
         )
         self.announce(created)
-        if self._on_answer is not None:
-            self._on_answer(answered)
+        if self.on_answer is not None:
+            self.on_answer(answered)
         log.info(
             "approval answered",
             extra={"approval": answered.id, "approved": approved, "by": by},

@@ -65,7 +65,7 @@ from typing import Any, TextIO
 import httpx
 
 from policies import load_policy
-from supervisor.app import BackgroundSidecar, Sidecar, resolve_downstream
+from supervisor.app import BackgroundSidecar
 from supervisor.cli.demo_view import (
     Event,
     Facts,
@@ -83,6 +83,7 @@ from supervisor.logs import JsonFormatter
 from supervisor.settings import load_settings
 from supervisor.testing.fake_provider import Reply
 from supervisor.testing.fault_schedule import Fault, FaultSchedule, Matcher, ProviderRequest
+from supervisor.wiring import build_sidecar, resolve_downstream
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "examples" / "langgraph_agent.py"
@@ -511,7 +512,7 @@ class Demo:
         fake = self.fake = FaultSchedule(answer=DemoModel(loop=(f"{OPS_PREFIX}-3", 1)))
         outage, fault = schedule_faults(fake, ops_runs=self.ops_runs, seed=self.seed)
         sidecar = BackgroundSidecar(
-            Sidecar(settings, load_policy(policy_path), downstream=downstream)
+            build_sidecar(settings, load_policy(policy_path), downstream=downstream)
         )
         fake.start()
         problems: list[str] = []

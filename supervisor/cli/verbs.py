@@ -410,8 +410,8 @@ def _policy(path: Path | None) -> Policy:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from supervisor.app import Sidecar, resolve_downstream  # heavy: only for `run`
     from supervisor.settings import load_settings
+    from supervisor.wiring import build_sidecar, resolve_downstream  # heavy: only for `run`
 
     overrides = {
         key: getattr(args, key)
@@ -432,7 +432,7 @@ def _run(args: argparse.Namespace) -> int:
     downstream = resolve_downstream(settings)
 
     async def serve() -> None:
-        sidecar = Sidecar(settings, policy, downstream=downstream)
+        sidecar = build_sidecar(settings, policy, downstream=downstream)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -138,6 +138,8 @@ class Pipeline:
         runs_capacity: int = 10_000,
         observe_only: bool = False,
         governor: Governor | None = None,
+        runs: RunTracker | None = None,
+        recovery: RecoveryListener | None = None,
     ) -> None:
         self.policy = policy
         #: Sees every call outcome and revises decisions; None: the policy alone decides.
@@ -157,9 +159,9 @@ class Pipeline:
         # Which verifiers want a successful span, memoized per policy (_WantedBy).
         self._wants = WantedBy(None)
         #: Told when a dependency that a remediation waits for succeeds in a run.
-        self.recovery: RecoveryListener | None = None
+        self.recovery = recovery
         #: Every span's run: progress, loops, stalls (None: not tracked).
-        self.runs: RunTracker | None = None
+        self.runs = runs
         self._batches = 0
         self._spans = 0
         self._failing = 0

@@ -118,14 +118,14 @@ def replay(path: Path, policy: Policy) -> Iterator[Outcome | BadRecord]:
     recording shows no span of it for its ``idle_seconds`` (checked after
     each request, and at the end of the file). Same file, same output.
     """
-    pipeline = Pipeline(policy)
-    runs = pipeline.runs = RunTracker(
+    clock_ns = 0
+    runs = RunTracker(
         settings=policy.detectors.for_service,
         models=policy.detectors.models,
         slo=policy.detectors.slo,
         clock=lambda: clock_ns / 1e9,
     )
-    clock_ns = 0
+    pipeline = Pipeline(policy, runs=runs)
     for item in read_requests(path):
         if isinstance(item, BadRecord):
             yield item

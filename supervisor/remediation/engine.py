@@ -13,7 +13,7 @@
   dependencies some remediation waits to see succeed in a run. Only those
   dependencies' successes are looked up, so spans pay nothing otherwise.
 
-Lifecycle: built by the sidecar with the store, actor and governor;
+Lifecycle: built by :func:`supervisor.wiring.build_sidecar` with the actor and governor;
 :meth:`Remediations.start` once the event loop runs (launches DBOS, which
 resumes remediations left pending); :meth:`Remediations.close` at shutdown.
 """

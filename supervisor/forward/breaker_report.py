@@ -1,0 +1,46 @@
+"""Each circuit breaker change, told three ways: a log line, a span and a metric.
+
+The governor calls a :class:`BreakerReport` on every change (from whichever
+thread moved the breaker); the sidecar's stats read :attr:`BreakerReport.changes`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from policies import BreakerChange
+from supervisor.forward.metrics import SidecarMetrics
+from supervisor.forward.telemetry import DecisionTracer
+
+# The sidecar's logger, which operators' filters on "circuit breaker changed state" know.
+log = logging.getLogger("spanvisor.app")
+
+
+class BreakerReport:
+    """Logs, traces (``spanvisor.breaker``) and counts (a metric) each breaker change."""
+
+    def __init__(self, tracer: DecisionTracer, metrics: SidecarMetrics) -> None:
+        self._tracer = tracer
+        self._metrics = metrics
+        #: Changes reported since start.
+        self.changes = 0
+
+    def __call__(self, change: BreakerChange) -> None:
+        self.changes += 1
+        log.warning(
+            "circuit breaker changed state",
+            extra={
+                "event": "breaker",
+                "dependency": change.dependency,
+                "from": change.old.value,
+                "to": change.new.value,
+                "reason": change.reason,
+                "failures": change.failures,
+            },
+        )
+        self._tracer.emit_breaker_change(
+            change.dependency, change.old.value, change.new.value, change.reason, change.failures
+        )
+        self._metrics.breaker_changed(
+            change.dependency, change.old.value, change.new.value, change.reason
+        )

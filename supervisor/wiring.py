@@ -1,0 +1,250 @@
+"""Builds a sidecar: every part from the settings and the policy, in dependency order.
+
+:func:`build_sidecar` is the one place where the parts meet. Each is built
+with what it needs passed to its constructor; the finished set
+(:class:`~supervisor.app.SidecarParts`) goes to :class:`~supervisor.app.Sidecar`,
+which only runs it. Building opens the state database and may write the
+token file, but binds no port and starts no thread or task: that is
+:meth:`Sidecar.start <supervisor.app.Sidecar.start>`.
+
+The parts that follow a policy reload read it through one
+:class:`~supervisor.policy_in_force.PolicyInForce`, never through the sidecar.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+
+import pybreaker
+from opentelemetry.sdk.metrics.export import MetricReader
+
+from policies import Governor, Policy
+from remediators.registry import check_policy
+from supervisor.act.actor import Actor
+from supervisor.act.actuators import Actuator
+from supervisor.act.actuators.command import CommandActuator
+from supervisor.act.actuators.webhook import WebhookActuator
+from supervisor.act.dispatch import Dispatcher, actuator_table
+from supervisor.act.failure_log import RecentFailures
+from supervisor.act.store import Store
+from supervisor.act.store_writer import StoreWriter
+from supervisor.api.server import ensure_token
+from supervisor.app import Sidecar, SidecarParts
+from supervisor.collector import Collector
+from supervisor.errors import ConfigError
+from supervisor.forward.breaker_report import BreakerReport
+from supervisor.forward.downstream import Downstream, downstream_from_env
+from supervisor.forward.metrics import SidecarMetrics
+from supervisor.forward.relay import Forwarder
+from supervisor.forward.telemetry import DecisionTracer
+from supervisor.ingest.grpc_receiver import GrpcReceiver
+from supervisor.ingest.http_receiver import build_otlp_http_app
+from supervisor.ingest.queue import IngestQueue
+from supervisor.judge.pipeline import Pipeline
+from supervisor.policy_in_force import PolicyInForce
+from supervisor.remediation.engine import Remediations
+from supervisor.runs import RunTracker
+from supervisor.settings import LOOPBACK, AgentDelivery, Settings
+
+
+def build_sidecar(
+    settings: Settings,
+    policy: Policy,
+    *,
+    downstream: Downstream | None = None,
+    tracer: DecisionTracer | None = None,
+    metric_reader: MetricReader | None = None,
+) -> Sidecar:
+    """A sidecar ready to :meth:`~supervisor.app.Sidecar.start`.
+
+    ``downstream``: where spans, own spans and metrics go (None: nowhere;
+    :func:`resolve_downstream` reads it from the settings). ``tracer`` and
+    ``metric_reader`` replace the own-span tracer and the metrics' exporter
+    (tests read what they record). Raises ConfigError, before the state
+    database is opened, for settings it cannot run with.
+    """
+    # Refused before anything is opened or written.
+    _check_api_exposure(settings)
+    _check_remediators(policy)
+    breaker_storage = _shared_breakers(settings.breaker_redis_url)
+    actuators = _actuators(settings.agents)
+
+    in_force = PolicyInForce(policy)
+    queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
+    tracer = tracer if tracer is not None else DecisionTracer(downstream)
+    metrics = SidecarMetrics(downstream, reader=metric_reader)
+    breakers = BreakerReport(tracer, metrics)
+    governor = Governor(
+        policy,
+        on_breaker_change=breakers,
+        max_runs=settings.tracked_runs,
+        breaker_storage=breaker_storage,
+    )
+    runs = RunTracker(
+        settings=in_force.detectors_for,
+        models=policy.detectors.models,
+        slo=policy.detectors.slo,
+        max_runs=settings.tracked_runs,
+    )
+    runs.stall_horizon_s = policy.detectors.shortest_idle_s  # as a reload sets it
+    token = ensure_token(settings.api_token, settings.token_file)
+
+    store = Store.open(
+        settings.state_path,
+        max_pending=settings.max_pending_commands,
+        retention_s=settings.retention_s,
+    )
+    dispatcher = Dispatcher(
+        store,
+        actuator_table(actuators),
+        max_attempts=functools.partial(_max_attempts, settings.agents),
+    )
+    actor = Actor(store, settings.agents, wake_push=dispatcher.wake)
+    remediations = Remediations(settings, actor, governor, in_force, tracer=tracer.tracer)
+    # The one cycle: remediations act through the actor (their commands and approval
+    # requests), and the actor must tell them of each answered approval, which a
+    # remediation may be waiting for. So the actor is built first, and told here.
+    actor.on_answer = lambda approval: remediations.answered(approval.to_json())
+    pipeline = Pipeline(
+        policy,
+        seen_capacity=settings.seen_failure_spans,
+        runs_capacity=settings.tracked_runs,
+        observe_only=settings.observe_only,
+        governor=governor,
+        runs=runs if settings.track_runs else None,
+        recovery=remediations.watch,
+    )
+    writer = StoreWriter(
+        actor,
+        after_store=remediations.dispatch,
+        min_commit_interval_s=settings.store_commit_interval_s,
+    )
+    forwarder = (
+        Forwarder(
+            downstream,
+            max_queue_batches=settings.forward_queue_batches,
+            max_queue_bytes=settings.forward_queue_bytes,
+            max_attempts=settings.forward_max_attempts,
+        )
+        if downstream is not None
+        else None
+    )
+    return Sidecar(
+        SidecarParts(
+            settings=settings,
+            policy=in_force,
+            downstream=downstream,
+            queue=queue,
+            grpc=GrpcReceiver(
+                queue,
+                host=settings.host,
+                port=settings.otlp_grpc_port,
+                max_body_bytes=settings.max_body_bytes,
+                retry_after_s=settings.retry_after_s,
+            ),
+            otlp_http=build_otlp_http_app(
+                queue,
+                max_body_bytes=settings.max_body_bytes,
+                retry_after_s=settings.retry_after_s,
+            ),
+            pipeline=pipeline,
+            runs=runs,
+            governor=governor,
+            breakers=breakers,
+            store=store,
+            actuators=actuators,
+            dispatcher=dispatcher,
+            actor=actor,
+            remediations=remediations,
+            writer=writer,
+            forwarder=forwarder,
+            tracer=tracer,
+            metrics=metrics,
+            failures=RecentFailures(settings.recent_failures),
+            collector=Collector(),
+            token=token,
+        )
+    )
+
+
+def resolve_downstream(settings: Settings) -> Downstream | None:
+    """The settings' explicit downstream, else the standard ``OTEL_*`` variables."""
+    configured = settings.downstream
+    if configured is None:
+        return downstream_from_env(os.environ)
+    return Downstream(
+        endpoint=configured.endpoint,
+        protocol=configured.protocol,
+        headers=tuple(configured.headers.items()),
+        timeout_s=configured.timeout_s,
+        insecure=True,
+        compression=configured.compression,
+    )
+
+
+def _check_api_exposure(settings: Settings) -> None:
+    if not _is_loopback(settings.api_host) and not settings.api_token:
+        raise ConfigError(
+            f"the control API would listen on {settings.api_host}, beyond loopback, without"
+            " a token: set SPANVISOR_API_TOKEN (or api_token in the settings file)"
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    return host in (LOOPBACK, "localhost", "::1") or host.startswith("127.")
+
+
+def _check_remediators(policy: Policy) -> None:
+    problems = check_policy(policy)
+    if problems:
+        raise ConfigError(
+            f"the policy {policy.source} names remediators that cannot run: " + "; ".join(problems)
+        )
+
+
+def _max_attempts(agents: Mapping[str, AgentDelivery], service: str) -> int:
+    found = agents.get(service) or agents.get("*")
+    return found.max_attempts if found is not None else 1
+
+
+def _actuators(agents: Mapping[str, AgentDelivery]) -> dict[str, Actuator]:
+    """One actuator per service with a push channel (webhook or command)."""
+    built: dict[str, Actuator] = {}
+    for service, delivery in agents.items():
+        if delivery.webhook is not None:
+            hook = delivery.webhook
+            built[service] = WebhookActuator(
+                url=hook.url,
+                secret=hook.resolved_secret(),
+                timeout_s=hook.timeout_s,
+                headers=hook.headers,
+            )
+        elif delivery.command is not None:
+            run = delivery.command
+            built[service] = CommandActuator(argv=run.argv, timeout_s=run.timeout_s, env=run.env)
+    return built
+
+
+def _shared_breakers(url: str | None) -> Callable[[str], pybreaker.CircuitBreakerStorage] | None:
+    """pybreaker's Redis storage per dependency, so a fleet of sidecars shares its breakers."""
+    if url is None:
+        return None
+    try:
+        import redis  # the `fleet` extra: only sidecars that share breakers need it
+    except ImportError as exc:
+        raise ConfigError(
+            "breaker_redis_url needs the redis package: pip install 'spanvisor[fleet]'"
+        ) from exc
+    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise ConfigError(f"cannot reach the breakers' Redis at {url}: {exc}") from exc
+
+    def storage(dependency: str) -> pybreaker.CircuitBreakerStorage:
+        namespace = f"spanvisor:breaker:{dependency}"
+        return pybreaker.CircuitRedisStorage(pybreaker.STATE_CLOSED, client, namespace=namespace)
+
+    return storage
