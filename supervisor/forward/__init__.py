@@ -1,4 +1,4 @@
 """What leaves the sidecar for the downstream: the agent's spans relayed unchanged
-(:mod:`.relay`), the sidecar's own spans (:mod:`.telemetry`) and metrics (:mod:`.metrics`),
-all to one OTLP downstream (:mod:`.downstream`).
+(:mod:`.relay`, sent by :mod:`.senders`), the sidecar's own spans (:mod:`.telemetry`) and
+metrics (:mod:`.metrics`), all to one OTLP downstream (:mod:`.downstream`).
 """
