@@ -21,7 +21,11 @@ from pathlib import Path
 from supervisor import __version__
 from supervisor.addresses import DEFAULT_API_PORT, DEFAULT_API_URL, LOOPBACK
 from supervisor.cli import local_verbs, operator_verbs
+from supervisor.cli.operator_verbs import CLEAR_SCREEN
 from supervisor.errors import ConfigError, PolicyError, SupervisorError
+
+# CLEAR_SCREEN was defined here before the operator verbs moved: still importable from here.
+__all__ = ["CLEAR_SCREEN", "build_parser", "main"]
 
 EPILOG = """\
 examples:
