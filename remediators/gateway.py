@@ -1,7 +1,7 @@
 """What the runner needs from the sidecar: the actuator interface and a read-only view.
 
 Remediators never touch the store, the receivers or the pipeline. The sidecar
-(:mod:`supervisor.remediation.engine`) implements this protocol over them; tests use
+(:mod:`supervisor.remediation.gateway`) implements this protocol over them; tests use
 :class:`RecordingGateway`, a fake with the same behaviour kept in memory.
 
 Every method is synchronous and safe to call from the runner's tool

@@ -15,6 +15,10 @@ launches DBOS there; workflows left pending by a crash resume then);
 thread; :meth:`list`, :meth:`show`, :meth:`cancel` from any thread but the
 runner's (they wait for the answer); :meth:`close` once. DBOS is one per
 process, so is the runner.
+
+What a remediator calls is :mod:`remediators.durable_context`; the spans a
+remediation makes, :mod:`remediators.remediation_spans`; how DBOS's database
+is set up, :mod:`remediators.dbos_database`.
 """
 
 from __future__ import annotations
@@ -24,33 +28,23 @@ import contextlib
 import contextvars
 import functools
 import logging
-import sqlite3
 import threading
 import time
-import types
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from dbos import DBOS, DBOSConfig, SetWorkflowID
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from remediators.base import (
-    Budget,
-    BudgetSpent,
-    Remediator,
-    ToolResult,
-    Trigger,
-    Verdict,
-)
+from remediators.base import Budget, BudgetSpent, Remediator, Trigger, Verdict
+from remediators.dbos_database import SQLITE_NORMAL_SYNC, redact_url, use_wal, wake_waiters
+from remediators.durable_context import APPROVAL_TOPIC, DurableContext
 from remediators.gateway import Gateway
 from remediators.registry import resolve
-from remediators.tools import check_arguments, execute
-from remediators.tracing import preset_ids, root_span_id
+from remediators.remediation_spans import MAX_TEXT, RemediationSpans
 from supervisor.errors import ConfigError
 
 __all__ = ["DurableRunner", "RunnerSettings", "build_request", "redact_url"]
@@ -62,9 +56,6 @@ T = TypeVar("T")
 #: The workflow contract's version: recovery needs the same one, whatever else changed.
 APP_VERSION: Final = "spanvisor-remediation-1"
 _WORKFLOW: Final = "spanvisor.remediate"
-_APPROVAL: Final = "approval"
-#: Longest text recorded on a span or in a result (characters).
-_MAX_TEXT: Final = 512
 
 
 class _RecoveryWait:
@@ -97,7 +88,7 @@ class RunnerSettings:
     #: approval on SQLite: one query per waiting remediation each time (at
     #: 0.05 s, 256 remediations waiting for approvals kept a core busy). The
     #: sidecar sends every answer and wakes its waiter at once
-    #: (:func:`_wake_waiters`); this is the safety net. Recoveries are not
+    #: (:func:`~remediators.dbos_database.wake_waiters`); this is the safety net. Recoveries are not
     #: messages (see :meth:`DurableRunner.notify_recovery`), so few wait here.
     #: It also bounds :meth:`DurableRunner.close`: DBOS's shutdown waits for
     #: its poller to finish sleeping, up to 10 s (at 30 s, every stop took 10 s).
@@ -157,218 +148,6 @@ async def _remediation_workflow(request: dict[str, Any]) -> dict[str, Any]:
     return await runner.execute(request)
 
 
-class _Context:
-    """The :class:`~remediators.base.RemediationContext` of one workflow execution.
-
-    Counters are rebuilt on every execution from the replayed steps, so a
-    resumed remediation has spent exactly what it had spent. The deadline is
-    read against durable times (each step records when it ran), never the
-    clock directly: a replay takes the same branches as the first run.
-    """
-
-    def __init__(self, runner: DurableRunner, request: Mapping[str, Any], root: trace.Span):
-        self._runner = runner
-        self._request = request
-        self._root = root
-        self._trigger = Trigger.from_json(request["trigger"])
-        b = request["budget"]
-        self._budget = Budget(
-            steps=int(b["steps"]),
-            tool_calls=int(b["tool_calls"]),
-            deadline_s=float(b["deadline_s"]),
-            tokens=int(b["tokens"]),
-        )
-        self._tools = frozenset(request["tools"])
-        self.steps = 0
-        self.tool_calls = 0
-        self.tokens = 0
-        self.refused = 0
-        self.acted = 0
-        self._last_at = float(request["dispatched_at"])
-
-    @property
-    def trigger(self) -> Trigger:
-        return self._trigger
-
-    @property
-    def root(self) -> trace.Span:
-        return self._root
-
-    @property
-    def remediation_id(self) -> str:
-        return str(self._request["id"])
-
-    @property
-    def budget(self) -> Budget:
-        return self._budget
-
-    @property
-    def tools(self) -> frozenset[str]:
-        return self._tools
-
-    def _charge_step(self) -> None:
-        if self.steps >= self._budget.steps:
-            raise BudgetSpent(f"{self._budget.steps} steps")
-        if self._last_at - float(self._request["dispatched_at"]) > self._budget.deadline_s:
-            raise BudgetSpent(f"the {self._budget.deadline_s:g} s deadline")
-        self.steps += 1
-
-    async def _durable(self, name: str, fn: Callable[[], Awaitable[T]]) -> T:
-        async def once() -> T:
-            return await fn()
-
-        return await DBOS.run_step_async({"name": name}, once)
-
-    async def call(self, tool: str, /, **arguments: Any) -> ToolResult:
-        self._charge_step()
-        if self.tool_calls >= self._budget.tool_calls:
-            raise BudgetSpent(f"{self._budget.tool_calls} tool calls")
-        self.tool_calls += 1
-        seq = self.steps
-        runner, trigger, rid = self._runner, self._trigger, self.remediation_id
-        configured: Mapping[str, Any] = self._request["params"]
-        allowed = tool in self._tools
-
-        async def run() -> dict[str, Any]:
-            started = time.time_ns()
-            if not allowed:
-                result = ToolResult(
-                    False,
-                    error=f"{tool[:64]!r} is not in this remediator's allowlist",
-                    refused=True,
-                )
-            else:
-                reason = check_arguments(tool, arguments, trigger, runner.gateway, configured)
-                if reason:
-                    result = ToolResult(False, error=reason, refused=True)
-                else:
-                    key = f"{rid}/{seq}/{tool}"
-                    try:
-                        result = await runner.in_tool_thread(
-                            execute,
-                            tool,
-                            arguments,
-                            trigger,
-                            runner.gateway,
-                            key=key,
-                            remediation_id=rid,
-                            configured=configured,
-                        )
-                    except Exception as exc:  # a failed tool is a result, not a crash
-                        result = ToolResult(False, error=f"{type(exc).__name__}: {exc}"[:_MAX_TEXT])
-            runner.trace_tool(
-                self._root, tool, arguments, result, seq=seq, started_ns=started, allowed=allowed
-            )
-            return {**result.to_json(), "at": time.time()}
-
-        recorded = await self._durable(f"tool:{tool}", run)
-        self._last_at = float(recorded.get("at", self._last_at))
-        result = ToolResult.from_json(recorded)
-        if result.refused:
-            self.refused += 1
-        elif result.ok and tool not in ("recent_spans", "incident_history", "breaker_states"):
-            self.acted += 1
-        return result
-
-    async def step(self, name: str, fn: Callable[[], Awaitable[T]]) -> T:
-        self._charge_step()
-        runner, root, seq = self._runner, self._root, self.steps
-
-        async def run() -> tuple[T, float]:
-            started = time.time_ns()
-            error: BaseException | None = None
-            try:
-                return await fn(), time.time()
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                runner.trace_step(root, f"spanvisor.step {name}", seq, started, error)
-
-        value, at = await self._durable(f"step:{name}", run)
-        self._last_at = at
-        return value
-
-    async def sleep(self, seconds: float) -> None:
-        self._charge_step()
-        await DBOS.sleep_async(max(0.0, float(seconds)))
-        await self._waited("sleep", {"spanvisor.wait.seconds": float(seconds)})
-
-    async def wait_for_recovery(self, timeout_s: float) -> bool:
-        self._charge_step()
-        return await self.recovered_within(timeout_s)
-
-    async def recovered_within(self, timeout_s: float) -> bool:
-        """The wait itself; the runner's verification uses it without charging a step.
-
-        One durable step that waits in memory and records what it saw, with the
-        wait's span. Its deadline counts from the last recorded step, so a
-        remediation resumed after a crash waits out the same window, and one
-        that had recorded its answer replays it without waiting. (DBOS's
-        ``recv`` with a timeout, and a step for the span, took 15 statements
-        and 7 commits a remediation; this is 4 and 2.)
-        """
-        if timeout_s <= 0:
-            return False  # no window: nothing to wait for, nothing to record
-        runner, root, trigger = self._runner, self._root, self._trigger
-        rid = self.remediation_id
-        deadline = self._last_at + float(timeout_s)
-
-        async def wait() -> tuple[bool, float]:
-            evidence = await runner.wait_for_recovery(trigger, rid, deadline)
-            attributes: dict[str, Any] = {"spanvisor.wait.recovered": evidence is not None}
-            span_id = (evidence or {}).get("span_id")
-            if isinstance(span_id, str) and span_id:
-                attributes["spanvisor.wait.recovered_by"] = span_id[:32]  # the agent's span
-            runner.trace_event(root, "spanvisor.wait recovery", attributes)
-            return evidence is not None, time.time()
-
-        recovered, self._last_at = await self._durable("waited:recovery", wait)
-        return recovered
-
-    async def wait_for_approval(
-        self, approval_id: str, timeout_s: float
-    ) -> Mapping[str, Any] | None:
-        self._charge_step()
-        got = await DBOS.recv_async(_APPROVAL, timeout_seconds=max(0.0, float(timeout_s)))
-        answer = got if isinstance(got, dict) else None
-        await self._waited(
-            "approval",
-            {
-                "spanvisor.approval.id": approval_id,
-                "spanvisor.approval.answered": answer is not None,
-            },
-        )
-        return answer
-
-    async def _waited(self, what: str, attributes: Mapping[str, Any]) -> None:
-        """Record a finished wait as a span, once (a step: a replay does not record it again)."""
-        runner, root = self._runner, self._root
-
-        async def record() -> float:
-            runner.trace_event(root, f"spanvisor.wait {what}", attributes)
-            return time.time()
-
-        self._last_at = await self._durable(f"waited:{what}", record)
-
-    async def restart_allowed(self) -> tuple[bool, str]:
-        runner, trigger = self._runner, self._trigger
-        gateway = runner.gateway
-
-        async def ask() -> tuple[bool, str]:
-            return await runner.in_tool_thread(gateway.restart_allowed, trigger)
-
-        return await self.step("restart_allowed", ask)
-
-    def spend_tokens(self, tokens: int) -> None:
-        self.tokens += max(0, int(tokens))
-        if self.tokens > self._budget.tokens:
-            raise BudgetSpent(f"{self._budget.tokens} tokens")
-
-    def log(self, message: str) -> None:
-        self._root.add_event("spanvisor.note", {"message": message[:_MAX_TEXT]})
-
-
 class DurableRunner:
     """Runs remediations as DBOS workflows on a thread of its own; see the module."""
 
@@ -382,7 +161,7 @@ class DurableRunner:
     ) -> None:
         self.gateway = gateway
         self.settings = settings
-        self._tracer = tracer or trace.NoOpTracer()
+        self.spans = RemediationSpans(tracer or trace.NoOpTracer())
         self._resolve = resolver
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -438,7 +217,7 @@ class DurableRunner:
 
     async def _launch(self) -> None:
         s = self.settings
-        _use_wal(s.database_url)
+        use_wal(s.database_url)
         config: DBOSConfig = {
             "name": "spanvisor",
             "system_database_url": s.database_url,
@@ -452,7 +231,7 @@ class DurableRunner:
             # DBOS pings every connection it takes from its pool (a SELECT 1), which
             # guards against a Postgres server that dropped it; a SQLite file's
             # connection cannot go stale (bench/remediation.py: 2-3% less CPU without).
-            config["db_engine_kwargs"] = {"pool_pre_ping": False, "module": _SQLITE_NORMAL_SYNC}
+            config["db_engine_kwargs"] = {"pool_pre_ping": False, "module": SQLITE_NORMAL_SYNC}
         DBOS(config=config)
         DBOS.launch()  # on this loop: resumed async workflows run here
 
@@ -570,7 +349,7 @@ class DurableRunner:
 
     def answer_approval(self, remediation_id: str, answer: Mapping[str, Any]) -> None:
         """A person answered the approval a remediation waits for."""
-        self._submit(self._send(remediation_id, dict(answer), _APPROVAL))
+        self._submit(self._send(remediation_id, dict(answer), APPROVAL_TOPIC))
 
     async def _send(self, remediation_id: str, message: dict[str, Any], topic: str) -> None:
         try:
@@ -578,7 +357,7 @@ class DurableRunner:
         except Exception as exc:  # finished or unknown: nothing is waiting
             log.debug("message to %s not delivered: %s", remediation_id, exc)
             return
-        _wake_waiters(remediation_id, topic)
+        wake_waiters(remediation_id, topic)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T] | None:
         loop = self._loop
@@ -628,7 +407,7 @@ class DurableRunner:
                     "n": s["function_id"],
                     "name": s["function_name"],
                     "output": s["output"],
-                    "error": None if s["error"] is None else str(s["error"])[:_MAX_TEXT],
+                    "error": None if s["error"] is None else str(s["error"])[:MAX_TEXT],
                 }
                 for s in steps
             ]
@@ -662,8 +441,8 @@ class DurableRunner:
         rid = str(request["id"])
         with self._lock:
             self._active.add(rid)  # a resumed one counts too
-        root = self._start_root(request)
-        ctx = _Context(self, request, root)
+        root = self.spans.start_root(request)
+        ctx = DurableContext(self, request, root)
         verdict = Verdict.FAILED
         reason = ""
         try:
@@ -675,13 +454,15 @@ class DurableRunner:
             reason = f"budget spent: {spent.what}"
             verdict = await self._escalate(ctx, reason)
         except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"[:_MAX_TEXT]
+            reason = f"{type(exc).__name__}: {exc}"[:MAX_TEXT]
             log.exception("remediation failed", extra={"remediation": rid})
             verdict = Verdict.FAILED
         if verdict is Verdict.FAILED and ctx.refused and not ctx.acted:
             verdict = Verdict.REFUSED
         outcome = verdict.value if verdict is not Verdict.ACTED else Verdict.FAILED.value
-        self._end_root(root, outcome, reason, ctx)
+        self.spans.end_root(
+            root, outcome, reason, steps=ctx.steps, tool_calls=ctx.tool_calls, refused=ctx.refused
+        )
         with self._lock:
             self._active.discard(rid)
         self.counts[outcome] += 1
@@ -698,7 +479,7 @@ class DurableRunner:
             "trace_id": request["trace_id"],
         }
 
-    async def _verify(self, ctx: _Context, request: Mapping[str, Any]) -> tuple[Verdict, str]:
+    async def _verify(self, ctx: DurableContext, request: Mapping[str, Any]) -> tuple[Verdict, str]:
         window = float(request["verify_window_s"])
         if await ctx.recovered_within(window):
             return Verdict.SUCCEEDED, "the run recovered"
@@ -710,7 +491,7 @@ class DurableRunner:
             await self._runner_command(ctx, "abort_run", {"reason": reason})
         return Verdict.FAILED, reason
 
-    async def _escalate(self, ctx: _Context, reason: str) -> Verdict:
+    async def _escalate(self, ctx: DurableContext, reason: str) -> Verdict:
         """Hand the remediation to a person; outside the remediator's budget and allowlist."""
         trigger = ctx.trigger
         body = {
@@ -728,7 +509,9 @@ class DurableRunner:
         )
         return Verdict.ESCALATED
 
-    async def _runner_command(self, ctx: _Context, command: str, params: dict[str, Any]) -> None:
+    async def _runner_command(
+        self, ctx: DurableContext, command: str, params: dict[str, Any]
+    ) -> None:
         gateway, trigger, rid = self.gateway, ctx.trigger, ctx.remediation_id
         sent = {**params, "remediation_id": rid}
         await self._runner_step(
@@ -738,7 +521,7 @@ class DurableRunner:
         )
 
     async def _runner_step(
-        self, ctx: _Context, name: str, act: Callable[[], dict[str, Any]]
+        self, ctx: DurableContext, name: str, act: Callable[[], dict[str, Any]]
     ) -> dict[str, Any]:
         """A step of the runner's own (escalation, abort): durable and traced, never budgeted."""
         root = ctx.root
@@ -752,130 +535,9 @@ class DurableRunner:
                 error = exc
                 raise
             finally:
-                self.trace_step(root, f"spanvisor.step {name}", 0, started, error)
+                self.spans.step(root, f"spanvisor.step {name}", 0, started, error)
 
         return await DBOS.run_step_async({"name": name}, run)
-
-    # -- tracing ------------------------------------------------------------------
-
-    def _start_root(self, request: Mapping[str, Any]) -> trace.Span:
-        trigger = request["trigger"]
-        link = Link(
-            SpanContext(
-                trace_id=int(trigger["trace_id"], 16),
-                span_id=int(trigger["span_id"], 16),
-                is_remote=True,
-                trace_flags=TraceFlags(TraceFlags.SAMPLED),
-            ),
-            attributes={
-                "spanvisor.link.type": "triggered_by",
-                "spanvisor.failure.class": str(trigger.get("class", "")),
-                "spanvisor.failure.kind": str(trigger.get("kind", "")),
-            },
-        )
-        with preset_ids(str(request["trace_id"]), root_span_id(str(request["id"]))):
-            return self._tracer.start_span(
-                f"spanvisor.remediate {request['remediator']}",
-                context=trace.set_span_in_context(trace.INVALID_SPAN),
-                kind=SpanKind.INTERNAL,
-                links=[link],
-                start_time=int(float(request["dispatched_at"]) * 1e9),
-                attributes={
-                    "spanvisor.remediation.id": str(request["id"]),
-                    "spanvisor.remediator": str(request["remediator"]),
-                    "spanvisor.remediator_use": str(request["use"]),
-                    "spanvisor.remediation.tools": list(request["tools"]),
-                    "spanvisor.service": str(trigger.get("service", "")),
-                    "spanvisor.run_id": str(trigger.get("run_id", "")),
-                    "spanvisor.trigger.trace_id": str(trigger["trace_id"]),
-                    "spanvisor.trigger.span_id": str(trigger["span_id"]),
-                },
-            )
-
-    def _end_root(self, root: trace.Span, outcome: str, reason: str, ctx: _Context) -> None:
-        root.set_attribute("spanvisor.remediation.outcome", outcome)
-        root.set_attribute("spanvisor.remediation.steps", ctx.steps)
-        root.set_attribute("spanvisor.remediation.tool_calls", ctx.tool_calls)
-        root.set_attribute("spanvisor.remediation.refused_calls", ctx.refused)
-        if reason:
-            root.set_attribute("spanvisor.remediation.reason", reason[:_MAX_TEXT])
-        if outcome in ("failed", "refused"):
-            root.set_status(Status(StatusCode.ERROR, reason[:_MAX_TEXT] or outcome))
-        root.end()
-
-    def trace_tool(
-        self,
-        root: trace.Span,
-        tool: str,
-        arguments: Mapping[str, Any],
-        result: ToolResult,
-        *,
-        seq: int,
-        started_ns: int,
-        allowed: bool,
-    ) -> None:
-        span = self._tracer.start_span(
-            f"spanvisor.tool {tool[:64]}",
-            context=trace.set_span_in_context(root),
-            start_time=started_ns,
-            attributes={
-                "spanvisor.tool.name": tool[:128],
-                "spanvisor.tool.step": seq,
-                "spanvisor.tool.allowed": allowed,
-                "spanvisor.tool.refused": result.refused,
-                "spanvisor.tool.arguments": _clip(repr(dict(arguments))),
-            },
-        )
-        if not result.ok:
-            span.set_status(Status(StatusCode.ERROR, result.error[:_MAX_TEXT]))
-            span.add_event(
-                "exception",
-                {
-                    "exception.type": "ToolRefused" if result.refused else "ToolFailed",
-                    "exception.message": result.error[:_MAX_TEXT],
-                },
-            )
-        span.end()
-
-    def trace_step(
-        self, root: trace.Span, name: str, seq: int, started_ns: int, error: BaseException | None
-    ) -> None:
-        span = self._tracer.start_span(
-            name[:128],
-            context=trace.set_span_in_context(root),
-            start_time=started_ns,
-            attributes={"spanvisor.step": seq},
-        )
-        if error is not None:
-            text = f"{type(error).__name__}: {error}"
-            span.set_status(Status(StatusCode.ERROR, text[:_MAX_TEXT]))
-        span.end()
-
-    def trace_event(self, root: trace.Span, name: str, attributes: Mapping[str, Any]) -> None:
-        span = self._tracer.start_span(
-            name, context=trace.set_span_in_context(root), attributes=dict(attributes)
-        )
-        span.end()
-
-
-def _wake_waiters(workflow_id: str, topic: str) -> None:
-    """Wake a remediation waiting in ``recv`` for a message this process just committed.
-
-    DBOS on SQLite has no notifications: a waiting ``recv`` is woken by a
-    poller that queries the database for each waiter. The sidecar sends
-    every message itself, so it wakes the waiter as Postgres's NOTIFY would.
-    Best effort through DBOS's waiter map (not a public API): if that ever
-    changes, the poller still delivers the message, within ``poll_interval_s``.
-    """
-    try:
-        from dbos._dbos import _get_dbos_instance  # internal: imported here, guarded
-
-        waiters = _get_dbos_instance()._sys_db.notifications_map.snapshot()
-        for _key, components, signal in waiters:
-            if components[0] == workflow_id and components[1] == topic:
-                signal.set()  # the message is committed: recv reads it when it wakes
-    except Exception:  # the poller is the fallback
-        log.debug("could not wake %s's waiter; the poller will", workflow_id)
 
 
 def _summary(status: Any) -> dict[str, Any]:
@@ -889,70 +551,11 @@ def _summary(status: Any) -> dict[str, Any]:
         "created_at": (status.created_at or 0) / 1000,
         "updated_at": (status.updated_at or 0) / 1000,
         "recovery_attempts": status.recovery_attempts,
-        "error": None if status.error is None else str(status.error)[:_MAX_TEXT],
+        "error": None if status.error is None else str(status.error)[:MAX_TEXT],
     }
-
-
-class _SqliteNormalSync(types.ModuleType):
-    """``sqlite3`` whose connections commit without waiting for the disk (``synchronous=NORMAL``).
-
-    Given to SQLAlchemy as the DBAPI module of DBOS's SQLite engine, so the
-    URL is parsed, and DBOS's own connect hook runs, as with ``sqlite3``.
-    SQLite's default (FULL) syncs the WAL at every commit, and a remediation
-    commits several times: NORMAL cut its CPU by a fifth to a quarter
-    (bench/remediation.py --only throughput --backends sqlite). In WAL mode a
-    commit still survives the process being killed, which is what recovery
-    is for; only a power loss can take back the last commits, and then a
-    step runs again, as DBOS steps may (tool calls carry idempotency keys).
-    The span store makes the same choice (:mod:`supervisor.act.store`).
-    """
-
-    def __init__(self) -> None:
-        super().__init__("sqlite3")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(sqlite3, name)
-
-    @staticmethod
-    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-        db: sqlite3.Connection = sqlite3.connect(*args, **kwargs)
-        db.execute("PRAGMA synchronous=NORMAL")
-        return db
-
-
-_SQLITE_NORMAL_SYNC: Final = _SqliteNormalSync()
-
-
-def _use_wal(url: str) -> None:
-    """Put a SQLite remediation database in WAL mode (it stays so) before DBOS opens it.
-
-    DBOS leaves SQLite in rollback-journal mode, where every step's ownership
-    check waits for the write lock; WAL measured 35-40% more remediations per
-    second (bench/remediation.py --backends sqlite,sqlite-wal).
-    """
-    if not url.startswith("sqlite:///") or "mode=ro" in url:
-        return
-    path = url.removeprefix("sqlite:///").split("?", 1)[0].removeprefix("file:")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        db.execute("PRAGMA journal_mode=WAL")
 
 
 def _first_line(error: BaseException) -> str:
     """SQLAlchemy's messages go on with the SQL and a link; the first line says what failed."""
     lines = str(error).strip().splitlines()
     return lines[0] if lines else ""
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 1] + "…"
-
-
-def redact_url(url: str) -> str:
-    """A database URL without its password, for messages."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        credentials, host = rest.rsplit("@", 1)
-        user = credentials.split(":", 1)[0]
-        return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
-    return url

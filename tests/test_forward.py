@@ -19,7 +19,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from supervisor.errors import ConfigError
 from supervisor.forward.downstream import Downstream
-from supervisor.forward.relay import Forwarder, ForwardStats, parse_retry_after
+from supervisor.forward.relay import Forwarder, ForwardStats
+from supervisor.retry_after import parse_retry_after
 from supervisor.testing.otlp_recorder import OtlpRecorder
 
 PROTOCOLS = ["http/protobuf", "grpc"]

@@ -32,7 +32,8 @@ from supervisor.act.actor import Actor
 from supervisor.act.store import Store
 from supervisor.api.control import Control, RunsView
 from supervisor.api.server import build_control_app
-from supervisor.cli import verbs as cli
+from supervisor.cli import operator_verbs
+from supervisor.cli.output import format_duration, format_quantity, slo_lines
 from supervisor.cli.verbs import main
 from supervisor.normalize import read_spans
 from supervisor.runs import RunTracker, RunView
@@ -451,7 +452,7 @@ def test_the_cli_watches_in_a_pipe_with_successive_tables(
         pauses.append(seconds)
         runs.views.pop(0)  # the ended run expires between the two tables
 
-    monkeypatch.setattr(cli, "_pause", pause)
+    monkeypatch.setattr(operator_verbs, "_pause", pause)
 
     assert main(["runs", "--watch", "--iterations", "2", *served]) == 0
     out = capsys.readouterr().out
@@ -480,12 +481,12 @@ def test_the_cli_watches_on_a_terminal_by_redrawing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
-    monkeypatch.setattr(cli, "_pause", lambda seconds: None)
+    monkeypatch.setattr(operator_verbs, "_pause", lambda seconds: None)
 
     assert main(["runs", "--watch", "5", "--iterations", "2", *served]) == 0
     out = capsys.readouterr().out
 
-    frames = [frame.splitlines() for frame in out.split(cli.CLEAR_SCREEN)]
+    frames = [frame.splitlines() for frame in out.split(operator_verbs.CLEAR_SCREEN)]
     assert frames[0] == [] and len(frames) == 3  # each table starts on a cleared screen
     assert frames[1][1:] == frames[2][1:] and len(frames[1]) == 2 + 4 + 1
     assert frames[1][0].endswith("every 5s (Ctrl-C to stop)")
@@ -495,7 +496,7 @@ def test_the_cli_watches_on_a_terminal_by_redrawing(
     runs.views.extend(_view(f"extra-{n}", "agent", "running") for n in range(20))
     monkeypatch.setattr(shutil, "get_terminal_size", lambda *a: os.terminal_size((120, 10)))
     assert main(["runs", "--watch", "--iterations", "1", *served]) == 0
-    lines = capsys.readouterr().out.removeprefix(cli.CLEAR_SCREEN).splitlines()
+    lines = capsys.readouterr().out.removeprefix(operator_verbs.CLEAR_SCREEN).splitlines()
     assert len(lines) == 9  # title, header, 5 runs, what is left out, footer (and the cursor)
     assert lines[-2] == "… and 19 more: narrow with --status, --service or --limit"
     assert lines[-1] == "24 runs of 24 tracked; 2 evicted"
@@ -515,7 +516,7 @@ def test_a_watch_outlives_a_restarting_sidecar_and_ends_on_ctrl_c(
         if len(pauses) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_pause", pause)
+    monkeypatch.setattr(operator_verbs, "_pause", pause)
 
     assert main(["runs", "--watch", "1", *server.remote]) == 0
     frames = capsys.readouterr().out.split("\n\n")
@@ -572,10 +573,10 @@ def test_durations_and_counts_read_at_a_glance() -> None:
         True: "-",
         float("nan"): "-",
     }
-    assert {k: cli._duration(k) for k in durations} == durations
+    assert {k: format_duration(k) for k in durations} == durations
     counts = {0: "0", 950: "950", 999: "999", 1_000: "1.0k", 12_345: "12.3k"}
     counts |= {999_949: "999.9k", 999_950: "1.0M", 2_500_000: "2.5M", 3_000_000_000: "3.0G"}
-    assert {n: cli._quantity(n) for n in counts} == counts
+    assert {n: format_quantity(n) for n in counts} == counts
 
 
 def test_the_cli_help_explains_the_verb(capsys: pytest.CaptureFixture[str]) -> None:
@@ -593,9 +594,7 @@ def test_the_cli_help_explains_the_verb(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_slo_lines_show_each_service_against_its_target() -> None:
-    from supervisor.cli.verbs import _slo_lines
-
-    lines = _slo_lines(
+    lines = slo_lines(
         {
             "agent": {
                 "runs": {"short": 3, "long": 40},

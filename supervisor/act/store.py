@@ -21,25 +21,38 @@ in-memory store for tests and ``replay``.
 Bounded: at most ``max_pending`` commands wait; past that a new command is
 stored dead with the reason, never dropped silently. Finished rows older than
 ``retention_s`` are pruned by :meth:`prune`.
+
+The file itself (tables, pragmas, lock) is :mod:`.store_schema`; the records
+and their rows are :mod:`.store_rows`; this module is the queries.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
-from supervisor.errors import ConfigError, SupervisorError
-from supervisor.records import Command, CommandType
+from supervisor.act.store_rows import (
+    Approval,
+    CommandStatus,
+    Incident,
+    NewIncident,
+    StoredCommand,
+    approval_from_row,
+    command_from_row,
+    command_row,
+    dumps_json,
+)
+from supervisor.act.store_schema import connect
+from supervisor.errors import SupervisorError
+from supervisor.records import Command
 
 __all__ = [
     "Approval",
@@ -50,145 +63,12 @@ __all__ = [
     "StoredCommand",
 ]
 
-CommandStatus = Literal["pending", "leased", "delivered", "dead"]
 #: How long :meth:`Store.counts` reuses its last count of the table.
 _COUNTS_TTL_S = 5.0
-ApprovalStatus = Literal["pending", "approved", "denied"]
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS incidents (
-    key TEXT PRIMARY KEY,
-    trace_id TEXT NOT NULL,
-    span_id TEXT NOT NULL,
-    rule TEXT NOT NULL,
-    service TEXT NOT NULL,
-    run_id TEXT NOT NULL,
-    action TEXT NOT NULL,
-    body TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
--- A command's id is "cmd_" and the first 24 hex digits of its idempotency key, so the
--- primary key refuses a second command for the same key: no index of its own on key
--- (one B-tree fewer, with random keys, for every command stored).
-CREATE TABLE IF NOT EXISTS commands (
-    id TEXT PRIMARY KEY,
-    key TEXT NOT NULL,
-    incident_key TEXT NOT NULL,
-    service TEXT NOT NULL,
-    type TEXT NOT NULL,
-    channel TEXT NOT NULL,
-    status TEXT NOT NULL,
-    body TEXT NOT NULL,
-    not_before REAL NOT NULL,
-    next_attempt_at REAL NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    lease_until REAL,
-    last_error TEXT NOT NULL DEFAULT '',
-    created_at REAL NOT NULL,
-    finished_at REAL
-);
-CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at);
-CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status);
--- A long poll of one service finds its next pull command in O(log n), however many
--- other services' commands wait. Partial: only live pull rows, so push commands pay
--- nothing. status/channel repeat in the columns because the planner does not count a
--- partial index's WHERE as equality terms and would otherwise pick commands_due.
-CREATE INDEX IF NOT EXISTS commands_pull_pending
-    ON commands (service, status, channel, next_attempt_at)
-    WHERE status = 'pending' AND channel = 'pull';
-CREATE INDEX IF NOT EXISTS commands_pull_leased
-    ON commands (service, status, lease_until) WHERE status = 'leased';
-CREATE TABLE IF NOT EXISTS approvals (
-    id TEXT PRIMARY KEY,
-    incident_key TEXT NOT NULL UNIQUE,
-    service TEXT NOT NULL,
-    run_id TEXT NOT NULL,
-    status TEXT NOT NULL,
-    body TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    answered_at REAL,
-    answered_by TEXT NOT NULL DEFAULT '',
-    note TEXT NOT NULL DEFAULT ''
-);
-"""
 
 
 class ApprovalError(SupervisorError):
     """An approval that cannot be answered: unknown, or answered already."""
-
-
-@dataclass(frozen=True, slots=True)
-class NewIncident:
-    """What one decision leads to, to be stored in one transaction."""
-
-    key: str
-    trace_id: str
-    span_id: str
-    rule: str
-    service: str
-    run_id: str
-    action: str
-    #: The failure and decision as JSON-ready data (the API's incident view).
-    body: Mapping[str, Any]
-    #: (command, channel) pairs; channel ``""`` means none is configured.
-    commands: Sequence[tuple[Command, str]] = ()
-    #: An approval request to open (escalations), as JSON-ready data.
-    approval: Mapping[str, Any] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StoredCommand:
-    command: Command
-    channel: str
-    status: CommandStatus
-    attempts: int
-    next_attempt_at: float
-    last_error: str
-    finished_at: float | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.command.to_json(),
-            "channel": self.channel,
-            "status": self.status,
-            "attempts": self.attempts,
-            "last_error": self.last_error,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Incident:
-    key: str
-    body: Mapping[str, Any]
-    created_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Approval:
-    id: str
-    incident_key: str
-    service: str
-    run_id: str
-    status: ApprovalStatus
-    body: Mapping[str, Any]
-    created_at: float
-    answered_at: float | None
-    answered_by: str
-    note: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "incident": self.incident_key,
-            "service": self.service,
-            "run_id": self.run_id,
-            "status": self.status,
-            **dict(self.body),
-            "created_at": self.created_at,
-            "answered_at": self.answered_at,
-            "answered_by": self.answered_by,
-            "note": self.note,
-        }
 
 
 _INSERT_COMMAND = (
@@ -200,87 +80,6 @@ _INSERT_APPROVAL = (
     "INSERT OR IGNORE INTO approvals (id, incident_key, service, run_id, status, body,"
     " created_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)"
 )
-
-
-def _command_row(
-    command: Command, incident_key: str, channel: str, status: str, error: str
-) -> tuple[object, ...]:
-    return (
-        command.id,
-        command.idempotency_key,
-        incident_key,
-        command.service,
-        command.type._value_,
-        channel,
-        status,
-        _dumps(command.to_json()),
-        command.not_before,
-        command.not_before,
-        error,
-        command.created_at,
-        command.created_at if status == "dead" else None,
-    )
-
-
-def _exclusive(target: str) -> int:
-    """Lock ``target`` for this process: two sidecars on one store would both deliver."""
-    fd = os.open(target + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise ConfigError(
-            f"another spanvisor is using the store at {target}; give each sidecar its own"
-            " state_path"
-        ) from None
-    return fd
-
-
-def _dumps(value: object) -> str:
-    # orjson: a batch's incidents are serialized on the pipeline's thread.
-    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
-
-
-def _command_from(row: sqlite3.Row) -> StoredCommand:
-    data = orjson.loads(row["body"])
-    trigger = data.get("trigger", {})
-    command = Command(
-        id=row["id"],
-        idempotency_key=row["key"],
-        type=CommandType(row["type"]),
-        service=row["service"],
-        run_id=data.get("run_id", ""),
-        trigger_trace_id=trigger.get("trace_id", ""),
-        trigger_span_id=trigger.get("span_id", ""),
-        failure=data.get("failure", {}),
-        params=data.get("params", {}),
-        not_before=row["not_before"],
-        created_at=row["created_at"],
-    )
-    return StoredCommand(
-        command=command,
-        channel=row["channel"],
-        status=row["status"],
-        attempts=row["attempts"],
-        next_attempt_at=row["next_attempt_at"],
-        last_error=row["last_error"],
-        finished_at=row["finished_at"],
-    )
-
-
-def _approval_from(row: sqlite3.Row) -> Approval:
-    return Approval(
-        id=row["id"],
-        incident_key=row["incident_key"],
-        service=row["service"],
-        run_id=row["run_id"],
-        status=row["status"],
-        body=orjson.loads(row["body"]),
-        created_at=row["created_at"],
-        answered_at=row["answered_at"],
-        answered_by=row["answered_by"],
-        note=row["note"],
-    )
 
 
 class Store:
@@ -311,28 +110,7 @@ class Store:
         retention_s: float = 7 * 86_400.0,
     ) -> Store:
         """Open (creating if needed) the store at ``path``; ``":memory:"`` for a private one."""
-        target = str(path)
-        lock: int | None = None
-        if target != ":memory:":
-            Path(target).parent.mkdir(parents=True, exist_ok=True)
-            lock = _exclusive(target)
-        try:
-            db = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
-            db.row_factory = sqlite3.Row
-            if target != ":memory:":
-                db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            # Fewer, larger checkpoints: each one fsyncs, and pages written many times
-            # between two of them are copied once (a failure burst writes the same pages).
-            db.execute("PRAGMA wal_autocheckpoint=8192")
-            db.execute("PRAGMA journal_size_limit=67108864")
-            db.execute("PRAGMA cache_size=-16384")  # KiB: the hot index pages stay in memory
-            db.execute("PRAGMA busy_timeout=5000")
-            db.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
-            if lock is not None:
-                os.close(lock)
-            raise ConfigError(f"cannot open the store at {target}: {exc}") from exc
+        db, lock = connect(str(path))
         store = cls(db, max_pending=max_pending, retention_s=retention_s)
         store._lock_fd = lock
         return store
@@ -387,7 +165,7 @@ class Store:
                         i.service,
                         i.run_id,
                         i.action,
-                        _dumps(i.body),
+                        dumps_json(i.body),
                         now,
                     )
                     for i in fresh
@@ -405,7 +183,7 @@ class Store:
                         status = "dead"
                         error = f"{self.max_pending} commands were already waiting"
                         self.overflowed += 1
-                    rows.append(_command_row(command, incident.key, channel, status, error))
+                    rows.append(command_row(command, incident.key, channel, status, error))
                     finished = command.created_at if status == "dead" else None
                     created.append(
                         StoredCommand(
@@ -422,7 +200,7 @@ class Store:
                         i.key,
                         i.service,
                         i.run_id,
-                        _dumps(i.approval),
+                        dumps_json(i.approval),
                         now,
                     )
                     for i in fresh
@@ -456,7 +234,7 @@ class Store:
         status: CommandStatus,
         error: str,
     ) -> StoredCommand | None:
-        row = _command_row(command, incident_key, channel, status, error)
+        row = command_row(command, incident_key, channel, status, error)
         if not db.execute(_INSERT_COMMAND, row).rowcount:
             return None
         finished = command.created_at if status == "dead" else None
@@ -518,7 +296,7 @@ class Store:
                 " AND next_attempt_at <= ? ORDER BY next_attempt_at LIMIT ?",
                 (*channels, now, limit),
             ).fetchall()
-        return [_command_from(r) for r in rows]
+        return [command_from_row(r) for r in rows]
 
     def next_due_at(self, channels: Sequence[str], excluding: Sequence[str] = ()) -> float | None:
         """When the earliest pending command of ``channels`` (not in ``excluding``) is due."""
@@ -574,12 +352,12 @@ class Store:
         args.append(limit)
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        return [_command_from(r) for r in rows]
+        return [command_from_row(r) for r in rows]
 
     def command(self, command_id: str) -> StoredCommand | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM commands WHERE id = ?", (command_id,)).fetchone()
-        return None if row is None else _command_from(row)
+        return None if row is None else command_from_row(row)
 
     def counts(self) -> dict[str, int]:
         """Commands by status, counted at most every few seconds (a scan of the table)."""
@@ -624,7 +402,7 @@ class Store:
                 " WHERE id = ?",
                 [(now + visibility_s, i) for i in ids],
             )
-        return [_command_from(r) for r in rows]
+        return [command_from_row(r) for r in rows]
 
     def next_lease_at(self, service: str) -> float | None:
         """When :meth:`lease` can next hand out a pull command of ``service``, or None.
@@ -688,7 +466,7 @@ class Store:
             return bool(
                 db.execute(
                     _INSERT_APPROVAL,
-                    (approval_id, incident_key, service, run_id, _dumps(body), now),
+                    (approval_id, incident_key, service, run_id, dumps_json(body), now),
                 ).rowcount
             )
 
@@ -723,14 +501,14 @@ class Store:
         args.append(limit)
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        return [_approval_from(r) for r in rows]
+        return [approval_from_row(r) for r in rows]
 
     def approval(self, approval_id: str) -> Approval | None:
         with self._lock:
             row = self._db.execute(
                 "SELECT * FROM approvals WHERE id = ?", (approval_id,)
             ).fetchone()
-        return None if row is None else _approval_from(row)
+        return None if row is None else approval_from_row(row)
 
     def answer(
         self, approval_id: str, *, approved: bool, by: str, note: str, now: float
@@ -750,7 +528,7 @@ class Store:
                 ("approved" if approved else "denied", now, by[:200], note[:2000], approval_id),
             )
             row = db.execute("SELECT * FROM approvals WHERE id = ?", (approval_id,)).fetchone()
-        return _approval_from(row)
+        return approval_from_row(row)
 
     # -- housekeeping ------------------------------------------------------
 

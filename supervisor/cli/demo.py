@@ -32,20 +32,23 @@ The story, in the order it happens (both agents run at once):
   as an operator would;
 * ``billing-2``: a 401: permanent, the run is aborted.
 
-The view (:mod:`supervisor.cli.demo_view`) reads the control API as an operator
-would. The demo exits 0 when every part of the story happened, else 1 with
-what did not; everything is bounded by one deadline and cleaned up on any exit.
+The watcher (:mod:`.demo_watch`) reads the control API as an operator would,
+and the view (:mod:`.demo_view`) shows what it reads. The demo exits 0 when
+every part of the story happened, else 1 with what did not; everything is
+bounded by one deadline and cleaned up on any exit.
+
+This module is one idea, one run of the demo from set-up to summary (the loop
+that gathers news, plays the operator, restarts the killed agent, then checks
+the story); what it runs lives beside it: the story's model, faults, policy
+and expectations in :mod:`.demo_story`, the agent processes in
+:mod:`.demo_agents`, the summary in :mod:`.demo_summary`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
-import os
-import random
-import re
 import secrets
 import shlex
 import shutil
@@ -66,39 +69,40 @@ import httpx
 
 from policies import load_policy
 from supervisor.app import BackgroundSidecar
-from supervisor.cli.demo_view import (
-    Event,
-    Facts,
-    LineView,
-    LiveView,
-    Screen,
-    Seen,
-    View,
-    Watcher,
-    clean,
-    summary,
+from supervisor.cli.demo_agents import AGENT, AgentProcess, agent_env, agent_events, missing_modules
+from supervisor.cli.demo_story import (
+    BILLING,
+    BILLING_MODEL,
+    BILLING_PREFIX,
+    BILLING_RUNS,
+    CRASH_AFTER_EFFECTS,
+    FALLBACK,
+    MAX_RUNS,
+    MIN_RUNS,
+    OPS,
+    OPS_PREFIX,
+    POLICY,
+    PRIMARY,
+    REFUND_AMOUNT,
+    REFUND_STEP,
+    STEPS,
+    DemoModel,
+    Outage,
+    check_seen,
+    run_number,
+    schedule_faults,
+    step_of,
 )
+from supervisor.cli.demo_summary import Facts, summary
+from supervisor.cli.demo_text import Event, clean
+from supervisor.cli.demo_view import LineView, LiveView, Screen, View
+from supervisor.cli.demo_watch import Watcher
 from supervisor.forward.downstream import Downstream
 from supervisor.logs import JsonFormatter
 from supervisor.settings import load_settings
-from supervisor.testing.fake_provider import Reply
-from supervisor.testing.fault_schedule import Fault, FaultSchedule, Matcher, ProviderRequest
+from supervisor.testing.fault_schedule import Fault, FaultSchedule
 from supervisor.wiring import build_sidecar, resolve_downstream
 
-ROOT = Path(__file__).resolve().parent.parent
-AGENT = ROOT / "examples" / "langgraph_agent.py"
-
-OPS, BILLING = "ops-agent", "billing-agent"
-OPS_PREFIX, BILLING_PREFIX = "ops", "billing"
-PRIMARY, FALLBACK, BILLING_MODEL = "gpt-4o", "gpt-4o-mini", "gpt-4.1-mini"
-STEPS = 3
-#: The story's runs: ops-1..4 and billing-1..2; ``--runs`` adds ops runs beyond these.
-STORY_OPS_RUNS, BILLING_RUNS = 4, 2
-MIN_RUNS = STORY_OPS_RUNS + BILLING_RUNS
-MAX_RUNS = 20
-#: The billing agent is killed right after its N-th side effect (billing-1's second e-mail).
-CRASH_AFTER_EFFECTS = 2
-REFUND_STEP, REFUND_AMOUNT = 2, 250
 OPERATOR = "demo-operator"
 OPERATOR_NOTE = "refund checked against the order"
 #: Everything is over by then, or the demo says what did not happen.
@@ -113,308 +117,6 @@ STOP_GRACE_S = 8.0
 TICK_S = 0.5
 #: After both agents have ended: how long the sidecar may take to finish what follows.
 SETTLE_S = 15.0
-#: How long the fake model takes to answer: a pace a person can follow (and a loop
-#: slow enough for the sidecar to step in before LangGraph's recursion limit).
-MODEL_DELAY_S = 0.6
-
-_STEP = re.compile(r"Step (\d{1,4}) of ([A-Za-z0-9_.-]{1,64}):")
-_REFUND = re.compile(r"refund order (\S{1,80}) \((\d{1,9}(?:\.\d{1,4})?) EUR\)")
-
-
-# -- the fake model ---------------------------------------------------------------------------
-
-
-def step_text(request: ProviderRequest) -> str:
-    """The last turn the agent wrote (not a note from the supervisor)."""
-    for message in reversed(request.messages):
-        if message.get("role") == "user" and message.get("name") != "spanvisor":
-            content = message.get("content")
-            return content if isinstance(content, str) else ""
-    return ""
-
-
-def step_of(request: ProviderRequest) -> tuple[str, int] | None:
-    """(run, step) the request belongs to, from the agent's step message."""
-    found = _STEP.search(step_text(request))
-    return (found.group(2), int(found.group(1))) if found else None
-
-
-def _run_number(run: str, prefix: str) -> int:
-    head, _, number = run.rpartition("-")
-    return int(number) if head == prefix and number.isdigit() else 0
-
-
-def _has_note(request: ProviderRequest, kind: str) -> bool:
-    marker = f"[spanvisor {kind}]"
-    return any(
-        m.get("name") == "spanvisor" and marker in str(m.get("content")) for m in request.messages
-    )
-
-
-class DemoModel:
-    """The fake provider's model: one tool call per step, then a sentence saying it is done.
-
-    ``loop`` names the (run, step) where it is stubborn: it calls the same tool
-    with the same arguments again and again, guidance or not, until a rewind
-    note tells it the approach failed. Its answers differ from step to step,
-    as a real model's do, so only the scripted loop looks like one.
-    """
-
-    def __init__(self, loop: tuple[str, int]) -> None:
-        self.loop = loop
-
-    def __call__(self, request: ProviderRequest) -> Reply:
-        where = step_of(request)
-        run, step = where if where is not None else ("?", -1)
-        last = request.messages[-1] if request.messages else {}
-        if where == self.loop and not _has_note(request, "rewind"):
-            # The same call whatever came back: a model going round in circles.
-            arguments = {"to": "oncall@example.com", "subject": f"{run}: is item {step} done?"}
-            return _slow(Reply.tool_call("send_email", arguments))
-        asks = last.get("role") == "user" and last.get("name") != "spanvisor"
-        if asks and request.offers_tool("send_email"):
-            refund = _REFUND.search(step_text(request))
-            if refund is not None and request.offers_tool("issue_refund"):
-                refunded = {"order": refund.group(1), "amount": float(refund.group(2))}
-                return _slow(Reply.tool_call("issue_refund", refunded))
-            arguments = {"to": "oncall@example.com", "subject": f"{run}: item {step}"}
-            return _slow(Reply.tool_call("send_email", arguments))
-        result = str(last.get("content", "")) if last.get("role") == "tool" else ""
-        if "already_sent" in result:
-            done = "the e-mail had already gone out, so it was not sent again"
-        elif "refunded" in result:
-            done = "the refund is issued"
-        elif "sent" in result:
-            done = "the on-call team has the e-mail"
-        elif _has_note(request, "rewind"):
-            done = "the e-mail went out on the first try; I stop asking"
-        else:
-            done = "nothing more to do"
-        return _slow(Reply.text(f"Step {step} of {run} is done: {done}."))
-
-
-def _slow(reply: Reply) -> Reply:
-    return dataclasses.replace(reply, delay_s=MODEL_DELAY_S)
-
-
-class Outage:
-    """``gpt-4o`` down: from ops-2's second step until ops-4 starts (a fault matcher).
-
-    Called by the schedule under its lock for each ``gpt-4o`` request; records
-    when the outage began and ended (``time.monotonic()``) and what it took.
-    """
-
-    def __init__(self) -> None:
-        self.started_at: float | None = None
-        self.ended_at: float | None = None
-        self.by_run: Counter[str] = Counter()
-
-    def __call__(self, request: ProviderRequest) -> bool:
-        if self.ended_at is not None:
-            return False
-        where = step_of(request)
-        if self.started_at is None:
-            if where != (f"{OPS_PREFIX}-2", 1):
-                return False
-            self.started_at = request.at
-        elif where is not None and _run_number(where[0], OPS_PREFIX) >= STORY_OPS_RUNS:
-            self.ended_at = request.at  # ops-4 finds gpt-4o answering again
-            return False
-        self.by_run[where[0] if where else "?"] += 1
-        return True
-
-
-def in_step(run: str, step: int, last_role: str) -> Matcher:
-    """A fault matcher: requests of ``run``'s ``step`` whose last message has ``last_role``."""
-
-    def matches(request: ProviderRequest) -> bool:
-        return step_of(request) == (run, step) and request.last_role == last_role
-
-    return matches
-
-
-def schedule_faults(fake: FaultSchedule, *, ops_runs: int, seed: int) -> tuple[Outage, Fault]:
-    """The story's faults (see the module), and seeded transient ones in any extra runs."""
-    fake.burst(
-        Reply.rate_limited(retry_after_s=1.5, model=PRIMARY),
-        model=PRIMARY,
-        when=in_step(f"{OPS_PREFIX}-1", 0, "tool"),
-        name="429 rate limit",
-    )
-    fake.burst(
-        Reply.server_error(503),
-        2,
-        model=PRIMARY,
-        when=in_step(f"{OPS_PREFIX}-1", 1, "user"),
-        name="503 unavailable",
-    )
-    outage = Outage()
-    fault = fake.outage(PRIMARY, when=outage, start="first_request", name="gpt-4o outage")
-    fake.burst(
-        Reply.unauthorized(),
-        model=BILLING_MODEL,
-        when=in_step(f"{BILLING_PREFIX}-2", 1, "user"),
-        name="401 unauthorized",
-    )
-    rng = random.Random(seed)  # noqa: S311 - which faults, not secrets
-    for number in range(STORY_OPS_RUNS + 1, ops_runs + 1):
-        pick = rng.choice(("none", "429", "503"))
-        if pick == "none":
-            continue
-        reply = (
-            Reply.rate_limited(retry_after_s=1.0, model=PRIMARY)
-            if pick == "429"
-            else Reply.server_error(503)
-        )
-        run, step = f"{OPS_PREFIX}-{number}", rng.randrange(STEPS)
-        fake.burst(reply, model=PRIMARY, when=in_step(run, step, "user"), name=f"{pick} (seeded)")
-    return outage, fault
-
-
-# -- the demo's policy ------------------------------------------------------------------------
-
-POLICY = f"""\
-# spanvisor demo: layered on the built-in policy. Only what this deployment needs;
-# the demo compresses minutes into seconds, hence the short breaker and stall times.
-# (LangGraph's interrupt() is the built-in policy's: builtin.langgraph.interrupt escalates it.)
-version: 1
-policies:
-  # gpt-4o down: retry with backoff, then its fallback chain (the built-in has none).
-  - name: demo.primary_unavailable
-    match: {{kind: [timeout, connection, unavailable], dependency: "openai:{PRIMARY}"}}
-    action: retry
-    max_attempts: 4
-    wait: {{type: exponential, multiplier: 0.25, max: 2, jitter: full}}
-    honour_retry_after: true
-    max_retry_after_s: 10
-    on_exhausted:
-      action: fallback
-      chain: {{"openai:{PRIMARY}": ["openai:{PRIMARY}", "openai:{FALLBACK}"]}}
-      on_exhausted: escalate
-breakers:
-  dependencies:
-    "openai:{PRIMARY}": {{fail_max: 3, reset_timeout_s: 2}}
-# A handful of retries in a few seconds is the demo's normal, not a retry storm.
-retry_budget: {{ratio: 0.5, min_retries: 10, window_s: 10}}
-detectors:
-  services:
-    # A crashed billing agent is noticed within seconds (the default is 10 minutes).
-    {BILLING}: {{stalls: {{idle_seconds: 3}}}}
-"""
-
-
-# -- agent processes --------------------------------------------------------------------------
-
-
-@dataclass
-class AgentProcess:
-    """One process of the example agent: its argv, its log, its JSON summary."""
-
-    service: str
-    label: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    summary_path: Path
-    process: subprocess.Popen[bytes] | None = None
-    _log_offset: int = 0
-    _partial: bytes = b""
-
-    def start(self) -> AgentProcess:
-        with self.log_path.open("ab") as log_file:
-            # A session of its own: Ctrl-C reaches the demo, which stops the agent itself.
-            self.process = subprocess.Popen(  # noqa: S603 - a fixed argv, no shell
-                self.argv,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid if self.process is not None else 0
-
-    def poll(self) -> int | None:
-        return self.process.poll() if self.process is not None else None
-
-    def terminate(self) -> None:
-        """SIGTERM: the agent stops its threads and writes its summary."""
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-
-    def wait_or_kill(self, grace_s: float) -> None:
-        """Wait up to ``grace_s`` for the agent to exit, then SIGKILL it; bounded."""
-        process = self.process
-        if process is None:
-            return
-        try:
-            process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(5)
-
-    def new_lines(self) -> list[str]:
-        """Complete lines the agent logged since the last call (bounded per call)."""
-        try:
-            with self.log_path.open("rb") as log_file:
-                log_file.seek(self._log_offset)
-                chunk = log_file.read(256 * 1024)
-        except OSError:
-            return []
-        self._log_offset += len(chunk)
-        data = self._partial + chunk
-        *lines, self._partial = data.split(b"\n")
-        if len(self._partial) > 64 * 1024:
-            self._partial = b""
-        return [line.decode("utf-8", "replace") for line in lines]
-
-    def summary(self) -> dict[str, Any]:
-        try:
-            found = json.loads(self.summary_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        return found if isinstance(found, dict) else {}
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-#: Lines of the agents' own logs worth showing, and the word for them.
-_AGENT_LINES = (
-    (re.compile(r"unverified after a restart; the ledger says"), "ledger"),
-    (re.compile(r"thread \S+: (completed|aborted) in"), "agent"),
-    (re.compile(r"fault injection: killed"), "agent"),
-    (re.compile(r"waiting for a person's approval"), "agent"),
-)
-
-
-def _agent_events(agent: AgentProcess, at: float) -> list[Event]:
-    events = []
-    for line in agent.new_lines():
-        text = line.removeprefix("langgraph-agent: ").strip()
-        for pattern, kind in _AGENT_LINES:
-            if pattern.search(text):
-                run = (
-                    text.split("thread ", 1)[1].split(" ", 1)[0].rstrip(":")
-                    if "thread " in text
-                    else ""
-                )
-                if kind == "ledger":
-                    run = text.split("/", 1)[0]
-                events.append(Event(at, kind, run, f"{agent.service}: {text}"))
-                break
-    return events
-
 
 # -- the demo ---------------------------------------------------------------------------------
 
@@ -519,7 +221,7 @@ class Demo:
         try:
             ports = sidecar.start()
             self.api = f"http://127.0.0.1:{ports.api}"
-            self.env = _agent_env(fake.base_url, ports.otlp_http, self.token)
+            self.env = agent_env(fake.base_url, ports.otlp_http, self.token)
             with httpx.Client(
                 base_url=self.api,
                 headers={"Authorization": f"Bearer {self.token}"},
@@ -688,7 +390,7 @@ class Demo:
             self.view.event(event)
         self._provider_events(fake)
         for agent in self._all_agents():
-            for event in _agent_events(agent, self.clock()):
+            for event in agent_events(agent, self.clock()):
                 self.view.event(event)
 
     def _screen(self, watcher: Watcher, http_port: int) -> Screen:
@@ -910,7 +612,7 @@ class Demo:
                 threads=self._threads(),
                 order=lambda run: (
                     order.get(run.rpartition("-")[0], 2),
-                    _run_number(run, run.rpartition("-")[0]),
+                    run_number(run, run.rpartition("-")[0]),
                 ),
                 notes=notes,
                 outage=outage_line,
@@ -923,69 +625,6 @@ class Demo:
 
 
 #: (run, kind) of each failure the story must show classified.
-EXPECTED_FAILURES = (
-    (f"{OPS_PREFIX}-1", "rate_limit"),
-    (f"{OPS_PREFIX}-1", "unavailable"),
-    (f"{OPS_PREFIX}-2", "unavailable"),
-    (f"{OPS_PREFIX}-3", "reasoning_loop"),
-    (f"{BILLING_PREFIX}-1", "stall"),
-    (f"{BILLING_PREFIX}-1", "approval_required"),
-    (f"{BILLING_PREFIX}-2", "auth"),
-)
-#: (run, type) of each command the story must show delivered.
-EXPECTED_COMMANDS = (
-    (f"{OPS_PREFIX}-1", "retry_step"),
-    (f"{OPS_PREFIX}-2", "switch_fallback"),
-    (f"{OPS_PREFIX}-3", "inject_guidance"),
-    (f"{OPS_PREFIX}-3", "rewind_run"),
-    (f"{BILLING_PREFIX}-1", "resume_run"),
-    (f"{BILLING_PREFIX}-1", "approval_result"),
-    (f"{BILLING_PREFIX}-2", "abort_run"),
-)
-
-
-def check_seen(seen: Seen) -> list[str]:
-    """What the sidecar should have shown and did not: failures, commands, breaker, remediations."""
-    problems: list[str] = []
-    kinds = {(str(f.get("run_id")), str(f.get("kind"))) for f in seen.failures.values()}
-    problems += [
-        f"no {kind} failure was classified in {run}"
-        for run, kind in EXPECTED_FAILURES
-        if (run, kind) not in kinds
-    ]
-    delivered = {
-        (str(c.get("run_id")), str(c.get("type")))
-        for c in seen.commands.values()
-        if c.get("status") == "delivered"
-    }
-    problems += [
-        f"no {kind} command was delivered to {run}"
-        for run, kind in EXPECTED_COMMANDS
-        if (run, kind) not in delivered
-    ]
-    resumes = [
-        c
-        for c in seen.commands.values()
-        if c.get("type") == "resume_run" and c.get("run_id") == f"{BILLING_PREFIX}-1"
-    ]
-    if resumes and not any((c.get("params") or {}).get("unverified") for c in resumes):
-        problems.append("resume_run named no unverified tool call")
-    changes = [(d, old, new) for _, d, old, new in seen.breaker_changes]
-    primary = f"openai:{PRIMARY}"
-    if (primary, "closed", "open") not in changes:
-        problems.append(f"the breaker of {primary} never opened")
-    elif not any(d == primary and new == "closed" for d, _, new in changes):
-        problems.append(f"the breaker of {primary} opened but did not close again")
-    if not seen.remediations:
-        problems.append("no remediation ran")
-    for rid, remediation in seen.remediations.items():
-        name, run = seen.remediation_of.get(rid, ("remediation", "?"))
-        if remediation.get("outcome") != "succeeded":
-            problems.append(
-                f"{name} in {run} ({rid}) ended {remediation.get('outcome') or 'not yet'}:"
-                f" {remediation.get('reason') or '-'}"
-            )
-    return problems
 
 
 def _settled(watcher: Watcher) -> bool:
@@ -994,33 +633,6 @@ def _settled(watcher: Watcher) -> bool:
     unfinished = [r for r in seen.remediations.values() if not r.get("outcome")]
     waiting = [c for c in seen.commands.values() if c.get("status") in ("pending", "leased")]
     return not unfinished and not waiting
-
-
-def _clean_env() -> dict[str, str]:
-    """This environment without what would steer a child elsewhere (the user's own OTLP...)."""
-    prefixes = ("OTEL_", "SPANVISOR_", "OPENAI_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
-    if "OTEL_RESOURCE_ATTRIBUTES" in os.environ:  # e.g. Phoenix's project name: kept
-        env["OTEL_RESOURCE_ATTRIBUTES"] = os.environ["OTEL_RESOURCE_ATTRIBUTES"]
-    return env
-
-
-def _agent_env(base_url: str, http_port: int, token: str) -> dict[str, str]:
-    """An agent's environment: the fake provider, the sidecar's OTLP/HTTP port, its token."""
-    env = _clean_env()
-    loopback = "127.0.0.1,localhost"
-    path = env.get("PYTHONPATH")
-    return {
-        **env,
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
-        "NO_PROXY": f"{loopback},{env['NO_PROXY']}" if env.get("NO_PROXY") else loopback,
-        "no_proxy": f"{loopback},{env['no_proxy']}" if env.get("no_proxy") else loopback,
-        "OPENAI_BASE_URL": base_url,
-        "OPENAI_API_KEY": "sk-demo",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{http_port}",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-        "SPANVISOR_API_TOKEN": token,
-    }
 
 
 def _log_to(path: Path) -> None:
@@ -1034,27 +646,6 @@ def _log_to(path: Path) -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-
-
-def _missing_modules() -> list[str]:
-    """What the example agent needs that is not installed (the ``demo`` extra)."""
-    import importlib.util
-
-    needed = (
-        "langgraph",
-        "langgraph.checkpoint.sqlite",
-        "langchain_openai",
-        "openinference.instrumentation.langchain",
-    )
-    missing = []
-    for name in needed:
-        try:
-            found = importlib.util.find_spec(name)
-        except ModuleNotFoundError:
-            found = None
-        if found is None:
-            missing.append(name)
-    return missing
 
 
 def _interrupted(signum: int, frame: FrameType | None) -> None:
@@ -1078,7 +669,7 @@ def run_demo(
             file=sys.stderr,
         )
         return 2
-    missing = _missing_modules()
+    missing = missing_modules()
     if missing:
         print(
             f"spanvisor demo: the example agent needs {', '.join(missing)}:"

@@ -1,7 +1,9 @@
 """OTLP trace receivers: gRPC and HTTP in, a bounded queue of batches out.
 
-``codec`` decodes and validates payloads, ``queue`` is the bounded hand-off
-downstream, ``http_receiver`` and ``grpc_receiver`` are the two endpoints.
+``codec`` decodes payloads and encodes the answers, ``validation`` removes the
+spans no backend could store, ``messages`` says what is wrong with a payload,
+``queue`` is the bounded hand-off downstream, ``http_receiver`` and
+``grpc_receiver`` are the two endpoints.
 """
 
 from __future__ import annotations

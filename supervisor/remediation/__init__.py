@@ -1,3 +1,4 @@
-"""The sidecar's side of remediation (:mod:`.engine`): dispatch to the durable runner,
-the gateway remediators act through, recovery watching, notices.
+"""The sidecar's side of remediation: dispatch to the durable runner (:mod:`.engine`), the
+gateway remediators act through (:mod:`.gateway`), recovery watching (:mod:`.recovery`),
+escalation notices (:mod:`.notices`).
 """

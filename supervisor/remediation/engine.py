@@ -1,17 +1,13 @@
-"""The sidecar's side of remediation: dispatch, the gateway, recovery watching, notices.
+"""The sidecar's side of remediation: remediate decisions dispatched to the durable runner.
 
-* :class:`Remediations` turns stored ``remediate`` decisions into requests for
-  the durable runner (:mod:`remediators.runner`), from the store writer's
-  thread, after the incident is stored. At start it re-dispatches recent
-  remediate incidents: one stored just before a crash was never started, and
-  the workflow id makes a repeat of a started one a no-op.
-* :class:`SidecarGateway` is the only way remediators act (commands through
-  the store and the deliverers, approvals through the store, worker restarts
-  through a command actuator) and read (recent failures of the run, incident
-  history, breaker states).
-* :class:`RecoveryWatch` is what the pipeline asks on the success path: the
-  dependencies some remediation waits to see succeed in a run. Only those
-  dependencies' successes are looked up, so spans pay nothing otherwise.
+:class:`Remediations` turns stored ``remediate`` decisions into requests for
+the durable runner (:mod:`remediators.runner`), from the store writer's
+thread, after the incident is stored. At start it re-dispatches recent
+remediate incidents: one stored just before a crash was never started, and
+the workflow id makes a repeat of a started one a no-op. What it builds on
+lives beside it: the gateway remediators act through (:mod:`.gateway`), the
+recoveries they wait for (:mod:`.recovery`), escalation notices
+(:mod:`.notices`).
 
 Lifecycle: built by :func:`supervisor.wiring.build_sidecar` with the actor and governor;
 :meth:`Remediations.start` once the event loop runs (launches DBOS, which
@@ -28,23 +24,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-import orjson
-import tenacity
-
 from policies import Governor, Policy
 from remediators.base import Trigger
-from remediators.gateway import WorkerRestart
 from remediators.registry import RemediatorNotFound, allowed_tools, budget_of, resolve
 from remediators.runner import DurableRunner, RunnerSettings, build_request, redact_url
 from supervisor.act.actor import Actor
-from supervisor.act.actuators import DeliveryResult
-from supervisor.act.actuators.command import CommandActuator
 from supervisor.act.failure_log import outcome_json
-from supervisor.act.signing import signature_headers
-from supervisor.act.store import StoredCommand
 from supervisor.judge.pipeline import Outcome
-from supervisor.records import Action, Command, CommandType, command_key
+from supervisor.records import Action
+from supervisor.remediation.gateway import SidecarGateway
+from supervisor.remediation.notices import slack_message
+from supervisor.remediation.recovery import RecoveryWatch
 from supervisor.settings import Settings
 
 log = logging.getLogger("spanvisor.remediate")
@@ -59,7 +49,6 @@ __all__ = [
 
 #: Remediate incidents looked at again at start (newest first).
 _REDISPATCH_LIMIT = 1000
-_MAX_WATCHED = 10_000
 
 
 def database_url_for(settings: Settings) -> str | None:
@@ -69,314 +58,6 @@ def database_url_for(settings: Settings) -> str | None:
     if str(settings.state_path) == ":memory:":
         return None
     return f"sqlite:///{Path(settings.state_path).resolve().parent / 'remediations.sqlite'}"
-
-
-class RecoveryWatch:
-    """(run, dependency) pairs that remediations wait to see succeed; see the module.
-
-    ``dependencies`` and ``waiting`` are read by the pipeline without a
-    lock (a set and a dict lookup); they are changed only under the lock.
-    """
-
-    def __init__(self, notify: Callable[[str, Mapping[str, Any]], None]) -> None:
-        self._notify = notify
-        self._lock = threading.Lock()
-        self.dependencies: set[str] = set()
-        #: (run, dependency) -> the remediations waiting for it to succeed.
-        self.waiting: dict[tuple[str, str], set[str]] = {}
-        self._keys_of: dict[str, list[tuple[str, str]]] = {}
-        #: Watches refused because ``_MAX_WATCHED`` were already kept.
-        self.overflow = 0
-
-    def watch(self, runs: Sequence[str], dependency: str, remediation_id: str) -> None:
-        with self._lock:
-            if len(self._keys_of) >= _MAX_WATCHED and remediation_id not in self._keys_of:
-                self.overflow += 1
-                return
-            keys = [(run, dependency) for run in dict.fromkeys(runs) if run]
-            self._keys_of[remediation_id] = keys
-            for key in keys:
-                self.waiting.setdefault(key, set()).add(remediation_id)
-            self.dependencies.add(dependency)
-
-    def unwatch(self, remediation_id: str) -> None:
-        with self._lock:
-            for key in self._keys_of.pop(remediation_id, []):
-                waiting = self.waiting.get(key)
-                if waiting is not None:
-                    waiting.discard(remediation_id)
-                    if not waiting:
-                        del self.waiting[key]
-            self.dependencies.intersection_update(dep for _, dep in self.waiting)
-
-    def succeeded(self, run: str, dependency: str, span_id: str) -> None:
-        """A span of ``run`` shows ``dependency`` succeeding (from the pipeline's thread).
-
-        Each waiting remediation is told once: later successes before it
-        unwatches would only pile up messages nobody receives.
-        """
-        with self._lock:
-            waiting = list(self.waiting.get((run, dependency), ()))
-        for remediation_id in waiting:
-            self.unwatch(remediation_id)
-            self._notify(remediation_id, {"run": run, "dependency": dependency, "span_id": span_id})
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._keys_of)
-
-
-class SidecarGateway:
-    """The runner's :class:`~remediators.gateway.Gateway` over the sidecar's parts."""
-
-    def __init__(
-        self,
-        actor: Actor,
-        governor: Governor,
-        policy: Callable[[], Policy],
-        watch: RecoveryWatch,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        notify_url: str | None = None,
-        notify_secret: str | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self._actor = actor
-        self._governor = governor
-        self._policy = policy
-        self._watch = watch
-        self._loop = loop
-        self._notify_url = notify_url
-        self._notify_secret = notify_secret
-        self._clock = clock
-        #: Notifications that could not be posted (the approval is stored all the same).
-        self.notify_errors = 0
-
-    def _announce(self, created: list[StoredCommand]) -> None:
-        if created and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._actor.announce, created)
-
-    def _command(
-        self, trigger: Trigger, command: CommandType, params: Mapping[str, Any], key: str
-    ) -> Command:
-        """The command a remediation's call makes; its idempotency key derives from ``key``."""
-        now = self._clock()
-        digest = command_key(trigger.trace_id, trigger.span_id, trigger.rule, key)
-        delay = params.get("delay_s", 0)
-        wait = float(delay) if isinstance(delay, (int, float)) and delay > 0 else 0.0
-        return Command(
-            id=f"cmd_{digest[:24]}",
-            idempotency_key=digest,
-            type=command,
-            service=trigger.service,
-            run_id=trigger.run_id,
-            trigger_trace_id=trigger.trace_id,
-            trigger_span_id=trigger.span_id,
-            failure=_summary(trigger),
-            params=dict(params),
-            not_before=now + wait,
-            created_at=now,
-        )
-
-    def send_command(
-        self, trigger: Trigger, command: str, params: Mapping[str, Any], *, key: str
-    ) -> dict[str, Any]:
-        built = self._command(trigger, CommandType(command), params, key)
-        channel = self._actor.channel_for(trigger.service)
-        created = self._actor.store.add_commands(_incident_of(trigger), [(built, channel)])
-        self._announce(created)
-        status = created[0].status if created else "duplicate"
-        return {"command_id": built.id, "type": command, "status": status, "channel": channel}
-
-    def open_approval(
-        self, trigger: Trigger, body: Mapping[str, Any], *, key: str, remediation_id: str
-    ) -> dict[str, Any]:
-        digest = command_key(trigger.trace_id, trigger.span_id, trigger.rule, key)
-        approval_id = f"apr_{digest[:24]}"
-        request = {
-            "what": _summary(trigger),
-            "where": {
-                "service": trigger.service,
-                "run_id": trigger.run_id,
-                "trace_id": trigger.trace_id,
-                "span_id": trigger.span_id,
-                "span_name": trigger.span_name,
-            },
-            "proposal": {
-                "command": str(body.get("proposal") or "retry_step"),
-                "params": {"remediation_id": remediation_id},
-            },
-            "why": str(body.get("question", ""))[:2000],
-            "on_approve": str(body.get("on_approve") or "the proposed command is sent")[:2000],
-            "on_deny": str(body.get("on_deny") or "the run should abort")[:2000],
-            "remediation_id": remediation_id,
-        }
-        fresh = self._actor.store.open_approval(
-            approval_id,
-            incident_key=f"{_incident_of(trigger)}#{digest[:12]}",
-            service=trigger.service,
-            run_id=trigger.run_id,
-            body=request,
-            now=self._clock(),
-        )
-        if fresh:
-            log.warning(
-                "approval requested by a remediation",
-                extra={"approval": approval_id, "remediation": remediation_id},
-            )
-            self._post_notice(approval_id, request)
-        return {"approval_id": approval_id, "status": "pending"}
-
-    def _post_notice(self, approval_id: str, request: Mapping[str, Any]) -> None:
-        """Post the escalation to ``notify_url``: signed, retried on 5xx/429/network errors."""
-        if not self._notify_url:
-            return
-        body = orjson.dumps(slack_message(approval_id, request))
-        headers = {"Content-Type": "application/json"}
-        if self._notify_secret:
-            # One message id for every attempt: the receiver can drop repeats.
-            headers.update(signature_headers(self._notify_secret, f"ntf_{approval_id}", body))
-        try:
-            for attempt in tenacity.Retrying(
-                stop=tenacity.stop_after_attempt(3),
-                wait=tenacity.wait_random_exponential(multiplier=0.2, max=2),
-                retry=tenacity.retry_if_exception(_worth_retrying),
-                reraise=True,
-            ):
-                with attempt:
-                    httpx.post(
-                        self._notify_url, content=body, headers=headers, timeout=5.0
-                    ).raise_for_status()
-        except httpx.HTTPError as exc:
-            self.notify_errors += 1
-            log.warning(
-                "could not post an escalation notice (the approval is stored): %s",
-                exc,
-                extra={"approval": approval_id},
-            )
-
-    def recent_spans(self, trigger: Trigger, limit: int) -> list[dict[str, Any]]:
-        found = self._actor.store.incidents_where(run_id=trigger.run_id, limit=limit)
-        return [_public(incident.body) for incident in found]
-
-    def incident_history(self, trigger: Trigger, limit: int) -> list[dict[str, Any]]:
-        found = self._actor.store.incidents_where(run_id=trigger.run_id, limit=limit)
-        return [{"created_at": incident.created_at, **_public(incident.body)} for incident in found]
-
-    def breaker_states(self) -> list[dict[str, Any]]:
-        return [
-            {"dependency": b.dependency, "state": b.state.value, "failures": b.failures}
-            for b in self._governor.board.snapshot()
-        ]
-
-    def fallback_chain(self, dependency: str) -> Sequence[str] | None:
-        return self._policy().fallback_chain(dependency)
-
-    def restart_allowed(self, trigger: Trigger) -> tuple[bool, str]:
-        if self._governor.intensity.allow(trigger.run_id or trigger.trace_id):
-            return True, ""
-        return False, "the run's restart intensity is spent"
-
-    def restart_worker(
-        self, trigger: Trigger, restart: WorkerRestart, params: Mapping[str, Any], *, key: str
-    ) -> dict[str, Any]:
-        """Run the restart program once, through a command actuator of its own, on this thread.
-
-        A ``resume_run`` command is what the program gets (``SPANVISOR_COMMAND``
-        and the placeholders); it is not stored or delivered to the agent. A
-        sidecar killed while the program runs runs it again when the
-        remediation resumes (the step was not recorded), with the same
-        idempotency key, so the program can tell.
-        """
-        command = self._command(trigger, CommandType.RESUME_RUN, params, key)
-        result = asyncio.run(_run_once(restart.actuator(), command))
-        log.info(
-            "worker restart ran",
-            extra={
-                "remediation": params.get("remediation_id"),
-                "run_id": trigger.run_id,
-                "delivered": result.delivered,
-                "detail": result.detail,
-            },
-        )
-        return {
-            "ok": result.delivered,
-            "detail": result.detail,
-            "status": result.status,
-            "command_id": command.id,
-        }
-
-    def watch_recovery(self, trigger: Trigger, remediation_id: str) -> None:
-        self._watch.watch([trigger.run_id, trigger.trace_id], trigger.dependency, remediation_id)
-
-    def unwatch(self, remediation_id: str) -> None:
-        self._watch.unwatch(remediation_id)
-
-
-async def _run_once(actuator: CommandActuator, command: Command) -> DeliveryResult:
-    await actuator.start()
-    try:
-        return await actuator.deliver(command)
-    finally:
-        await actuator.close()
-
-
-def _worth_retrying(exc: BaseException) -> bool:
-    if isinstance(exc, httpx.HTTPStatusError):
-        return exc.response.status_code >= 500 or exc.response.status_code == 429
-    return isinstance(exc, httpx.TransportError)
-
-
-def slack_message(approval_id: str, request: Mapping[str, Any]) -> dict[str, Any]:
-    """An escalation as Slack's incoming-webhook JSON (``text`` plus ``blocks``).
-
-    Span text is shown as quoted code, never as markup a reader could mistake
-    for the sidecar's own words.
-    """
-    what = request.get("what", {})
-    where = request.get("where", {})
-    summary = (
-        f"spanvisor needs a decision: {what.get('kind', '?')} ({what.get('class', '?')})"
-        f" on {what.get('dependency') or where.get('span_name', '?')}"
-    )
-    detail = (
-        f"*service* {where.get('service', '')}  *run* {where.get('run_id', '')}\n"
-        f"*why* {_code(str(request.get('why', '')))}\n"
-        f"*approve*: {request.get('on_approve', '')}\n*deny*: {request.get('on_deny', '')}\n"
-        f"`spanvisor approvals approve {approval_id}` or `... deny {approval_id}`"
-    )
-    return {
-        "text": summary,
-        "blocks": [
-            {"type": "section", "text": {"type": "mrkdwn", "text": summary}},
-            {"type": "section", "text": {"type": "mrkdwn", "text": detail[:2900]}},
-        ],
-        "spanvisor": {"approval_id": approval_id, **dict(request)},
-    }
-
-
-def _code(text: str) -> str:
-    return "`" + text.replace("`", "'")[:500] + "`"
-
-
-def _summary(trigger: Trigger) -> dict[str, Any]:
-    return {
-        "class": trigger.failure_class,
-        "kind": trigger.kind,
-        "dependency": trigger.dependency,
-        "rule": trigger.rule,
-        "message": trigger.message,
-        "span_name": trigger.span_name,
-    }
-
-
-def _incident_of(trigger: Trigger) -> str:
-    return command_key(trigger.trace_id, trigger.span_id, trigger.rule)
-
-
-def _public(body: Mapping[str, Any]) -> dict[str, Any]:
-    keep = ("trace_id", "span_id", "span_name", "class", "kind", "dependency", "rule", "message")
-    return {k: body.get(k) for k in keep if k in body}
 
 
 class Remediations:

@@ -44,8 +44,9 @@ from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from supervisor.testing.fake_provider import MAX_BODY_BYTES, MAX_DELAY_S, FakeProvider, Reply
+from supervisor.testing.fake_provider import FakeProvider, Reply
 from supervisor.testing.loopback import LOOPBACK, LoopbackHTTPServer, LoopbackServer
+from supervisor.testing.provider_http import MAX_BODY_BYTES, MAX_DELAY_S
 
 __all__ = [
     "Answer",

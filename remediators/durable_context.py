@@ -1,0 +1,240 @@
+"""What a remediator works with: the budgeted, durable context of one workflow execution.
+
+Every call a remediator makes through it (a tool, a step, a sleep, a wait)
+is charged to the remediation's budget and recorded as a DBOS step, so a
+remediation resumed after a crash replays what it had done and has spent
+exactly what it had spent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from dbos import DBOS
+from opentelemetry import trace
+
+from remediators.base import Budget, BudgetSpent, ToolResult, Trigger
+from remediators.remediation_spans import MAX_TEXT
+from remediators.tools import check_arguments, execute
+
+if TYPE_CHECKING:
+    from remediators.runner import DurableRunner
+
+T = TypeVar("T")
+
+#: The DBOS topic of the answers to a remediation's approval requests.
+APPROVAL_TOPIC: Final = "approval"
+
+
+class DurableContext:
+    """The :class:`~remediators.base.RemediationContext` of one workflow execution.
+
+    Counters are rebuilt on every execution from the replayed steps, so a
+    resumed remediation has spent exactly what it had spent. The deadline is
+    read against durable times (each step records when it ran), never the
+    clock directly: a replay takes the same branches as the first run.
+    """
+
+    def __init__(self, runner: DurableRunner, request: Mapping[str, Any], root: trace.Span):
+        self._runner = runner
+        self._request = request
+        self._root = root
+        self._trigger = Trigger.from_json(request["trigger"])
+        b = request["budget"]
+        self._budget = Budget(
+            steps=int(b["steps"]),
+            tool_calls=int(b["tool_calls"]),
+            deadline_s=float(b["deadline_s"]),
+            tokens=int(b["tokens"]),
+        )
+        self._tools = frozenset(request["tools"])
+        self.steps = 0
+        self.tool_calls = 0
+        self.tokens = 0
+        self.refused = 0
+        self.acted = 0
+        self._last_at = float(request["dispatched_at"])
+
+    @property
+    def trigger(self) -> Trigger:
+        return self._trigger
+
+    @property
+    def root(self) -> trace.Span:
+        return self._root
+
+    @property
+    def remediation_id(self) -> str:
+        return str(self._request["id"])
+
+    @property
+    def budget(self) -> Budget:
+        return self._budget
+
+    @property
+    def tools(self) -> frozenset[str]:
+        return self._tools
+
+    def _charge_step(self) -> None:
+        if self.steps >= self._budget.steps:
+            raise BudgetSpent(f"{self._budget.steps} steps")
+        if self._last_at - float(self._request["dispatched_at"]) > self._budget.deadline_s:
+            raise BudgetSpent(f"the {self._budget.deadline_s:g} s deadline")
+        self.steps += 1
+
+    async def _durable(self, name: str, fn: Callable[[], Awaitable[T]]) -> T:
+        async def once() -> T:
+            return await fn()
+
+        return await DBOS.run_step_async({"name": name}, once)
+
+    async def call(self, tool: str, /, **arguments: Any) -> ToolResult:
+        self._charge_step()
+        if self.tool_calls >= self._budget.tool_calls:
+            raise BudgetSpent(f"{self._budget.tool_calls} tool calls")
+        self.tool_calls += 1
+        seq = self.steps
+        runner, trigger, rid = self._runner, self._trigger, self.remediation_id
+        configured: Mapping[str, Any] = self._request["params"]
+        allowed = tool in self._tools
+
+        async def run() -> dict[str, Any]:
+            started = time.time_ns()
+            if not allowed:
+                result = ToolResult(
+                    False,
+                    error=f"{tool[:64]!r} is not in this remediator's allowlist",
+                    refused=True,
+                )
+            else:
+                reason = check_arguments(tool, arguments, trigger, runner.gateway, configured)
+                if reason:
+                    result = ToolResult(False, error=reason, refused=True)
+                else:
+                    key = f"{rid}/{seq}/{tool}"
+                    try:
+                        result = await runner.in_tool_thread(
+                            execute,
+                            tool,
+                            arguments,
+                            trigger,
+                            runner.gateway,
+                            key=key,
+                            remediation_id=rid,
+                            configured=configured,
+                        )
+                    except Exception as exc:  # a failed tool is a result, not a crash
+                        result = ToolResult(False, error=f"{type(exc).__name__}: {exc}"[:MAX_TEXT])
+            runner.spans.tool(
+                self._root, tool, arguments, result, seq=seq, started_ns=started, allowed=allowed
+            )
+            return {**result.to_json(), "at": time.time()}
+
+        recorded = await self._durable(f"tool:{tool}", run)
+        self._last_at = float(recorded.get("at", self._last_at))
+        result = ToolResult.from_json(recorded)
+        if result.refused:
+            self.refused += 1
+        elif result.ok and tool not in ("recent_spans", "incident_history", "breaker_states"):
+            self.acted += 1
+        return result
+
+    async def step(self, name: str, fn: Callable[[], Awaitable[T]]) -> T:
+        self._charge_step()
+        runner, root, seq = self._runner, self._root, self.steps
+
+        async def run() -> tuple[T, float]:
+            started = time.time_ns()
+            error: BaseException | None = None
+            try:
+                return await fn(), time.time()
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                runner.spans.step(root, f"spanvisor.step {name}", seq, started, error)
+
+        value, at = await self._durable(f"step:{name}", run)
+        self._last_at = at
+        return value
+
+    async def sleep(self, seconds: float) -> None:
+        self._charge_step()
+        await DBOS.sleep_async(max(0.0, float(seconds)))
+        await self._waited("sleep", {"spanvisor.wait.seconds": float(seconds)})
+
+    async def wait_for_recovery(self, timeout_s: float) -> bool:
+        self._charge_step()
+        return await self.recovered_within(timeout_s)
+
+    async def recovered_within(self, timeout_s: float) -> bool:
+        """The wait itself; the runner's verification uses it without charging a step.
+
+        One durable step that waits in memory and records what it saw, with the
+        wait's span. Its deadline counts from the last recorded step, so a
+        remediation resumed after a crash waits out the same window, and one
+        that had recorded its answer replays it without waiting. (DBOS's
+        ``recv`` with a timeout, and a step for the span, took 15 statements
+        and 7 commits a remediation; this is 4 and 2.)
+        """
+        if timeout_s <= 0:
+            return False  # no window: nothing to wait for, nothing to record
+        runner, root, trigger = self._runner, self._root, self._trigger
+        rid = self.remediation_id
+        deadline = self._last_at + float(timeout_s)
+
+        async def wait() -> tuple[bool, float]:
+            evidence = await runner.wait_for_recovery(trigger, rid, deadline)
+            attributes: dict[str, Any] = {"spanvisor.wait.recovered": evidence is not None}
+            span_id = (evidence or {}).get("span_id")
+            if isinstance(span_id, str) and span_id:
+                attributes["spanvisor.wait.recovered_by"] = span_id[:32]  # the agent's span
+            runner.spans.event(root, "spanvisor.wait recovery", attributes)
+            return evidence is not None, time.time()
+
+        recovered, self._last_at = await self._durable("waited:recovery", wait)
+        return recovered
+
+    async def wait_for_approval(
+        self, approval_id: str, timeout_s: float
+    ) -> Mapping[str, Any] | None:
+        self._charge_step()
+        got = await DBOS.recv_async(APPROVAL_TOPIC, timeout_seconds=max(0.0, float(timeout_s)))
+        answer = got if isinstance(got, dict) else None
+        await self._waited(
+            "approval",
+            {
+                "spanvisor.approval.id": approval_id,
+                "spanvisor.approval.answered": answer is not None,
+            },
+        )
+        return answer
+
+    async def _waited(self, what: str, attributes: Mapping[str, Any]) -> None:
+        """Record a finished wait as a span, once (a step: a replay does not record it again)."""
+        runner, root = self._runner, self._root
+
+        async def record() -> float:
+            runner.spans.event(root, f"spanvisor.wait {what}", attributes)
+            return time.time()
+
+        self._last_at = await self._durable(f"waited:{what}", record)
+
+    async def restart_allowed(self) -> tuple[bool, str]:
+        runner, trigger = self._runner, self._trigger
+        gateway = runner.gateway
+
+        async def ask() -> tuple[bool, str]:
+            return await runner.in_tool_thread(gateway.restart_allowed, trigger)
+
+        return await self.step("restart_allowed", ask)
+
+    def spend_tokens(self, tokens: int) -> None:
+        self.tokens += max(0, int(tokens))
+        if self.tokens > self._budget.tokens:
+            raise BudgetSpent(f"{self._budget.tokens} tokens")
+
+    def log(self, message: str) -> None:
+        self._root.add_event("spanvisor.note", {"message": message[:MAX_TEXT]})

@@ -1,0 +1,161 @@
+"""What the store holds, as records, and how each is written to and read from its row.
+
+Bodies are JSON (orjson: a batch's incidents are serialized on the pipeline's
+thread); a command's row repeats what the queries select and order on
+(service, type, channel, status, times) in columns of their own.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from supervisor.records import Command, CommandType
+
+CommandStatus = Literal["pending", "leased", "delivered", "dead"]
+ApprovalStatus = Literal["pending", "approved", "denied"]
+
+
+@dataclass(frozen=True, slots=True)
+class NewIncident:
+    """What one decision leads to, to be stored in one transaction."""
+
+    key: str
+    trace_id: str
+    span_id: str
+    rule: str
+    service: str
+    run_id: str
+    action: str
+    #: The failure and decision as JSON-ready data (the API's incident view).
+    body: Mapping[str, Any]
+    #: (command, channel) pairs; channel ``""`` means none is configured.
+    commands: Sequence[tuple[Command, str]] = ()
+    #: An approval request to open (escalations), as JSON-ready data.
+    approval: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCommand:
+    command: Command
+    channel: str
+    status: CommandStatus
+    attempts: int
+    next_attempt_at: float
+    last_error: str
+    finished_at: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.command.to_json(),
+            "channel": self.channel,
+            "status": self.status,
+            "attempts": self.attempts,
+            "last_error": self.last_error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Incident:
+    key: str
+    body: Mapping[str, Any]
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    id: str
+    incident_key: str
+    service: str
+    run_id: str
+    status: ApprovalStatus
+    body: Mapping[str, Any]
+    created_at: float
+    answered_at: float | None
+    answered_by: str
+    note: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "incident": self.incident_key,
+            "service": self.service,
+            "run_id": self.run_id,
+            "status": self.status,
+            **dict(self.body),
+            "created_at": self.created_at,
+            "answered_at": self.answered_at,
+            "answered_by": self.answered_by,
+            "note": self.note,
+        }
+
+
+def command_row(
+    command: Command, incident_key: str, channel: str, status: str, error: str
+) -> tuple[object, ...]:
+    return (
+        command.id,
+        command.idempotency_key,
+        incident_key,
+        command.service,
+        command.type._value_,
+        channel,
+        status,
+        dumps_json(command.to_json()),
+        command.not_before,
+        command.not_before,
+        error,
+        command.created_at,
+        command.created_at if status == "dead" else None,
+    )
+
+
+def dumps_json(value: object) -> str:
+    # orjson: a batch's incidents are serialized on the pipeline's thread.
+    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def command_from_row(row: sqlite3.Row) -> StoredCommand:
+    data = orjson.loads(row["body"])
+    trigger = data.get("trigger", {})
+    command = Command(
+        id=row["id"],
+        idempotency_key=row["key"],
+        type=CommandType(row["type"]),
+        service=row["service"],
+        run_id=data.get("run_id", ""),
+        trigger_trace_id=trigger.get("trace_id", ""),
+        trigger_span_id=trigger.get("span_id", ""),
+        failure=data.get("failure", {}),
+        params=data.get("params", {}),
+        not_before=row["not_before"],
+        created_at=row["created_at"],
+    )
+    return StoredCommand(
+        command=command,
+        channel=row["channel"],
+        status=row["status"],
+        attempts=row["attempts"],
+        next_attempt_at=row["next_attempt_at"],
+        last_error=row["last_error"],
+        finished_at=row["finished_at"],
+    )
+
+
+def approval_from_row(row: sqlite3.Row) -> Approval:
+    return Approval(
+        id=row["id"],
+        incident_key=row["incident_key"],
+        service=row["service"],
+        run_id=row["run_id"],
+        status=row["status"],
+        body=orjson.loads(row["body"]),
+        created_at=row["created_at"],
+        answered_at=row["answered_at"],
+        answered_by=row["answered_by"],
+        note=row["note"],
+    )

@@ -1,0 +1,117 @@
+"""The store's SQLite file: its tables and indexes, how it is opened, and its lock.
+
+The schema is created with ``IF NOT EXISTS``, so opening an existing file
+keeps its rows. The file is opened with a WAL journal and
+``synchronous=NORMAL`` (a committed transaction survives the process being
+killed; only a power cut may lose the last few), and locked for one process:
+two sidecars on one store would both deliver its commands.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sqlite3
+from pathlib import Path
+
+from supervisor.errors import ConfigError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS incidents (
+    key TEXT PRIMARY KEY,
+    trace_id TEXT NOT NULL,
+    span_id TEXT NOT NULL,
+    rule TEXT NOT NULL,
+    service TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    action TEXT NOT NULL,
+    body TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+-- A command's id is "cmd_" and the first 24 hex digits of its idempotency key, so the
+-- primary key refuses a second command for the same key: no index of its own on key
+-- (one B-tree fewer, with random keys, for every command stored).
+CREATE TABLE IF NOT EXISTS commands (
+    id TEXT PRIMARY KEY,
+    key TEXT NOT NULL,
+    incident_key TEXT NOT NULL,
+    service TEXT NOT NULL,
+    type TEXT NOT NULL,
+    channel TEXT NOT NULL,
+    status TEXT NOT NULL,
+    body TEXT NOT NULL,
+    not_before REAL NOT NULL,
+    next_attempt_at REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    lease_until REAL,
+    last_error TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    finished_at REAL
+);
+CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at);
+CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status);
+-- A long poll of one service finds its next pull command in O(log n), however many
+-- other services' commands wait. Partial: only live pull rows, so push commands pay
+-- nothing. status/channel repeat in the columns because the planner does not count a
+-- partial index's WHERE as equality terms and would otherwise pick commands_due.
+CREATE INDEX IF NOT EXISTS commands_pull_pending
+    ON commands (service, status, channel, next_attempt_at)
+    WHERE status = 'pending' AND channel = 'pull';
+CREATE INDEX IF NOT EXISTS commands_pull_leased
+    ON commands (service, status, lease_until) WHERE status = 'leased';
+CREATE TABLE IF NOT EXISTS approvals (
+    id TEXT PRIMARY KEY,
+    incident_key TEXT NOT NULL UNIQUE,
+    service TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    body TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    answered_at REAL,
+    answered_by TEXT NOT NULL DEFAULT '',
+    note TEXT NOT NULL DEFAULT ''
+);
+"""
+
+
+def connect(target: str) -> tuple[sqlite3.Connection, int | None]:
+    """The store at ``target`` (created if needed; ``":memory:"``: a private one), and its lock.
+
+    The lock is a file descriptor to close once the connection is (``None`` in memory).
+    """
+    lock: int | None = None
+    if target != ":memory:":
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        lock = lock_exclusively(target)
+    try:
+        db = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
+        db.row_factory = sqlite3.Row
+        if target != ":memory:":
+            db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        # Fewer, larger checkpoints: each one fsyncs, and pages written many times
+        # between two of them are copied once (a failure burst writes the same pages).
+        db.execute("PRAGMA wal_autocheckpoint=8192")
+        db.execute("PRAGMA journal_size_limit=67108864")
+        db.execute("PRAGMA cache_size=-16384")  # KiB: the hot index pages stay in memory
+        db.execute("PRAGMA busy_timeout=5000")
+        db.executescript(SCHEMA)
+    except sqlite3.Error as exc:
+        if lock is not None:
+            os.close(lock)
+        raise ConfigError(f"cannot open the store at {target}: {exc}") from exc
+    return db, lock
+
+
+def lock_exclusively(target: str) -> int:
+    """Lock ``target`` for this process: two sidecars on one store would both deliver."""
+    fd = os.open(target + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"another spanvisor is using the store at {target}; give each sidecar its own"
+            " state_path"
+        ) from None
+    return fd
