@@ -10,22 +10,36 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from dbos import DBOS
 from opentelemetry import trace
 
 from remediators.base import Budget, BudgetSpent, ToolResult, Trigger
-from remediators.remediation_spans import MAX_TEXT
+from remediators.gateway import Gateway
+from remediators.remediation_spans import MAX_TEXT, RemediationSpans
 from remediators.tools import check_arguments, execute
-
-if TYPE_CHECKING:
-    from remediators.runner import DurableRunner
 
 T = TypeVar("T")
 
 #: The DBOS topic of the answers to a remediation's approval requests.
 APPROVAL_TOPIC: Final = "approval"
+
+
+class RunnerServices(Protocol):
+    """What a context asks of the runner that made it (``remediators.runner.DurableRunner``)."""
+
+    @property
+    def gateway(self) -> Gateway: ...
+
+    @property
+    def spans(self) -> RemediationSpans: ...
+
+    async def in_tool_thread(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T: ...
+
+    async def wait_for_recovery(
+        self, trigger: Trigger, remediation_id: str, deadline: float
+    ) -> dict[str, Any] | None: ...
 
 
 class DurableContext:
@@ -37,7 +51,7 @@ class DurableContext:
     clock directly: a replay takes the same branches as the first run.
     """
 
-    def __init__(self, runner: DurableRunner, request: Mapping[str, Any], root: trace.Span):
+    def __init__(self, runner: RunnerServices, request: Mapping[str, Any], root: trace.Span):
         self._runner = runner
         self._request = request
         self._root = root
