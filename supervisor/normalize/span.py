@@ -142,9 +142,11 @@ class Span:
         "_shape",
         "_trace_hex",
         "attributes",
+        "has_events",
         "present",
         "resource",
         "service",
+        "status_error",
         "trace_id",
     )
 
@@ -169,6 +171,10 @@ class Span:
         self.attributes = RawAttributes(message.attributes if encoded is None else encoded)
         #: The trace id, read once: most stages ask for it.
         self.trace_id: bytes = message.trace_id
+        #: The status is ERROR; the span has events (``exception`` ones, or others).
+        #: Read once: the first screen asks every span.
+        self.status_error: bool = message.status.code == _STATUS_ERROR
+        self.has_events: bool = len(message.events) > 0
         self._shape: _Shape | None = None
         self._dependency: str | None = None
         self._session: str | None = None
@@ -213,14 +219,6 @@ class Span:
     @property
     def end_ns(self) -> int:
         return int(self._message.end_time_unix_nano)
-
-    @property
-    def status_error(self) -> bool:
-        return bool(self._message.status.code == _STATUS_ERROR)
-
-    @property
-    def has_events(self) -> bool:
-        return len(self._message.events) > 0
 
     def has_exception_event(self) -> bool:
         return any(event.name == "exception" for event in self._message.events)
