@@ -313,6 +313,16 @@ REMEDIATION_READ_TOOLS: Final[frozenset[str]] = frozenset(
 REMEDIATION_TOOLS: Final[frozenset[str]] = REMEDIATION_AGENT_TOOLS | REMEDIATION_READ_TOOLS
 #: How a remediation ends (the ``spanvisor.remediation.outcome`` attribute).
 REMEDIATION_OUTCOMES: Final[tuple[str, ...]] = ("succeeded", "failed", "escalated", "refused")
+#: The states of a remediation's durable workflow (DBOS's), which it can be listed by.
+REMEDIATION_STATUSES: Final[tuple[str, ...]] = (
+    "PENDING",
+    "ENQUEUED",
+    "DELAYED",
+    "SUCCESS",
+    "ERROR",
+    "CANCELLED",
+    "MAX_RECOVERY_ATTEMPTS_EXCEEDED",
+)
 
 
 def remediation_ids(trace_id: str, span_id: str, rule: str) -> tuple[str, str]:

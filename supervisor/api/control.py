@@ -29,6 +29,7 @@ from supervisor.act.store import ApprovalError, Store
 from supervisor.api.inline import Question, decide
 from supervisor.api.thread_cpu import thread_cpu
 from supervisor.errors import ConfigError
+from supervisor.records import REMEDIATION_STATUSES
 from supervisor.settings import AgentDelivery, PullChannel
 
 MAX_WAIT_S = 30.0
@@ -36,16 +37,6 @@ MAX_LIMIT = 1000
 
 #: A remediation's id, as :func:`supervisor.records.remediation_ids` makes it.
 REMEDIATION_ID = re.compile(r"^rem_[0-9a-f]{1,64}$")
-#: The workflow states (DBOS's) a remediation can be listed by.
-REMEDIATION_STATUSES = (
-    "PENDING",
-    "ENQUEUED",
-    "DELAYED",
-    "SUCCESS",
-    "ERROR",
-    "CANCELLED",
-    "MAX_RECOVERY_ATTEMPTS_EXCEEDED",
-)
 #: States in which a remediation is over: nothing left to cancel.
 FINISHED = frozenset({"SUCCESS", "ERROR", "CANCELLED"})
 NOT_RUNNING = (

@@ -23,6 +23,7 @@ from supervisor.addresses import DEFAULT_API_PORT, DEFAULT_API_URL, LOOPBACK
 from supervisor.cli import local_verbs, operator_verbs
 from supervisor.cli.operator_verbs import CLEAR_SCREEN
 from supervisor.errors import ConfigError, PolicyError, SupervisorError
+from supervisor.records import REMEDIATION_STATUSES
 
 # CLEAR_SCREEN was defined here before the operator verbs moved: still importable from here.
 __all__ = ["CLEAR_SCREEN", "build_parser", "main"]
@@ -42,16 +43,6 @@ forwarded and own spans go to OTEL_EXPORTER_OTLP_ENDPOINT when it is set.
 """
 
 
-#: Workflow states, as :data:`supervisor.api.control.REMEDIATION_STATUSES` (not imported: heavy).
-REMEDIATION_STATUSES = (
-    "PENDING",
-    "ENQUEUED",
-    "DELAYED",
-    "SUCCESS",
-    "ERROR",
-    "CANCELLED",
-    "MAX_RECOVERY_ATTEMPTS_EXCEEDED",
-)
 
 REMEDIATIONS_EPILOG = """\
 examples:
