@@ -244,13 +244,13 @@ class Governor:
 
     def _around_open(self, failure: Failure, decision: Decision, state: BreakerState) -> Decision:
         dependency = failure.dependency
-        why = f"breaker of {dependency} is {state._value_}"
+        why = f"breaker of {dependency} is {state.value}"
         target = self._alternative(dependency)
         if target is not None:
             to, chain = target
-            params: dict[str, AttrValue] = {"to": to, "chain": chain, "breaker": state._value_}
+            params: dict[str, AttrValue] = {"to": to, "chain": chain, "breaker": state.value}
             return _revised(decision, Action.FALLBACK, params, why)
-        params = {"breaker": state._value_}
+        params = {"breaker": state.value}
         info = self.board.info(dependency)
         if state is BreakerState.OPEN and info.reopens_at is not None:
             params["breaker_reopens_in_s"] = round(max(0.0, info.reopens_at - self._clock()), 3)
@@ -261,7 +261,7 @@ class Governor:
         if not isinstance(to, str) or self.breaker_state(to) not in _BLOCKED:
             return decision
         target = self._alternative(failure.dependency)
-        why = f"breaker of fallback {to} is {self.breaker_state(to)._value_}"
+        why = f"breaker of fallback {to} is {self.breaker_state(to).value}"
         if target is None:
             return _revised(decision, Action.FAIL_FAST, {}, f"{why}; no other alternative")
         new_to, chain = target
@@ -293,6 +293,6 @@ def _revised(
         action=action,
         policy=decision.policy,
         params={**kept, **params},
-        reason=f"{decision.reason}; {why}: {action._value_}" if decision.reason else why,
+        reason=f"{decision.reason}; {why}: {action.value}" if decision.reason else why,
         observe_only=decision.observe_only,
     )

@@ -210,7 +210,7 @@ def _command_row(
         command.idempotency_key,
         incident_key,
         command.service,
-        command.type._value_,
+        command.type.value,
         channel,
         status,
         _dumps(command.to_json()),
