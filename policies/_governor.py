@@ -27,22 +27,20 @@ ones at once); called from one thread (the pipeline's).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from operator import itemgetter
 from typing import Final
 
 import pybreaker
 
-from policies._breakers import BreakerBoard, BreakerChange, BreakerState
-from policies._budget import RetryBudget
+from policies._breakers import BreakerBoard, BreakerChange, BreakerSettings, BreakerState
+from policies._budget import BudgetSettings, RetryBudget
 from policies._cascade import Cascade, CascadeDetector
 from policies._intensity import IntensitySettings, RestartIntensity
-from policies._limit_settings import BreakerSettings, BudgetSettings
 from policies._policy import Policy
 from supervisor.records import Action, AttrValue, Decision, Failure
 
-#: A call's end time: the sort key, in C (a compiled function is called through Python).
-_ENDED: Final = itemgetter(0)
 _BLOCKED: Final[tuple[BreakerState, ...]] = (BreakerState.OPEN, BreakerState.ISOLATED)
 _CORRECTIVE: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK)
 #: What an open breaker turns into a fallback or fail_fast: every decision about its
@@ -143,11 +141,7 @@ class Governor:
         """
         limits = self.policy.limits
         if limits.retry_budget.enabled:
-            counts: dict[str, int] = {}
-            for call in calls:  # not a Counter: its constructor runs interpreted
-                dependency = call[1]
-                counts[dependency] = counts.get(dependency, 0) + 1
-            for dependency, count in counts.items():
+            for dependency, count in Counter(call[1] for call in calls).items():
                 self.budget.record_call(dependency, count)
         if not limits.breakers_enabled:
             return
@@ -156,7 +150,7 @@ class Governor:
         # already, and those that fail in this very batch.
         relevant = watched | {call[1] for call in calls if not call[2]}
         ordered = [call for call in calls if call[1] in relevant]
-        ordered.sort(key=_ENDED)  # stable: a tie keeps arrival order
+        ordered.sort(key=itemgetter(0))  # by end time; stable: a tie keeps arrival order
         by_dependency: dict[str, list[bool]] = {}
         for _, dependency, ok in ordered:
             outcomes = by_dependency.get(dependency)

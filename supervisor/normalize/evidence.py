@@ -345,7 +345,7 @@ def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> 
 
     See :func:`supervisor.retry_after.retry_after_from_headers` for which header wins.
     """
-    if _RETRY_KEYS.isdisjoint(attrs):  # one pass over the keys instead of 16 lookups
+    if _RETRY_KEYS.isdisjoint(attrs):  # most spans carry no captured response headers
         return None
 
     def values(name: str) -> Iterator[str]:
@@ -401,6 +401,8 @@ def _typed(text: str) -> tuple[str, str] | None:
 
 def _json_error(text: str) -> Swallowed | None:
     head = text[:256]
+    # Parsed only when one of the keys below appears near the start: most tool
+    # outputs that are JSON objects are results, often large, not errors.
     if '"error"' not in head and '"isError"' not in head and '"status"' not in head:
         return None
     obj = parse_json(text)
