@@ -35,7 +35,7 @@ class CompiledAction(Protocol):
 
 def _subject(failure: Failure) -> str:
     where = failure.dependency or failure.service or "?"
-    return f"{failure.failure_class._value_}/{failure.kind} on {where}"
+    return f"{failure.failure_class.value}/{failure.kind} on {where}"
 
 
 def _reason(failure: Failure, why: str, what: str) -> str:
@@ -65,7 +65,7 @@ class Simple:
     def decide(
         self, failure: Failure, attempt: int, policy: str, observe: bool, why: str = ""
     ) -> Decision:
-        reason = _reason(failure, why, self.action._value_)
+        reason = _reason(failure, why, self.action.value)
         return _decision(self.action, policy, {}, reason, observe)
 
 

@@ -31,12 +31,46 @@ from typing import Any
 
 import pybreaker
 
-from policies._limit_settings import (
-    BreakerSettings,
-    check_int,
-)
-
 log = logging.getLogger("spanvisor.breakers")
+
+#: Upper bounds that keep a typo in a policy from disabling a breaker for good.
+MAX_FAIL_MAX = 10_000
+MAX_SUCCESS_THRESHOLD = 10_000
+MAX_RESET_TIMEOUT_S = 86_400.0
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    """How one dependency's breaker trips and recovers.
+
+    ``fail_max`` consecutive failures open it; it stays open ``reset_timeout_s``
+    seconds, then lets trial calls through (half-open); ``success_threshold``
+    successful trials close it, one failed trial opens it again.
+    """
+
+    fail_max: int = 5
+    reset_timeout_s: float = 30.0
+    success_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        _check_int("fail_max", self.fail_max, 1, MAX_FAIL_MAX)
+        _check_seconds("reset_timeout_s", self.reset_timeout_s, MAX_RESET_TIMEOUT_S)
+        _check_int("success_threshold", self.success_threshold, 1, MAX_SUCCESS_THRESHOLD)
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def _check_seconds(name: str, value: object, high: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or not 0 < value <= high:
+        raise ValueError(f"{name} must be more than 0 and at most {high:g} seconds, got {value}")
 
 
 class BreakerState(str, Enum):
@@ -207,12 +241,12 @@ class BreakerBoard:
         max_breakers: int = 10_000,
         storage_factory: Callable[[str], pybreaker.CircuitBreakerStorage] | None = None,
     ) -> None:
-        check_int("max_breakers", max_breakers, 1, None)
+        _check_int("max_breakers", max_breakers, 1, None)
         if settings is None:
             settings = BreakerSettings()
         if isinstance(settings, BreakerSettings):
             fixed = settings
-            # object: the check below says what is wrong (compiled, a cast would raise first).
+            # object: a caller's callable may return anything; the check below says what.
             self._settings_for: Callable[[str], object] = lambda _dependency: fixed
         else:
             self._settings_for = settings
@@ -255,8 +289,8 @@ class BreakerBoard:
         needs only whether a success reset its count and the failures after
         the last success, or those up to the one that trips it (then the rest
         as :meth:`record` would take them). Each outcome through pybreaker
-        costs microseconds, and a busy dependency that fails now and then has
-        many in a batch.
+        is a locked call with listeners, and a busy dependency that fails now
+        and then has many in a batch.
         """
         changes: list[BreakerChange] = []
         with self._lock:

@@ -17,14 +17,43 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies._limit_settings import BudgetSettings
-
 #: A window is cut into this many buckets at most (a wide window gets wide buckets) ...
 MAX_BUCKETS = 60
 #: ... and at least this many (a narrow one gets sub-second buckets), so a count
 #: leaves the window between ``window_s`` and ``window_s * (1 - 1/MIN_BUCKETS)``
 #: after it was made.
 MIN_BUCKETS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetSettings:
+    """A dependency's retry budget.
+
+    Retries are allowed while the retries counted in the last ``window_s``
+    seconds are fewer than ``max(min_retries, ratio * calls)`` over the same
+    window.
+    """
+
+    ratio: float = 0.2
+    min_retries: int = 3
+    window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _check_float("ratio", self.ratio, 0.0, 10.0, low_open=True)
+        if not isinstance(self.min_retries, int) or isinstance(self.min_retries, bool):
+            raise ValueError(f"min_retries must be an integer, got {self.min_retries!r}")
+        if not 0 <= self.min_retries <= 1_000_000:
+            raise ValueError(f"min_retries must be between 0 and 1000000, got {self.min_retries}")
+        _check_float("window_s", self.window_s, 1.0, 3600.0, low_open=False)
+
+
+def _check_float(name: str, value: object, low: float, high: float, *, low_open: bool) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if not math.isfinite(value) or too_low or value > high:
+        low_text = f"more than {low:g}" if low_open else f"at least {low:g}"
+        raise ValueError(f"{name} must be {low_text} and at most {high:g}, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +160,7 @@ class RetryBudget:
             settings = BudgetSettings()
         if isinstance(settings, BudgetSettings):
             fixed = settings
-            # object: the check below says what is wrong (compiled, a cast would raise first).
+            # object: a caller's callable may return anything; the check below says what.
             self._settings_for: Callable[[str], object] = lambda _dependency: fixed
         else:
             self._settings_for = settings

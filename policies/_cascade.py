@@ -20,7 +20,7 @@ governor's thread); ``cascades`` drains what started. Bounded: at most
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -122,10 +122,7 @@ class CascadeDetector:
         if not windows or not successes:
             return
         stamp = self._clock() if now is None else now
-        counts: dict[str, int] = {}
-        for dependency in successes:  # not a Counter: its constructor runs interpreted
-            counts[dependency] = counts.get(dependency, 0) + 1
-        for dependency, count in counts.items():
+        for dependency, count in Counter(successes).items():
             window = windows.get(dependency)  # only dependencies that failed lately
             if window is not None:
                 window.calls.append((stamp, count, "", ""))

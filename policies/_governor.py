@@ -27,22 +27,20 @@ ones at once); called from one thread (the pipeline's).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from operator import itemgetter
 from typing import Final
 
 import pybreaker
 
-from policies._breakers import BreakerBoard, BreakerChange, BreakerState
-from policies._budget import RetryBudget
+from policies._breakers import BreakerBoard, BreakerChange, BreakerSettings, BreakerState
+from policies._budget import BudgetSettings, RetryBudget
 from policies._cascade import Cascade, CascadeDetector
 from policies._intensity import IntensitySettings, RestartIntensity
-from policies._limit_settings import BreakerSettings, BudgetSettings
 from policies._policy import Policy
 from supervisor.records import Action, AttrValue, Decision, Failure
 
-#: A call's end time: the sort key, in C (a compiled function is called through Python).
-_ENDED: Final = itemgetter(0)
 _BLOCKED: Final[tuple[BreakerState, ...]] = (BreakerState.OPEN, BreakerState.ISOLATED)
 _CORRECTIVE: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK)
 #: What an open breaker turns into a fallback or fail_fast: every decision about its
@@ -143,11 +141,7 @@ class Governor:
         """
         limits = self.policy.limits
         if limits.retry_budget.enabled:
-            counts: dict[str, int] = {}
-            for call in calls:  # not a Counter: its constructor runs interpreted
-                dependency = call[1]
-                counts[dependency] = counts.get(dependency, 0) + 1
-            for dependency, count in counts.items():
+            for dependency, count in Counter(call[1] for call in calls).items():
                 self.budget.record_call(dependency, count)
         if not limits.breakers_enabled:
             return
@@ -156,7 +150,7 @@ class Governor:
         # already, and those that fail in this very batch.
         relevant = watched | {call[1] for call in calls if not call[2]}
         ordered = [call for call in calls if call[1] in relevant]
-        ordered.sort(key=_ENDED)  # stable: a tie keeps arrival order
+        ordered.sort(key=itemgetter(0))  # by end time; stable: a tie keeps arrival order
         by_dependency: dict[str, list[bool]] = {}
         for _, dependency, ok in ordered:
             outcomes = by_dependency.get(dependency)
@@ -244,13 +238,13 @@ class Governor:
 
     def _around_open(self, failure: Failure, decision: Decision, state: BreakerState) -> Decision:
         dependency = failure.dependency
-        why = f"breaker of {dependency} is {state._value_}"
+        why = f"breaker of {dependency} is {state.value}"
         target = self._alternative(dependency)
         if target is not None:
             to, chain = target
-            params: dict[str, AttrValue] = {"to": to, "chain": chain, "breaker": state._value_}
+            params: dict[str, AttrValue] = {"to": to, "chain": chain, "breaker": state.value}
             return _revised(decision, Action.FALLBACK, params, why)
-        params = {"breaker": state._value_}
+        params = {"breaker": state.value}
         info = self.board.info(dependency)
         if state is BreakerState.OPEN and info.reopens_at is not None:
             params["breaker_reopens_in_s"] = round(max(0.0, info.reopens_at - self._clock()), 3)
@@ -261,7 +255,7 @@ class Governor:
         if not isinstance(to, str) or self.breaker_state(to) not in _BLOCKED:
             return decision
         target = self._alternative(failure.dependency)
-        why = f"breaker of fallback {to} is {self.breaker_state(to)._value_}"
+        why = f"breaker of fallback {to} is {self.breaker_state(to).value}"
         if target is None:
             return _revised(decision, Action.FAIL_FAST, {}, f"{why}; no other alternative")
         new_to, chain = target
@@ -293,6 +287,6 @@ def _revised(
         action=action,
         policy=decision.policy,
         params={**kept, **params},
-        reason=f"{decision.reason}; {why}: {action._value_}" if decision.reason else why,
+        reason=f"{decision.reason}; {why}: {action.value}" if decision.reason else why,
         observe_only=decision.observe_only,
     )

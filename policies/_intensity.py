@@ -14,11 +14,39 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-
-# Made and checked where the other limits' settings are (interpreted, for clear errors).
-from policies._limit_settings import IntensitySettings
+from dataclasses import dataclass
+from typing import Final
 
 __all__ = ["IntensitySettings", "RestartIntensity"]
+
+#: Upper bounds of a policy's settings.
+MAX_ACTIONS: Final = 10_000
+MAX_PERIOD_S: Final = 86_400.0
+
+
+@dataclass(frozen=True, slots=True)
+class IntensitySettings:
+    """At most ``max_actions`` corrective actions per run within ``period_s`` seconds.
+
+    ``max_actions`` 0 escalates every action (Erlang's intensity 0).
+    """
+
+    max_actions: int = 5
+    period_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        value = self.max_actions
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"max_actions must be an integer, got {value!r}")
+        if not 0 <= value <= MAX_ACTIONS:
+            raise ValueError(f"max_actions must be between 0 and {MAX_ACTIONS}, got {value}")
+        period = self.period_s
+        if not isinstance(period, (int, float)) or isinstance(period, bool):
+            raise ValueError(f"period_s must be a number of seconds, got {period!r}")
+        if not math.isfinite(period) or not 0 < period <= MAX_PERIOD_S:
+            raise ValueError(
+                f"period_s must be more than 0 and at most {MAX_PERIOD_S:g} seconds, got {period}"
+            )
 
 
 class RestartIntensity:

@@ -48,7 +48,7 @@ class Subject:
         "exc_last",
         "exc_type",
         "finish_reasons",
-        "lower_text",
+        "folded_text",
         "missing",
         "record",
         "text",
@@ -63,7 +63,7 @@ class Subject:
         self.error_last = evidence.error_type.rpartition(".")[2]
         self.finish_reasons = tuple(r.lower() for r in evidence.finish_reasons)
         self.text = evidence.text()[:MAX_TEXT_CHARS]
-        self.lower_text = self.text.lower()
+        self.folded_text = self.text.casefold()
         missing = 0
         if not evidence.provider_code:
             missing |= NEEDS_PROVIDER_CODE
@@ -285,17 +285,17 @@ def _regex_test(pattern: PolicyRegex) -> Callable[[AttrValue], bool]:
     return test
 
 
+_IGNORECASE: Final = "(?i)"
+
+
 class Message:
     """Regexes searched in the exception and status messages (bounded in length and time).
 
-    Two speed-ups keep the many message rules cheap, both exact:
-
-    * a pattern that is ``(?i)`` followed by nothing that lowercasing could
-      change is searched, without the flag, in the lowercased text (an exact-case
-      search is the faster one: about 1.6x on the built-in rules);
-    * when every top-level alternative starts with a literal of 3+ characters,
-      the regex runs only if one of those literals is in the text (``in`` is a
-      C-speed substring search).
+    A pattern is searched only when the text holds the literal start of one of
+    its top-level alternatives (:func:`literal_prefixes`, compared case-folded
+    under a leading ``(?i)``): most messages hold none of a rule's words, and a
+    substring test costs far less than a search, whose engine would try an
+    alternation of different words at every character.
     """
 
     __slots__ = ("tests",)
@@ -306,26 +306,22 @@ class Message:
         label = _label(rule, "message")
         tests: list[tuple[bool, tuple[str, ...] | None, PolicyRegex]] = []
         for pattern in patterns:
-            rest = pattern[len(_IGNORECASE) :]
-            if pattern.startswith(_IGNORECASE) and _lowercase_safe(rest):
-                compiled = PolicyRegex(rest, label=label, shown=pattern)
-                tests.append((True, literal_prefixes(rest), compiled))
-            else:
-                tests.append((False, literal_prefixes(pattern), PolicyRegex(pattern, label=label)))
+            caseless = pattern.startswith(_IGNORECASE)
+            prefixes = literal_prefixes(pattern.removeprefix(_IGNORECASE))
+            if caseless and prefixes is not None:
+                prefixes = tuple(prefix.casefold() for prefix in prefixes)
+            tests.append((caseless, prefixes, PolicyRegex(pattern, label=label)))
         self.tests = tuple(tests)
 
     def __call__(self, s: Subject) -> bool:
         if not s.text:
             return False
-        for folded, prefixes, pattern in self.tests:
-            text = s.lower_text if folded else s.text
+        for caseless, prefixes, pattern in self.tests:
             if prefixes is not None:
-                for prefix in prefixes:
-                    if prefix in text:
-                        break
-                else:
+                haystack = s.folded_text if caseless else s.text
+                if not any(prefix in haystack for prefix in prefixes):
                     continue
-            if pattern.matches(text):
+            if pattern.matches(s.text):
                 return True
         return False
 
@@ -379,41 +375,3 @@ def literal_prefixes(pattern: str) -> tuple[str, ...] | None:
             return None
         prefixes.append(alternative[:end])
     return tuple(prefixes)
-
-
-_IGNORECASE: Final = "(?i)"
-#: Escapes whose meaning does not depend on case (classes and anchors).
-_CASELESS_ESCAPES: Final = frozenset("SWDBAZ")
-#: Escapes that can spell an uppercase character (``\x41``), name a cased
-#: property (``\p{lu}``) or refer back to a group (``\g<name>``).
-_UNSAFE_ESCAPES: Final = frozenset("xuUNpPg")
-#: What may follow ``(?`` without changing case: groups and lookarounds. Flags
-#: (``(?-i:``, ``(?f)``: full case folding) and named groups are not taken apart.
-_CASELESS_GROUPS: Final = frozenset(":=!>")
-
-
-def _lowercase_safe(pattern: str) -> bool:
-    """True when ``pattern`` matches lowercased text exactly as ``(?i)pattern`` matches text."""
-    if "[:" in pattern:  # a POSIX class such as [[:upper:]] names a case
-        return False
-    start = pattern.find("(?")
-    while start != -1:
-        following = pattern[start + 2 : start + 4]
-        if following[:1] not in _CASELESS_GROUPS and following not in ("<=", "<!"):
-            return False
-        start = pattern.find("(?", start + 2)
-    i = 0
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\":
-            following = pattern[i + 1 : i + 2]
-            if following in _UNSAFE_ESCAPES or following.isdigit():
-                return False
-            if following.lower() != following and following not in _CASELESS_ESCAPES:
-                return False
-            i += 2
-            continue
-        if char.lower() != char:
-            return False
-        i += 1
-    return True

@@ -82,8 +82,8 @@ class PolicyRegex:
     """One compiled policy pattern, searched under :data:`REGEX_TIMEOUT_S`.
 
     ``label`` says where the pattern comes from in the one log line a first
-    timeout writes (``rule my.rule message``); ``shown`` is the pattern as the
-    file wrote it, when what is compiled differs (a rewritten ``(?i)``).
+    timeout writes (``rule my.rule message``); ``shown`` is the pattern as
+    messages quote it (shortened).
     """
 
     __slots__ = ("_compiled", "label", "pattern", "shown", "timeouts")
@@ -94,12 +94,11 @@ class PolicyRegex:
         flags: Iterable[str] = (),
         *,
         label: str = "policy",
-        shown: str | None = None,
     ) -> None:
         self._compiled: Any = _compile(pattern, flags)
         self.pattern = pattern
         self.label = label
-        self.shown = shown_pattern(pattern if shown is None else shown)
+        self.shown = shown_pattern(pattern)
         #: Searches :meth:`matches` stopped at the time limit.
         self.timeouts = 0
 

@@ -1,9 +1,8 @@
 """A run's spend, priced by a model table entry: the part of budgets on the span path.
 
-Every LLM span with token usage adds to its run's :class:`RunSpend`, so this
-module is compiled with the span path (setup.py); the table that prices a call
-is :mod:`policies._model_table`, the budget it is held to
-:class:`policies._schema_budgets.RunBudgetSpec`.
+Every LLM span with token usage adds to its run's :class:`RunSpend`. The
+table that prices a call is :mod:`policies._model_table`, the budget it is
+held to :class:`policies._schema_budgets.RunBudgetSpec`.
 """
 
 from __future__ import annotations

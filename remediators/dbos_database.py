@@ -42,8 +42,8 @@ class _SqliteNormalSync(types.ModuleType):
     Given to SQLAlchemy as the DBAPI module of DBOS's SQLite engine, so the
     URL is parsed, and DBOS's own connect hook runs, as with ``sqlite3``.
     SQLite's default (FULL) syncs the WAL at every commit, and a remediation
-    commits several times: NORMAL cut its CPU by a fifth to a quarter
-    (bench/remediation.py --only throughput --backends sqlite). In WAL mode a
+    commits several times, and NORMAL costs it markedly less CPU
+    (``bench/remediation.py --only throughput --backends sqlite``). In WAL mode a
     commit still survives the process being killed, which is what recovery
     is for; only a power loss can take back the last commits, and then a
     step runs again, as DBOS steps may (tool calls carry idempotency keys).
@@ -70,8 +70,9 @@ def use_wal(url: str) -> None:
     """Put a SQLite remediation database in WAL mode (it stays so) before DBOS opens it.
 
     DBOS leaves SQLite in rollback-journal mode, where every step's ownership
-    check waits for the write lock; WAL measured 35-40% more remediations per
-    second (bench/remediation.py --backends sqlite,sqlite-wal).
+    check waits for the write lock; in WAL mode readers do not wait for the
+    writer, and remediations per second rise accordingly (``bench/remediation.py
+    --backends sqlite,sqlite-wal`` compares the two).
     """
     if not url.startswith("sqlite:///") or "mode=ro" in url:
         return

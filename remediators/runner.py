@@ -96,9 +96,9 @@ class RunnerSettings:
     start_timeout_s: float = 60.0
     #: DBOS's threads, which do its database work. A remediation's statements
     #: are short, and more threads than cores only take turns at the
-    #: interpreter: with 4 instead of 16 (and tools on threads of their own), a
-    #: remediation took 18% less CPU and the process 28% fewer context switches
-    #: (bench/remediation.py, two builds side by side, on 2 cores).
+    #: interpreter: 4 (with tools on threads of their own) spent less CPU per
+    #: remediation, with fewer context switches, than 16 (``bench/remediation.py``
+    #: compares two settings side by side).
     db_threads: int = 4
     #: Threads for tool calls and the runner's own actions (commands,
     #: approvals), apart from DBOS's: a slow tool must not hold up the
@@ -230,7 +230,7 @@ class DurableRunner:
         if s.database_url.startswith("sqlite:"):
             # DBOS pings every connection it takes from its pool (a SELECT 1), which
             # guards against a Postgres server that dropped it; a SQLite file's
-            # connection cannot go stale (bench/remediation.py: 2-3% less CPU without).
+            # connection cannot go stale, so the ping would only cost CPU.
             config["db_engine_kwargs"] = {"pool_pre_ping": False, "module": SQLITE_NORMAL_SYNC}
         DBOS(config=config)
         DBOS.launch()  # on this loop: resumed async workflows run here

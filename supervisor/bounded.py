@@ -61,7 +61,7 @@ class LatencyWindow:
         self.count = 0
         #: The samples sorted, as of ``_ordered_at`` samples added: a stats scrape asks
         #: for several quantiles at once, and sorting 10,000 samples for each was most
-        #: of its cost (``GET /v1/stats``: 0.48 ms, 70% of it sorting).
+        #: of its cost.
         self._ordered: list[float] = []
         self._ordered_at = 0
 

@@ -14,9 +14,9 @@ it can be handed to another thread or stage without a copy.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from enum import Enum
 from types import MappingProxyType
 from typing import Final, Union
@@ -66,7 +66,12 @@ class Role(str, Enum):
 
 
 class FailureClass(str, Enum):
-    """The four classes of failure (DESIGN's vocabulary)."""
+    """The four classes of failure, by what would get past one.
+
+    ``transient``: trying again later; ``model``: changing the model's input or
+    the model; ``permanent``: someone changing something; ``semantic``: the call
+    succeeded, but its result is wrong or a person must decide.
+    """
 
     TRANSIENT = "transient"
     MODEL = "model"
@@ -74,7 +79,7 @@ class FailureClass(str, Enum):
     SEMANTIC = "semantic"
 
 
-#: Built-in failure kinds (DESIGN's vocabulary). A policy may add its own.
+#: Built-in failure kinds, the names rules and decisions use. A policy may add its own.
 BUILTIN_KINDS: Final[tuple[str, ...]] = (
     "rate_limit",
     "quota_exhausted",
@@ -102,7 +107,7 @@ BUILTIN_KINDS: Final[tuple[str, ...]] = (
 
 
 class Action(str, Enum):
-    """What the sidecar decides to do about a failure (DESIGN's vocabulary)."""
+    """What the sidecar decides to do about a failure."""
 
     RETRY = "retry"
     FALLBACK = "fallback"
@@ -255,7 +260,7 @@ class Decision:
 
 
 class CommandType(str, Enum):
-    """What a command asks the agent to do (DESIGN's command contract)."""
+    """What a command asks the agent to do (the ``type`` of a command's JSON)."""
 
     RETRY_STEP = "retry_step"
     RESUME_RUN = "resume_run"
@@ -266,17 +271,6 @@ class CommandType(str, Enum):
     INJECT_GUIDANCE = "inject_guidance"
     COMPACT_CONTEXT = "compact_context"
     APPROVAL_RESULT = "approval_result"
-
-
-def params_dict(params: Mapping[str, AttrValue]) -> dict[str, AttrValue]:
-    """A new dict of ``params``: a decision's (a mappingproxy) copied by its own ``copy``.
-
-    ``dict()`` of a mappingproxy reads it key by key through the mapping
-    protocol, five times slower, and this runs for every failure stored.
-    """
-    if type(params) is MappingProxyType:
-        return params.copy()
-    return dict(params)
 
 
 def command_key(trace_id: str, span_id: str, rule: str, step: str = "") -> str:
@@ -359,11 +353,11 @@ class Command:
     created_at: float
 
     def to_json(self) -> dict[str, object]:
-        """The command as DESIGN's JSON schema (times as RFC 3339 UTC)."""
+        """The command as agents receive it, by webhook or pull (times as RFC 3339 UTC)."""
         return {
             "id": self.id,
             "idempotency_key": self.idempotency_key,
-            "type": self.type._value_,  # not .value: a property, slow per call
+            "type": self.type.value,
             "service": self.service,
             "run_id": self.run_id,
             "trigger": {"trace_id": self.trigger_trace_id, "span_id": self.trigger_span_id},
@@ -374,32 +368,17 @@ class Command:
         }
 
 
-#: Unix second -> its RFC 3339 text to the second. A batch's commands are made
-#: within a second or two, but ``not_before`` adds each one's backoff delay, so one
-#: remembered second missed every other call; formatting a date is the costly part.
-_SECONDS: Final[dict[int, str]] = {}
-_MAX_SECONDS: Final = 512
-#: ".000Z" to ".999Z": a lookup, not a format spec, per time written.
-_MILLIS: Final[tuple[str, ...]] = tuple(f".{ms:03d}Z" for ms in range(1000))
-
-
 def _rfc3339(unix_s: float) -> str:
-    micros = round(unix_s * 1_000_000)  # as datetime.fromtimestamp rounds
-    second, fraction = divmod(micros, 1_000_000)
-    text = _SECONDS.get(second)
-    if text is None:
-        if len(_SECONDS) >= _MAX_SECONDS:
-            _SECONDS.clear()
-        text = _SECONDS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-    return text + _MILLIS[fraction // 1000]
+    """``2024-05-01T12:00:00.250Z``: UTC, to the millisecond."""
+    when = datetime.fromtimestamp(unix_s, tz=timezone.utc)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _jsonable(value: object) -> object:
     """Tuples and read-only mappings as JSON lists and objects."""
-    if isinstance(value, (str, int, float)) or value is None:  # nearly every value
+    if isinstance(value, (str, int, float)) or value is None:
         return value
-    # dict first: the ABC's isinstance is a slow path, and params are nearly always dicts.
-    if isinstance(value, dict) or isinstance(value, Mapping):  # noqa: SIM101
+    if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
         return [_jsonable(v) for v in value]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import email.utils
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Final, Literal
 
@@ -143,51 +143,30 @@ def parse_duration(text: str) -> float | None:
 
 # -- hints in a message ------------------------------------------------------------
 
-_RETRY_HINT_SOURCE: Final = (
-    r"(?:try again|retry|retrying)\s+(?:in|after)\s*:?\s*|\bretry[-_ ]after\s*[:=]?\s*"
+#: A hint's words, as they read in the lower-cased message. Every hint holds "try"
+#: and the pattern starts with it, so a search skips from one "try" to the next;
+#: the lookbehinds then check for the "re" of "retry".
+_RETRY_HINT: Final = re.compile(
+    r"""
+    try
+    (?:
+        (?:\ again | (?<=retry) (?:ing)?) \s+ (?:in|after) \s* :? \s*  # try again in, retry after
+      | (?<=\bretry) [-_\ ] after \s* [:=]? \s*                         # retry-after:, retry_after=
+    )
+    """,
+    re.VERBOSE,
 )
-_RETRY_HINT: Final = re.compile(_RETRY_HINT_SOURCE, re.IGNORECASE)
-#: The same for lower-case ASCII text, matched only where a hint can start.
-_RETRY_HINT_LOWER: Final = re.compile(_RETRY_HINT_SOURCE)
-
-
-def _hint_starts(lowered: str) -> Iterator[int]:
-    """Where a hint can start, in order: at each "try", and at the "re" of each "retry".
-
-    Why: an alternation gives the regex engine no literal to skip ahead to, so
-    a search tries every alternative at every character; ``str.find`` is a
-    fast scan, and the pattern is tried only there.
-    """
-    at = lowered.find("try")
-    while at >= 0:
-        if at >= 2 and lowered.startswith("re", at - 2):
-            yield at - 2
-        yield at
-        at = lowered.find("try", at + 3)  # "try" cannot overlap itself
-
-
-def _hints(head: str) -> Iterator[re.Match[str]]:
-    """What ``_RETRY_HINT.finditer(head)`` finds."""
-    lowered = head.lower()
-    if "try" not in lowered:  # every hint says "try again", "retry" or "retry-after"
-        return
-    if not head.isascii():  # lower() may change lengths ("İ"): search the text itself
-        yield from _RETRY_HINT.finditer(head)
-        return
-    pos = 0
-    for begin in _hint_starts(lowered):
-        if begin >= pos:
-            match = _RETRY_HINT_LOWER.match(lowered, begin)
-            if match is not None:
-                yield match
-                pos = max(match.end(), begin + 1)
 
 
 def retry_after_from_text(text: str) -> float | None:
-    """A delay the provider asks for in its own words ("Please try again in 1.5s"), in seconds."""
-    head = text[:HINT_SCAN_CHARS]
-    for match in _hints(head):
-        delay = parse_duration(head[match.end() : match.end() + _DURATION_CHARS])
+    """A delay the provider asks for in its own words ("Please try again in 1.5s"), in seconds.
+
+    The message is searched in lower case rather than with ``re.IGNORECASE``:
+    ``re`` skips ahead to a pattern's leading word only in a case-sensitive search.
+    """
+    lowered = text[:HINT_SCAN_CHARS].lower()
+    for match in _RETRY_HINT.finditer(lowered):
+        delay = parse_duration(lowered[match.end() : match.end() + _DURATION_CHARS])
         if delay is not None:
             return delay
     return None

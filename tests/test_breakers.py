@@ -12,8 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies._breakers import BreakerBoard, BreakerChange, BreakerInfo, BreakerState
-from policies._limit_settings import BreakerSettings
+from policies._breakers import (
+    BreakerBoard,
+    BreakerChange,
+    BreakerInfo,
+    BreakerSettings,
+    BreakerState,
+)
 
 CLOSED = BreakerState.CLOSED
 OPEN = BreakerState.OPEN

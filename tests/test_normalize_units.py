@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any
@@ -16,7 +17,6 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 import supervisor.normalize as normalize
-from supervisor import retry_after
 from supervisor.normalize import attributes, evidence, genai, http_rpc
 from supervisor.normalize.attributes import (
     MAX_ATTRIBUTES,
@@ -1106,18 +1106,7 @@ def test_normalize_span_never_raises_and_keeps_bounds(
         assert len(record.error.status_message) <= MAX_MESSAGE_CHARS
 
 
-def test_every_provider_phrase_contains_a_prefilter_word() -> None:
-    from supervisor.normalize import evidence
-
-    missing = [
-        pattern
-        for pattern, _ in evidence._PHRASE_LIST
-        if not any(word in pattern.lower() for word in evidence._PHRASE_WORDS)
-    ]
-    assert missing == []
-
-
-# -- text scans: the anchored matching finds what a plain regex search finds -------------
+# -- text scans: a pattern per form finds what one alternation finds -------------------
 
 #: Pieces of provider and client error messages, hints and near misses, in any case.
 _MESSAGE_PIECES = st.sampled_from(
@@ -1170,16 +1159,37 @@ _MESSAGES = st.lists(
 ).map(" ".join) | st.text(max_size=60)
 
 
+def _alternation(patterns: Iterable[re.Pattern[str]], *, named: bool = False) -> re.Pattern[str]:
+    """The forms as one ``re`` alternation, each under its own flags: the reference search."""
+    parts = []
+    for i, pattern in enumerate(patterns):
+        flags = "i" if pattern.flags & re.IGNORECASE else ""
+        flags += "m" if pattern.flags & re.MULTILINE else ""
+        body = f"(?P<p{i}>{pattern.pattern})" if named else pattern.pattern
+        parts.append(f"(?{flags}:{body})")
+    return re.compile("|".join(parts))
+
+
+_HTTP_REFERENCE = _alternation(evidence._HTTP_STATUS_FORMS)
+_TRAILER_REFERENCE = _alternation(evidence._SDK_TRAILER_STATUS_FORMS)
+_PHRASE_REFERENCE = _alternation(evidence._PHRASES, named=True)
+#: The retry hint as plainly written, searched in the text as it is.
+_RETRY_HINT_REFERENCE = re.compile(
+    r"(?:try again|retry|retrying)\s+(?:in|after)\s*:?\s*|\bretry[-_ ]after\s*[:=]?\s*",
+    re.IGNORECASE,
+)
+
+
 def _reference_http_status(text: str) -> int | None:
     head = text[: evidence.SCAN_CHARS]
-    match = evidence._HTTP_IN_TEXT.search(head) or evidence._SDK_TRAILER_STATUS.search(head)
+    match = _HTTP_REFERENCE.search(head) or _TRAILER_REFERENCE.search(head)
     group = next((g for g in match.groups() if g is not None), None) if match else None
     return int(group) if group is not None and 100 <= int(group) <= 599 else None
 
 
 def _reference_retry_after(text: str) -> float | None:
     head = text[: evidence.SCAN_CHARS]
-    for match in retry_after._RETRY_HINT.finditer(head):
+    for match in _RETRY_HINT_REFERENCE.finditer(head):
         delay = evidence.parse_duration(head[match.end() : match.end() + 64])
         if delay is not None:
             return delay
@@ -1197,8 +1207,9 @@ def _reference_provider_code(text: str) -> str:
     match = evidence._SDK_TRAILER_TYPE.search(head) or evidence._BODY_STATUS.search(head)
     if match:
         return match.group(1)
-    match = evidence._PHRASES.search(head)
-    return evidence._PHRASE_CODES[match.lastgroup] if match and match.lastgroup else ""
+    match = _PHRASE_REFERENCE.search(head)
+    codes = list(evidence._PHRASES.values())
+    return codes[int(match.lastgroup[1:])] if match and match.lastgroup else ""
 
 
 @settings(max_examples=400, deadline=None)

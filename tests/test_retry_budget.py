@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies._budget import BudgetSnapshot, RetryBudget
-from policies._limit_settings import BudgetSettings
+from policies._budget import BudgetSettings, BudgetSnapshot, RetryBudget
 
 DEP = "openai:gpt-4o"
 

@@ -128,7 +128,7 @@ class Actor:
             rule=failure.rule,
             service=failure.service,
             run_id=failure.run_id,
-            action=decision.action._value_,
+            action=decision.action.value,
             body=body,
             commands=[(c, channel) for c in commands],
             approval=proposal(failure, decision) if escalated else None,

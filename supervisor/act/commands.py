@@ -35,7 +35,6 @@ from supervisor.records import (
     Decision,
     Failure,
     command_key,
-    params_dict,
 )
 
 __all__ = ["approval_result", "failure_summary", "incident_key", "plan_commands", "proposal"]
@@ -49,7 +48,7 @@ def incident_key(failure: Failure) -> str:
 def failure_summary(failure: Failure) -> dict[str, AttrValue]:
     """What a command says of the failure that caused it."""
     return {
-        "class": failure.failure_class._value_,  # not .value: a property call
+        "class": failure.failure_class.value,
         "kind": failure.kind,
         "dependency": failure.dependency,
         "rule": failure.rule,
@@ -88,7 +87,7 @@ def plan_commands(failure: Failure, decision: Decision, now: float) -> list[Comm
     if decision.observe_only:
         return []
     base: dict[str, AttrValue] = {"dependency": failure.dependency, "reason": decision.reason}
-    params = {**base, **params_dict(decision.params)}
+    params = {**base, **decision.params}
     action = decision.action
     if action is Action.RETRY:
         delay = decision.params.get("delay_s")

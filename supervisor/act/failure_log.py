@@ -7,15 +7,12 @@ from collections import deque
 from typing import Any
 
 from supervisor.judge.pipeline import Outcome
-from supervisor.records import params_dict
 
 log = logging.getLogger("spanvisor.failures")
 
 
 def outcome_json(outcome: Outcome) -> dict[str, Any]:
     """The ``replay`` schema of one failure: stable keys, lowercase hex ids."""
-    # ``_value_``, not ``.value``: the same string, without a property call per enum
-    # (this runs for every failure the store keeps).
     f, d = outcome.failure, outcome.decision
     return {
         "trace_id": f.trace_id,
@@ -23,14 +20,14 @@ def outcome_json(outcome: Outcome) -> dict[str, Any]:
         "service": f.service,
         "span_name": f.span_name,
         "run_id": f.run_id,
-        "role": f.role._value_,
-        "class": f.failure_class._value_,
+        "role": f.role.value,
+        "class": f.failure_class.value,
         "kind": f.kind,
         "dependency": f.dependency,
         "rule": f.rule,
-        "action": d.action._value_,
+        "action": d.action.value,
         "policy": d.policy,
-        "params": params_dict(d.params),
+        "params": dict(d.params),
         "observe_only": d.observe_only,
         "reason": d.reason,
         "message": f.message,

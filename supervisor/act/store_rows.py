@@ -102,7 +102,7 @@ def command_row(
         command.idempotency_key,
         incident_key,
         command.service,
-        command.type._value_,
+        command.type.value,
         channel,
         status,
         dumps_json(command.to_json()),

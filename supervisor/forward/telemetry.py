@@ -230,12 +230,12 @@ class DecisionTracer:
 def decision_attributes(failure: Failure, decision: Decision) -> dict[str, AttributeValue]:
     """The ``spanvisor.*`` attributes of a decision span."""
     attributes: dict[str, AttributeValue] = {
-        "spanvisor.failure.class": failure.failure_class._value_,
+        "spanvisor.failure.class": failure.failure_class.value,
         "spanvisor.failure.kind": failure.kind,
         "spanvisor.failure.dependency": failure.dependency,
         "spanvisor.failure.message": failure.message[:MAX_TEXT],
         "spanvisor.rule": failure.rule,
-        "spanvisor.action": decision.action._value_,
+        "spanvisor.action": decision.action.value,
         "spanvisor.policy": decision.policy,
         "spanvisor.run_id": failure.run_id,
         "spanvisor.service": failure.service,

@@ -187,10 +187,10 @@ def _wire_limit(max_body_bytes: int, coding: str) -> int:
 async def _off_loop_if_large(size: int, as_json: bool, work: Callable[[], T]) -> T:
     """Run CPU-heavy decoding in a worker thread when the body is big.
 
-    OTLP/JSON decodes in pure Python (about 100 ms for 500 spans) and would
-    stall every other request on the shared event loop. Protobuf decodes in C
-    at about a microsecond a span, and a thread would only add GIL hand-offs
-    to the pipeline's latency, so it stays inline unless it is very large.
+    OTLP/JSON decodes in pure Python, slowly enough that a large body would
+    stall every other request on the shared event loop. Protobuf decodes in C,
+    many times faster, and a thread would only add GIL hand-offs to the
+    pipeline's latency, so it stays inline unless it is very large.
     """
     if size > (_INLINE_DECODE_BYTES if as_json else _INLINE_PROTOBUF_BYTES):
         return await asyncio.to_thread(work)

@@ -1,9 +1,9 @@
 """Error evidence: what a failing span says, pulled out of attributes and free text.
 
 Only spans that show a sign of failure get here (see
-:func:`supervisor.normalize.normalize_span`), so this module may spend a
-few microseconds on regexes. Every regex is precompiled and every scan is
-bounded to the first ``SCAN_CHARS`` characters of a text.
+:func:`supervisor.normalize.normalize_span`), so this module can afford
+regex searches. Every regex is precompiled and every scan is bounded to the
+first ``SCAN_CHARS`` characters of a text.
 
 What the free text looks like, per producer:
 
@@ -40,6 +40,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Final, NamedTuple
+
+import regex
 
 from supervisor.normalize.attributes import (
     MAX_MESSAGE_CHARS,
@@ -213,186 +215,107 @@ def _status_from_class(exception_type: str) -> int | None:
 
 
 # -- HTTP status, provider code, gRPC code in text ---------------------------
+# These patterns search whole messages, so they are compiled with ``regex``,
+# which skips ahead to the literal words of a pattern (``Error code: ``,
+# ``'type'``, ``StatusCode.``) where ``re`` tries most of them at every
+# character. An alternation of different words leaves nothing to skip to, so
+# each form of a status or a phrase is a pattern of its own, and the form that
+# matches first in the text wins, as it would in an alternation (:func:`_earliest`).
 
 
-def _lowered(pattern: re.Pattern[str]) -> re.Pattern[str]:
-    """A case-insensitive pattern for lower-case ASCII text: matched without IGNORECASE."""
-    if re.search(r"\\[A-Z]", pattern.pattern):  # \D, \S, \W... would change meaning
-        raise ValueError(f"cannot lower-case {pattern.pattern!r}")
-    return re.compile(pattern.pattern.lower().replace("(?p<", "(?P<"))
+def _text_pattern(pattern: str, flags: int = 0) -> re.Pattern[str]:
+    """``pattern`` compiled with ``regex``: ``re``'s syntax and methods (typed as ``re``'s)."""
+    compiled: re.Pattern[str] = regex.compile(pattern, flags)
+    return compiled
 
 
-_HTTP_IN_TEXT: Final = re.compile(
-    r"Error code: (\d{3})\b"
-    r"|\b(?:Client|Server) error '(\d{3}) "
-    r"|\b(\d{3}) (?:Client|Server) Error\b"
-    r"|\bstatus(?:[ _]code)?\s*[=:]\s*(\d{3})\b"
-    r"|\bHTTP(?:/\d(?:\.\d)?)?[ ](\d{3})\b",
-    re.IGNORECASE,
+def _earliest(patterns: Iterable[re.Pattern[str]], text: str) -> re.Match[str] | None:
+    """The match that starts first in ``text`` (on a tie, the earlier pattern's)."""
+    first: re.Match[str] | None = None
+    for pattern in patterns:
+        match = pattern.search(text)
+        if match is not None and (first is None or match.start() < first.start()):
+            first = match
+    return first
+
+
+#: How SDKs and HTTP clients write a response's status into an error message.
+_HTTP_STATUS_FORMS: Final = tuple(
+    _text_pattern(pattern, regex.IGNORECASE)
+    for pattern in (
+        r"Error code: (\d{3})\b",  # openai, anthropic
+        r"\b(?:Client|Server) error '(\d{3}) ",  # httpx
+        r"\b(\d{3}) Client Error\b",  # requests
+        r"\b(\d{3}) Server Error\b",
+        r"\bstatus(?:[ _]code)?\s*[=:]\s*(\d{3})\b",
+        r"\bHTTP(?:/\d(?:\.\d)?)? (\d{3})\b",
+    )
 )
-#: The same in lower case, matched only where a match can start (see ``_first_match``).
-_HTTP_IN_LOWER: Final = _lowered(_HTTP_IN_TEXT)
-#: (word, characters before it where a match starts): every match holds one.
-_HTTP_ANCHORS: Final[tuple[tuple[str, int], ...]] = (
-    ("error code: ", 0),
-    (" error '", len("client")),
-    (" error", len("000 client")),
-    ("status", 0),
-    ("http", 0),
-)
-
 
 #: anthropic-python >= 2.17: ``<status> <message> (request_id: ..., path: /v1/..., type: ...)``,
 #: at the start of a line or after a ``Name: `` prefix (a status description).
-_SDK_TRAILER_STATUS: Final = re.compile(
-    r"(?:^|: )([1-5]\d\d) [^\n]{0,2000}?\((?:error_code: [^,()\n]{1,200}, )?"
-    r"(?:request_id: [^,()\n]{1,200}, )?path: /",
-    re.MULTILINE,
+_SDK_TRAILER: Final = (
+    r" [^\n]{0,2000}?\((?:error_code: [^,()\n]{1,200}, )?(?:request_id: [^,()\n]{1,200}, )?path: /"
 )
-_SDK_TRAILER_TYPE: Final = re.compile(r"path: /[^,()\n]{0,500}, type: ([\w.\-]{1,64})\)")
-#: What every such trailer holds (the request's path), so that most messages skip both.
-_SDK_TRAILER_WORD: Final = "path: /"
+_SDK_TRAILER_STATUS_FORMS: Final = (
+    _text_pattern(r"^([1-5]\d\d)" + _SDK_TRAILER, regex.MULTILINE),
+    _text_pattern(r": ([1-5]\d\d)" + _SDK_TRAILER),
+)
+_SDK_TRAILER_TYPE: Final = _text_pattern(r"path: /[^,()\n]{0,500}, type: ([\w.\-]{1,64})\)")
 
 
 def http_status_from_text(text: str) -> int | None:
     """The first HTTP status an SDK or HTTP client wrote into an error message."""
     head = text[:SCAN_CHARS]
-    if head.isascii():
-        lowered = head.lower()
-        match = _first_match(_HTTP_IN_LOWER, lowered, _starts(lowered, _HTTP_ANCHORS))
-    else:
-        match = _HTTP_IN_TEXT.search(head)
-    if match is None and _SDK_TRAILER_WORD in head:
-        match = _SDK_TRAILER_STATUS.search(head)
+    match = _earliest(_HTTP_STATUS_FORMS, head) or _earliest(_SDK_TRAILER_STATUS_FORMS, head)
     if match is None:
         return None
-    for group in match.groups():
-        if group is not None:
-            code = int(group)
-            return code if 100 <= code <= 599 else None
-    return None  # pragma: no cover - the regex always captures one group
+    code = int(match.group(1))
+    return code if 100 <= code <= 599 else None
 
 
-def _starts(text: str, anchors: tuple[tuple[str, int], ...]) -> list[int]:
-    """Where a match can start: each anchor word's occurrences, less its offset, in order."""
-    starts: set[int] = set()
-    for word, back in anchors:
-        at = text.find(word, back)
-        while at >= 0:
-            starts.add(at - back)
-            at = text.find(word, at + 1)
-    return sorted(starts)
-
-
-def _first_match(pattern: re.Pattern[str], text: str, starts: list[int]) -> re.Match[str] | None:
-    """What ``pattern.search(text)`` finds, when every match starts at one of ``starts``.
-
-    Why: an alternation that starts with a word boundary or a group gives the
-    regex engine no literal to skip ahead to, so a search tries every
-    alternative at every character (20-30 µs for a 400-character message
-    without a match). ``str.find`` of a word each match holds is a fast
-    scan, and the pattern is tried only there; a match also looks behind its
-    start for ``\b``, as in a search.
-    """
-    return next(_matches(pattern, text, starts), None)
-
-
-def _matches(pattern: re.Pattern[str], text: str, starts: list[int]) -> Iterator[re.Match[str]]:
-    """What ``pattern.finditer(text)`` finds, when every match starts at one of ``starts``."""
-    pos = 0
-    for begin in starts:
-        if begin >= pos:
-            match = pattern.match(text, begin)
-            if match is not None:
-                yield match
-                pos = max(match.end(), begin + 1)
-
-
-_BODY_CODE: Final = re.compile(r"""['"]code['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
-_BODY_TYPE: Final = re.compile(r"""['"]type['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
-_BODY_STATUS: Final = re.compile(r"""['"]status['"]\s*:\s*['"]([A-Z][A-Z_]{2,63})['"]""")
+_BODY_CODE: Final = _text_pattern(r"""['"]code['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
+_BODY_TYPE: Final = _text_pattern(r"""['"]type['"]\s*:\s*['"]([\w.\-]{1,64})['"]""")
+_BODY_STATUS: Final = _text_pattern(r"""['"]status['"]\s*:\s*['"]([A-Z][A-Z_]{2,63})['"]""")
 
 #: Providers' documented wording → their error code, for messages without a body.
-_PHRASE_LIST: Final[tuple[tuple[str, str], ...]] = (
-    (r"You exceeded your current quota", "insufficient_quota"),
-    (r"credit balance is too low", "insufficient_quota"),
-    (r"Rate limit reached for", "rate_limit_exceeded"),
-    (r"maximum context length is \d+ tokens", "context_length_exceeded"),
-    (r"prompt is too long: \d+ tokens > \d+", "context_length_exceeded"),
-    (r"Incorrect API key provided", "invalid_api_key"),
-    (r"invalid x-api-key", "invalid_api_key"),
-    (r"The model `[^`]{1,200}` does not exist", "model_not_found"),
-    (r"rejected as a result of our safety system", "content_policy_violation"),
-    (r"content management policy", "content_filter"),
-)
-#: All phrases in one pattern (one scan of the message instead of ten).
-_PHRASES: Final = re.compile(
-    "|".join(f"(?P<p{i}>{pattern})" for i, (pattern, _) in enumerate(_PHRASE_LIST)),
-    re.IGNORECASE,
-)
-_PHRASES_LOWER: Final = _lowered(_PHRASES)
-#: Each phrase's literal beginning: where a match of one can start.
-_PHRASE_ANCHORS: Final[tuple[tuple[str, int], ...]] = tuple(
-    (re.split(r"[\\`]", pattern.lower(), maxsplit=1)[0], 0) for pattern, _ in _PHRASE_LIST
-)
-_BODY_ANCHORS: Final[dict[re.Pattern[str], tuple[tuple[str, int], ...]]] = {
-    _BODY_CODE: (("code", 1),),
-    _BODY_TYPE: (("type", 1),),
-    _BODY_STATUS: (("status", 1),),
+_PHRASES: Final[Mapping[re.Pattern[str], str]] = {
+    _text_pattern(pattern, regex.IGNORECASE): code
+    for pattern, code in (
+        (r"You exceeded your current quota", "insufficient_quota"),
+        (r"credit balance is too low", "insufficient_quota"),
+        (r"Rate limit reached for", "rate_limit_exceeded"),
+        (r"maximum context length is \d+ tokens", "context_length_exceeded"),
+        (r"prompt is too long: \d+ tokens > \d+", "context_length_exceeded"),
+        (r"Incorrect API key provided", "invalid_api_key"),
+        (r"invalid x-api-key", "invalid_api_key"),
+        (r"The model `[^`]{1,200}` does not exist", "model_not_found"),
+        (r"rejected as a result of our safety system", "content_policy_violation"),
+        (r"content management policy", "content_filter"),
+    )
 }
-_PHRASE_CODES: Final = {f"p{i}": code for i, (_, code) in enumerate(_PHRASE_LIST)}
-#: A word every phrase contains: a substring test rules most messages out cheaply.
-_PHRASE_WORDS: Final[tuple[str, ...]] = (
-    "quota",
-    "credit",
-    "rate limit",
-    "context length",
-    "too long",
-    "api key",
-    "x-api-key",
-    "does not exist",
-    "safety system",
-    "content management",
-)
 
 
 def provider_code_from_text(text: str) -> str:
     """A provider's error code in an SDK error message: body ``code``, inner ``type``, phrase."""
     head = text[:SCAN_CHARS]
-    match = _body_match(_BODY_CODE, head)
+    match = _BODY_CODE.search(head)
     if match:
         return match.group(1)
-    for match in _matches(_BODY_TYPE, head, _starts(head, _BODY_ANCHORS[_BODY_TYPE])):
+    for match in _BODY_TYPE.finditer(head):
         if match.group(1) != "error":  # the first inner type that is not just "error"
             return match.group(1)
-    if _SDK_TRAILER_WORD in head:
-        match = _SDK_TRAILER_TYPE.search(head)
-        if match:
-            return match.group(1)
-    match = _body_match(_BODY_STATUS, head)
+    match = _SDK_TRAILER_TYPE.search(head) or _BODY_STATUS.search(head)
     if match:
         return match.group(1)
-    lowered = head.lower()
-    if not any(word in lowered for word in _PHRASE_WORDS):
-        return ""
-    if head.isascii():
-        match = _first_match(_PHRASES_LOWER, lowered, _starts(lowered, _PHRASE_ANCHORS))
-    else:
-        match = _PHRASES.search(head)
-    return _PHRASE_CODES[match.lastgroup] if match is not None and match.lastgroup else ""
+    match = _earliest(_PHRASES, head)
+    return _PHRASES[match.re] if match else ""
 
 
-def _body_match(pattern: re.Pattern[str], head: str) -> re.Match[str] | None:
-    """``pattern.search(head)`` for a body pattern: a quote, then its key."""
-    return _first_match(pattern, head, _starts(head, _BODY_ANCHORS[pattern]))
-
-
-_GRPC_IN_TEXT: Final = re.compile(r"\bStatusCode\.([A-Z_]{2,24})\b")
+_GRPC_IN_TEXT: Final = _text_pattern(r"\bStatusCode\.([A-Z_]{2,24})\b")
 
 
 def _grpc_from_text(text: str) -> int | None:
-    if "StatusCode." not in text:  # a plain substring test is ten times cheaper than the regex
-        return None
     match = _GRPC_IN_TEXT.search(text[:SCAN_CHARS])
     return GRPC_CODES.get(match.group(1)) if match else None
 
@@ -422,7 +345,7 @@ def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> 
 
     See :func:`supervisor.retry_after.retry_after_from_headers` for which header wins.
     """
-    if _RETRY_KEYS.isdisjoint(attrs):  # one pass over the keys instead of 16 lookups
+    if _RETRY_KEYS.isdisjoint(attrs):  # most spans carry no captured response headers
         return None
 
     def values(name: str) -> Iterator[str]:
@@ -478,6 +401,8 @@ def _typed(text: str) -> tuple[str, str] | None:
 
 def _json_error(text: str) -> Swallowed | None:
     head = text[:256]
+    # Parsed only when one of the keys below appears near the start: most tool
+    # outputs that are JSON objects are results, often large, not errors.
     if '"error"' not in head and '"isError"' not in head and '"status"' not in head:
         return None
     obj = parse_json(text)

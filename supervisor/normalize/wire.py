@@ -1,8 +1,8 @@
 """The hot path's view of OTLP: spans whose attributes stay undecoded until read.
 
-Why: reading a repeated ``KeyValue`` field through the protobuf runtime costs
-about a microsecond per attribute (a wrapper object for the pair, another for
-the value), which made attribute conversion the largest cost of the sidecar.
+Why: reading a repeated ``KeyValue`` field through the protobuf runtime makes
+two Python objects per attribute (a wrapper for the pair, another for the
+value), which made attribute conversion the largest cost of the sidecar.
 Here a second, wire-compatible schema declares a span's attributes as
 ``repeated bytes``: the runtime hands back each encoded ``KeyValue`` as one
 ``bytes`` object, its key is sliced out, and its value is decoded only when
