@@ -18,6 +18,11 @@ thousand characters callers search (each caller caps its text: 8 Ki characters o
 message, 64 Ki of an output), and small enough that a span which hits it costs
 the pipeline one slow span, not a stall.
 
+Searches hold the GIL (``concurrent=False``): ``regex`` otherwise releases it
+around each search of a ``str``, and in the sidecar, whose store writer and
+remediation threads are busy, each search then became a hand-off between
+threads that cost far more than the matching.
+
 What a timeout means is the caller's to say: :meth:`PolicyRegex.search`
 raises ``TimeoutError``; :meth:`PolicyRegex.matches` counts it as no match,
 counts it in ``timeouts`` and logs the first one.
@@ -104,12 +109,14 @@ class PolicyRegex:
 
     def search(self, text: str, timeout: float = REGEX_TIMEOUT_S) -> bool:
         """Whether the pattern occurs in ``text``; ``TimeoutError`` after ``timeout`` seconds."""
-        return self._compiled.search(text, timeout=timeout) is not None
+        return self._compiled.search(text, concurrent=False, timeout=timeout) is not None
 
     def matches(self, text: str) -> bool:
         """:meth:`search`, with a timeout counted as no match (and logged the first time)."""
         try:
-            return self._compiled.search(text, timeout=REGEX_TIMEOUT_S) is not None
+            return (
+                self._compiled.search(text, concurrent=False, timeout=REGEX_TIMEOUT_S) is not None
+            )
         except TimeoutError:
             self.timeouts += 1
             if self.timeouts == 1:

@@ -223,19 +223,50 @@ def _status_from_class(exception_type: str) -> int | None:
 # matches first in the text wins, as it would in an alternation (:func:`_earliest`).
 
 
-def _text_pattern(pattern: str, flags: int = 0) -> re.Pattern[str]:
-    """``pattern`` compiled with ``regex``: ``re``'s syntax and methods (typed as ``re``'s)."""
-    compiled: re.Pattern[str] = regex.compile(pattern, flags)
-    return compiled
+class _TextPattern:
+    """A pattern compiled with ``regex``, searched holding the GIL.
+
+    ``regex`` releases the GIL around a search of a ``str`` unless told not to;
+    in the sidecar, where the store writer and the remediation threads are
+    busy, every search then became a hand-off between threads: a few
+    microseconds of matching cost hundreds in waiting.
+    """
+
+    __slots__ = ("_compiled",)
+
+    def __init__(self, pattern: str, flags: int = 0) -> None:
+        self._compiled = regex.compile(pattern, flags)
+
+    @property
+    def pattern(self) -> str:
+        return str(self._compiled.pattern)
+
+    @property
+    def flags(self) -> int:
+        return int(self._compiled.flags)
+
+    def search(self, text: str) -> re.Match[str] | None:
+        found: re.Match[str] | None = self._compiled.search(text, concurrent=False)
+        return found
+
+    def finditer(self, text: str) -> Iterator[re.Match[str]]:
+        found: Iterator[re.Match[str]] = self._compiled.finditer(text, concurrent=False)
+        return found
 
 
-def _earliest(patterns: Iterable[re.Pattern[str]], text: str) -> re.Match[str] | None:
-    """The match that starts first in ``text`` (on a tie, the earlier pattern's)."""
-    first: re.Match[str] | None = None
+def _text_pattern(pattern: str, flags: int = 0) -> _TextPattern:
+    return _TextPattern(pattern, flags)
+
+
+def _earliest(
+    patterns: Iterable[_TextPattern], text: str
+) -> tuple[_TextPattern, re.Match[str]] | None:
+    """The pattern whose match starts first in ``text`` (on a tie, the earlier), and its match."""
+    first: tuple[_TextPattern, re.Match[str]] | None = None
     for pattern in patterns:
         match = pattern.search(text)
-        if match is not None and (first is None or match.start() < first.start()):
-            first = match
+        if match is not None and (first is None or match.start() < first[1].start()):
+            first = (pattern, match)
     return first
 
 
@@ -267,7 +298,8 @@ _SDK_TRAILER_TYPE: Final = _text_pattern(r"path: /[^,()\n]{0,500}, type: ([\w.\-
 def http_status_from_text(text: str) -> int | None:
     """The first HTTP status an SDK or HTTP client wrote into an error message."""
     head = text[:SCAN_CHARS]
-    match = _earliest(_HTTP_STATUS_FORMS, head) or _earliest(_SDK_TRAILER_STATUS_FORMS, head)
+    found = _earliest(_HTTP_STATUS_FORMS, head) or _earliest(_SDK_TRAILER_STATUS_FORMS, head)
+    match = found[1] if found is not None else None
     if match is None:
         return None
     code = int(match.group(1))
@@ -279,7 +311,7 @@ _BODY_TYPE: Final = _text_pattern(r"""['"]type['"]\s*:\s*['"]([\w.\-]{1,64})['"]
 _BODY_STATUS: Final = _text_pattern(r"""['"]status['"]\s*:\s*['"]([A-Z][A-Z_]{2,63})['"]""")
 
 #: Providers' documented wording → their error code, for messages without a body.
-_PHRASES: Final[Mapping[re.Pattern[str], str]] = {
+_PHRASES: Final[Mapping[_TextPattern, str]] = {
     _text_pattern(pattern, regex.IGNORECASE): code
     for pattern, code in (
         (r"You exceeded your current quota", "insufficient_quota"),
@@ -308,8 +340,8 @@ def provider_code_from_text(text: str) -> str:
     match = _SDK_TRAILER_TYPE.search(head) or _BODY_STATUS.search(head)
     if match:
         return match.group(1)
-    match = _earliest(_PHRASES, head)
-    return _PHRASES[match.re] if match else ""
+    phrase = _earliest(_PHRASES, head)
+    return _PHRASES[phrase[0]] if phrase is not None else ""
 
 
 _GRPC_IN_TEXT: Final = _text_pattern(r"\bStatusCode\.([A-Z_]{2,24})\b")
