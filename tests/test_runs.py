@@ -565,7 +565,7 @@ def test_a_run_of_100_000_spans_keeps_bounded_state() -> None:
             spans = [tool("search", {"q": f"{start}-{n}"}) for n in range(2_000)]
     run = next(iter(tracker._runs.values()))
     assert run.spans == 100_000
-    assert run.tools is not None and len(run.tools._seen) <= 4 * 20
+    assert run.tools is not None and len(run.tools) <= 4 * 20
     assert len(run.tools_since_llm or ()) <= 64
 
 

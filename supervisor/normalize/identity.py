@@ -99,9 +99,7 @@ def dependency_and_tool(draft: Draft, role: Role, name: str) -> tuple[str, str]:
     return tool_name, dependency
 
 
-def dependency_of(
-    attributes: RawAttributes, present: frozenset[str], kind: int, name: str
-) -> str:
+def dependency_of(encoded: Any, present: frozenset[str], kind: int, name: str) -> str:
     """A span's dependency through the adapters, memoized by the values they read.
 
     What the adapters read to name a dependency is a pure function of the
@@ -110,7 +108,6 @@ def dependency_of(
     has the same dependency; agents make the same calls over and over.
     Never raises (``""`` for a span that cannot be read).
     """
-    encoded = attributes.encoded
     try:
         server = kind == http_rpc.SPAN_KIND_SERVER
         reads = _READS.get(present)
@@ -121,7 +118,7 @@ def dependency_of(
             )
             if found is not None:
                 return found
-        recorder = _Recorder(attributes)
+        recorder = _Recorder(RawAttributes(encoded))
         dependency, uses_name = _identified(recorder, present, kind, name)
         keys = tuple(dict.fromkeys(recorder.read))
         if len(_READS) >= _MEMO_ENTRIES or len(_IDENTITIES) >= _MEMO_ENTRIES:

@@ -136,16 +136,20 @@ class Span:
 
     __slots__ = (
         "_dependency",
-        "_message",
         "_record",
         "_session",
         "_shape",
         "_trace_hex",
         "attributes",
+        "encoded",
         "has_events",
+        "kind",
+        "message",
+        "name",
         "present",
         "resource",
         "service",
+        "span_id",
         "status_error",
         "trace_id",
     )
@@ -158,39 +162,40 @@ class Span:
         present: frozenset[str],
         encoded: Any = None,
     ) -> None:
-        """``encoded``: ``message.attributes`` when the caller read it already (each read of
-        a field of a decoded message makes a new Python object)."""
+        """``encoded``: ``message.attributes`` when the caller read it already.
+
+        What every span is asked for is read here, once: each read of a field
+        of a decoded message makes a new Python object, and the stages ask the
+        view, not the message.
+        """
         #: The decoded OTLP ``Span`` (the lite schema: attributes left encoded).
-        self._message = message
+        self.message = message
         #: The resource's attributes, converted once per resource.
         self.resource = resource
         self.service = service
         #: Which of the keys the screens and runs watch the span carries.
         self.present = present
-        #: Its attributes, decoded when read.
-        self.attributes = RawAttributes(message.attributes if encoded is None else encoded)
-        #: The trace id, read once: most stages ask for it.
+        #: Its attribute map as decoded: key to the encoded value.
+        self.encoded: Any = message.attributes if encoded is None else encoded
+        #: Its attributes, each value decoded when read.
+        self.attributes = RawAttributes(self.encoded)
         self.trace_id: bytes = message.trace_id
+        self.span_id: bytes = message.span_id
+        name: str = message.name
+        #: Span names are the agent's to choose: bounded.
+        self.name = name if len(name) <= MAX_SPAN_NAME else name[:MAX_SPAN_NAME]
+        self.kind: int = message.kind
         #: The status is ERROR; the span has events (``exception`` ones, or others).
-        #: Read once: the first screen asks every span.
         self.status_error: bool = message.status.code == _STATUS_ERROR
         self.has_events: bool = len(message.events) > 0
-        self._shape: _Shape | None = None
+        shape = _SHAPES.get(present)
+        self._shape: _Shape = shape if shape is not None else _shape(present)
         self._dependency: str | None = None
         self._session: str | None = None
         self._trace_hex: str | None = None
         self._record: SpanRecord | None = None
 
     # -- what the message says -------------------------------------------------
-
-    @property
-    def message(self) -> Any:
-        """The decoded OTLP message (for the normalizer and the exception event)."""
-        return self._message
-
-    @property
-    def span_id(self) -> bytes:
-        return bytes(self._message.span_id)
 
     @property
     def trace_hex(self) -> str:
@@ -201,27 +206,18 @@ class Span:
 
     @property
     def is_root(self) -> bool:
-        return not self._message.parent_span_id
-
-    @property
-    def name(self) -> str:
-        name: str = self._message.name
-        return name if len(name) <= MAX_SPAN_NAME else name[:MAX_SPAN_NAME]
-
-    @property
-    def kind(self) -> int:
-        return int(self._message.kind)
+        return not self.message.parent_span_id
 
     @property
     def start_ns(self) -> int:
-        return int(self._message.start_time_unix_nano)
+        return int(self.message.start_time_unix_nano)
 
     @property
     def end_ns(self) -> int:
-        return int(self._message.end_time_unix_nano)
+        return int(self.message.end_time_unix_nano)
 
     def has_exception_event(self) -> bool:
-        return any(event.name == "exception" for event in self._message.events)
+        return any(event.name == "exception" for event in self.message.events)
 
     @property
     def failed(self) -> bool:
@@ -243,7 +239,7 @@ class Span:
         found = self._dependency
         if found is None:
             found = self._dependency = dependency_of(
-                self.attributes, self.present, self.kind, self.name
+                self.encoded, self.present, self.kind, self.name
             )
         return found
 
@@ -252,14 +248,14 @@ class Span:
         """The session the span names (the first of :data:`SESSION_KEYS` with one), or ``""``."""
         found = self._session
         if found is None:
-            keys = self._shape_of().session_keys
+            keys = self._shape.session_keys
             found = self._session = session_of(self.attributes, keys) if keys else ""
         return found
 
     @property
     def names_session(self) -> bool:
         """Whether the span carries one of the session keys (a value may still be empty)."""
-        return bool(self._shape_of().session_keys)
+        return bool(self._shape.session_keys)
 
     @property
     def run_id(self) -> str:
@@ -273,34 +269,34 @@ class Span:
 
     @property
     def input_tokens(self) -> int:
-        return _count(self.attributes, self._shape_of().input_tokens_key)
+        return _count(self.encoded, self._shape.input_tokens_key)
 
     @property
     def output_tokens(self) -> int:
-        return _count(self.attributes, self._shape_of().output_tokens_key)
+        return _count(self.encoded, self._shape.output_tokens_key)
 
     @property
     def tool_arguments(self) -> bytes | None:
         """A tool call's arguments as encoded: compared by the loop detector, never decoded."""
-        return self._raw(self._shape_of().tool_arguments_key)
+        return self._raw(self._shape.tool_arguments_key)
 
     @property
     def output_messages(self) -> bytes | None:
         """The GenAI message list of the response, as encoded."""
-        return self._raw(genai.OUTPUT_MESSAGES) if self._shape_of().messages else None
+        return self._raw(genai.OUTPUT_MESSAGES) if self._shape.messages else None
 
     @property
     def answer(self) -> bytes | None:
         """An LLM's answer as encoded: its text where kept apart, else the message list."""
-        return self._raw(self._shape_of().llm_text_key) or self.output_messages
+        return self._raw(self._shape.llm_text_key) or self.output_messages
 
     @property
     def has_objective(self) -> bool:
-        return self._shape_of().objective_key is not None
+        return self._shape.objective_key is not None
 
     def objective(self) -> str:
         """The first user message of the span's input, as text (bounded); ``""`` if none."""
-        key = self._shape_of().objective_key
+        key = self._shape.objective_key
         value = self.attributes.full(key) if key is not None else None
         return _objective_text(value)
 
@@ -311,9 +307,9 @@ class Span:
         few values that name the calls, each bounded, and only when there is
         one (most responses ask for nothing). :func:`requested_calls` reads them.
         """
-        if not self._shape_of().requests:
+        if not self._shape.requests:
             return None
-        encoded = self._message.attributes
+        encoded = self.encoded
         kept: dict[str, bytes] | None = None
         messages = self.output_messages
         # find(), not `in`: bytes' `in` tries an int first and raises inside.
@@ -345,25 +341,19 @@ class Span:
             found = self._record = record_of(self)
         return found
 
-    def _shape_of(self) -> _Shape:
-        found = self._shape
-        if found is None:
-            found = self._shape = _shape(self.present)
-        return found
-
     def _raw(self, key: str | None) -> bytes | None:
-        return raw_value(self._message.attributes, key) if key is not None else None
+        # A shape's key is one the span carries: a subscript, not a lookup first.
+        return self.encoded[key] if key is not None else None
 
     def __repr__(self) -> str:
         return f"Span({self.service!r}, {self.name!r}, trace={self.trace_hex})"
 
 
-def _count(attrs: RawAttributes, key: str | None) -> int:
-    """A token count (0 when absent or not a plausible count)."""
-    raw = raw_value(attrs.encoded, key) if key is not None else None
-    if raw is None:
+def _count(encoded: Any, key: str | None) -> int:
+    """A token count (0 when absent or not a plausible count); ``key``: one the span carries."""
+    if key is None:
         return 0
-    value = value_of(raw)  # memoized by the encoding: counts repeat
+    value = value_of(encoded[key])  # memoized by the encoding: counts repeat
     if type(value) is not int:
         value = as_int(value)  # an integral float or a decimal string
     return value if value is not None and 0 <= value < 1 << 40 else 0

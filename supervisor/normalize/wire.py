@@ -313,10 +313,10 @@ class RawAttributes(Mapping[str, AttrValue]):
         return found  # type: ignore[return-value]  # what parse returned for this value
 
     def get(self, key: str, default: Any = None) -> Any:
-        encoded = raw_value(self._map, key)
-        if encoded is None:
+        encoded = self._map
+        if key not in encoded:  # then a subscript: a map's get would parse keywords
             return default
-        return value_of(encoded)
+        return value_of(encoded[key])
 
     def __getitem__(self, key: str) -> AttrValue:
         if key not in self._map:

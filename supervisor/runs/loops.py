@@ -46,26 +46,31 @@ class _Repeats:
 class RecentCalls:
     """One run's recent calls of one kind (tool calls, or LLM outputs).
 
-    Per digest, where the call was seen among the last ``window`` calls: a
-    call seen once (the usual case) is a (sequence, instance) pair; one that
-    repeats keeps its last ``repeats - 1`` occurrences. O(1) per call; entries
-    out of the window are pruned when the table grows past a few windows.
+    Per digest, where the call was seen among the last ``window`` calls. A call
+    seen once (the usual case) is two integers, its sequence number and its
+    instance, in two tables keyed alike: a run is made and dropped every few
+    spans of a busy sidecar, and every object it holds is allocated, traversed
+    by the garbage collector and freed with it. A call that repeats keeps its
+    last ``repeats - 1`` occurrences (:class:`_Repeats`). O(1) per call; entries
+    out of the window are pruned when the tables grow past a few windows.
     """
 
-    __slots__ = ("_reported", "_seen", "seq")
+    __slots__ = ("_instance", "_repeats", "_reported", "_seq", "seq")
 
     def __init__(self) -> None:
         #: Calls counted so far (re-sent spans are not counted).
         self.seq = 0
-        self._seen: dict[int, tuple[int, int] | _Repeats] = {}
-        #: digest -> (times reported, when last: Unix ns); made at the first report
-        #: (most runs never loop, and a run's containers are what it costs to keep).
+        #: digest -> sequence number and instance of its one sighting in the window.
+        self._seq: dict[int, int] = {}
+        self._instance: dict[int, int] = {}
+        #: digest -> its sightings, for calls seen more than once (made when first needed).
+        self._repeats: dict[int, _Repeats] | None = None
+        #: digest -> (times reported, when last: Unix ns); made at the first report.
         self._reported: dict[int, tuple[int, int]] | None = None
 
-    def clear(self) -> None:
-        self.seq = 0
-        self._seen.clear()
-        self._reported = None
+    def __len__(self) -> int:
+        """Distinct calls remembered."""
+        return len(self._seq) + len(self._repeats or ())
 
     def count(
         self,
@@ -89,23 +94,26 @@ class RecentCalls:
         last = reported.get(digest) if reported is not None else None
         if last is not None and start_ns < last[1]:
             return None
-        seen = self._seen
         seq = self.seq + 1
-        found = seen.get(digest)
-        if found is None:  # the usual case: a call not made lately
-            if len(seen) >= 4 * window:
-                self._seen = seen = {k: v for k, v in seen.items() if _last_seq(v) > seq - window}
-            seen[digest] = (seq, instance)
-            self.seq = seq
-            return None
-        if isinstance(found, tuple):
-            if found[1] == instance:
-                return None  # the same call again (a re-sent span): nothing changes
-            entry = seen[digest] = _Repeats(*found)
-        else:
-            entry = found
-            if instance in entry.instances:
+        entry = self._repeats.get(digest) if self._repeats is not None else None
+        if entry is None:
+            seen_at = self._seq.get(digest)
+            if seen_at is None:  # the usual case: a call not made lately
+                if len(self) >= 4 * window:
+                    self._prune(seq - window)
+                self._seq[digest] = seq
+                self._instance[digest] = instance
+                self.seq = seq
                 return None
+            if self._instance[digest] == instance:
+                return None  # the same call again (a re-sent span): nothing changes
+            entry = _Repeats(seen_at, self._instance.pop(digest))
+            del self._seq[digest]
+            if self._repeats is None:
+                self._repeats = {}
+            self._repeats[digest] = entry
+        elif instance in entry.instances:
+            return None
         self.seq = seq
         while entry.seqs and entry.seqs[0] <= seq - window:
             del entry.seqs[0], entry.instances[0]
@@ -127,12 +135,20 @@ class RecentCalls:
         if occurrence > MAX_LOOP_REPORTS or (occurrence == 1 and len(reported) >= _MAX_REPORTED):
             return None
         reported[digest] = (occurrence, now_ns)
-        seen[digest] = (seq, instance)  # count again from here
+        # Count again from here: a loop that goes on is reported after as many repeats.
+        if self._repeats is not None:
+            del self._repeats[digest]
+        self._seq[digest] = seq
+        self._instance[digest] = instance
         return first[0], first[1], occurrence
 
-
-def _last_seq(entry: tuple[int, int] | _Repeats) -> int:
-    return entry[0] if isinstance(entry, tuple) else entry.seqs[-1]
+    def _prune(self, oldest: int) -> None:
+        """Forget the calls last seen at or before the sequence number ``oldest``."""
+        for digest in [d for d, at in self._seq.items() if at <= oldest]:
+            del self._seq[digest], self._instance[digest]
+        if self._repeats:
+            for digest in [d for d, e in self._repeats.items() if e.seqs[-1] <= oldest]:
+                del self._repeats[digest]
 
 
 def instance_of(span_id: bytes) -> int:
