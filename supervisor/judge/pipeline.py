@@ -248,18 +248,28 @@ class Pipeline:
         """Spans that cannot be failures: each success booked once, and the verifiers' picks.
 
         Fills ``calls`` (each success, for the governor) and ``verify`` (the
-        spans a verifier must see normalized).
+        spans a verifier must see normalized). Most successes only count for
+        the governor; the rest of :meth:`_succeeded` is asked only of those
+        whose dependency has attempts counted or a remediation waiting.
         """
         verifiers = self.policy.verifiers
         wants = self._wants
         if wants.verifiers is not verifiers:  # a new policy
             wants = self._wants = WantedBy(verifiers)
+        counting = self.governor is not None
+        attempted = self._attempted
+        recovery = self.recovery
+        recovering = recovery.dependencies if recovery is not None else ()
         for span in ok:
             if wants.verifying and wants.wanted(span):
                 verify.append(span)  # its output must pass a verifier: normalize it
             dependency = span.dependency
-            if dependency:
-                self._succeeded(span, dependency, calls)
+            if not dependency:
+                continue
+            if counting:
+                calls.append((span.end_ns, dependency, True))
+            if dependency in attempted or dependency in recovering:
+                self._step_succeeded(span, dependency)
 
     def _book_quiet_successes(
         self, quiet: list[Span], calls: list[tuple[int, str, bool]], verify: list[Span]
@@ -284,6 +294,10 @@ class Pipeline:
         """One successful call: the governor's count, the step's attempts, a recovery."""
         if self.governor is not None:
             calls.append((span.end_ns, dependency, True))
+        self._step_succeeded(span, dependency)
+
+    def _step_succeeded(self, span: Span, dependency: str) -> None:
+        """A success ends its step's attempts, and may be the recovery a remediation waits for."""
         watched = dependency in self._attempted
         recovery = self.recovery
         recovering = recovery is not None and dependency in recovery.dependencies

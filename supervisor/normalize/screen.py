@@ -34,7 +34,7 @@ from supervisor.normalize.evidence import (
     failing_finish,
 )
 from supervisor.normalize.span import WATCHED_RUN_KEYS
-from supervisor.normalize.wire import LazyConverted, raw_value
+from supervisor.normalize.wire import LazyConverted
 from supervisor.records import Role
 
 if TYPE_CHECKING:
@@ -117,21 +117,21 @@ def shows_failure_signal(span: Span) -> bool:
         return False
     if http_rpc.ERROR_TYPE in present:
         return True
+    # Every key read here is watched: ``present`` says which the span carries.
     attrs = span.attributes
-    encoded = span.message.attributes
     for key in http_rpc.HTTP_STATUS_KEYS:
-        status = attrs.get(key)
-        if status is not None:
+        if key in present:
+            status = attrs.get(key)
             if not (isinstance(status, int) and status < 400):
                 return True
             break  # the first present is the one normalization reads
     for key in http_rpc.RPC_STATUS_KEYS:
-        code = attrs.get(key)
-        if code is not None and code not in (0, "OK", "0"):
-            return True
+        if key in present:
+            code = attrs.get(key)
+            if code is not None and code not in (0, "OK", "0"):
+                return True
     for key in _FINISH_KEYS:
-        raw = raw_value(encoded, key)
-        if raw is not None and _FAILING_FINISH.search(raw.lower()):
+        if key in present and _FAILING_FINISH.search(span.encoded[key].lower()):
             return True
     return False
 

@@ -177,7 +177,7 @@ class RunTracker:
         name = span.name
         run.step = name
         run.last_dependency = dependency
-        settings = self.settings_for(span.service)
+        settings = self._settings_memo.get(span.service) or self.settings_for(span.service)
         if settings.reanchor_after is not None or settings.reanchor_after_s is not None:
             self._reanchor(run, settings, span_id, dependency, now=now, found=found)
         tool = dependency.startswith("tool:")
