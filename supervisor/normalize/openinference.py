@@ -58,6 +58,14 @@ OUTPUT_ROLE: Final = "llm.output_messages.0.message.role"
 FIRST_TOOL_CALL: Final = "llm.output_messages.0.message.tool_calls.0.tool_call.function.name"
 #: Without one of these a span cannot name a tool role or a failing finish.
 QUIET_KEYS: Final = frozenset({MARKER, *FINISH_REASON_KEYS})
+#: The first output message's requested tool calls, probed in order: (name, arguments) keys.
+REQUESTED_CALL_KEYS: Final[tuple[tuple[str, str], ...]] = tuple(
+    (
+        f"llm.output_messages.0.message.tool_calls.{m}.tool_call.function.name",
+        f"llm.output_messages.0.message.tool_calls.{m}.tool_call.function.arguments",
+    )
+    for m in range(8)
+)
 
 _KIND_ROLES: Final[Mapping[str, Role]] = {
     "LLM": Role.LLM,

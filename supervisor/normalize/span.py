@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import as_int
@@ -37,8 +37,6 @@ __all__ = [
     "requested_calls",
     "session_of",
 ]
-
-_T = TypeVar("_T")
 
 _STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 
@@ -68,13 +66,6 @@ WATCHED_RUN_KEYS: Final = (
 _MAX_KEPT_BYTES: Final = 16 * 1024
 #: Longest objective kept (characters): a first input can be a whole document.
 _MAX_OBJECTIVE: Final = 2000
-#: OpenInference's requested tool calls probed: message 0, calls 0.._MAX_PROBED-1.
-_MAX_PROBED: Final = 8
-_OI_CALL: Final = "llm.output_messages.0.message.tool_calls.{m}.tool_call.function.{field}"
-_OI_CALL_KEYS: Final = tuple(
-    (_OI_CALL.format(m=m, field="name"), _OI_CALL.format(m=m, field="arguments"))
-    for m in range(_MAX_PROBED)
-)
 
 
 class _Shape:
@@ -321,7 +312,7 @@ class Span:
             kept = {genai.OUTPUT_MESSAGES: messages}
         if openinference.FIRST_TOOL_CALL not in self.present:
             return kept
-        for name_key, args_key in _OI_CALL_KEYS:
+        for name_key, args_key in openinference.REQUESTED_CALL_KEYS:
             found = raw_value(encoded, name_key)
             if found is None:
                 break
