@@ -1,7 +1,10 @@
 """The sidecar process: it runs the parts that :mod:`supervisor.wiring` built.
 
 :class:`Sidecar` starts, serves, reloads and stops them; its docstring has the
-lifecycle. :class:`BackgroundSidecar` runs one on an event loop of its own.
+lifecycle. :class:`BackgroundSidecar` runs one on an event loop of its own. The
+module is past 600 lines because it is one idea, the process's lifecycle: what each
+stage needs from the loop (start, the worker, the timers, reload, the ordered
+shutdown) is here, and what each stage does is in its own package.
 """
 
 from __future__ import annotations
