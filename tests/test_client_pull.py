@@ -459,8 +459,8 @@ def _sidecar_command(command_id: str, **changes: Any) -> SidecarCommand:
 def test_malformed_commands_are_counted_logged_acknowledged_and_the_rest_delivered(
     sidecar: Sidecar, puller: CommandPuller, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # What the sidecar's own typed records can hold; a numeric run id cannot be stored
-    # (the compiled build checks types), so from_json's own test covers it.
+    # What the sidecar's own typed records can hold; a numeric run id is not one,
+    # so from_json's own test covers it.
     _stored_as_is(sidecar, _sidecar_command("cmd_no_key", idempotency_key=""))
     [good] = sidecar.add(retry())
 
