@@ -144,6 +144,31 @@ def test_a_child_that_names_no_session_is_filed_under_the_session_its_trace_name
     assert [(v.run_id, v.errors) for v in runs.snapshot()] == [("conv-1", 1)]
 
 
+def test_every_span_of_a_large_request_counts_once_in_its_run() -> None:
+    """Spans are read a chunk at a time; each, quiet ones included, counts once."""
+    pipeline, runs, _ = tracked_pipeline()
+    trace = bytes(range(4, 20))
+    offered = {"gen_ai.tool.definitions": '[{"name": "search"}]'}
+    calls = [
+        # An answer asking for a tool it was not offered: the quiet screen keeps it for later.
+        encoded_span(
+            {
+                **GENAI_CHAT,
+                **offered,
+                "gen_ai.usage.input_tokens": 10,
+                "gen_ai.output.messages": '[{"role": "assistant", "parts": [{"type":'
+                f' "tool_call", "name": "serch", "arguments": {{"q": {n}}}}}]}}]',
+            },
+            trace=trace,
+        )
+        for n in range(100)
+    ]
+    pipeline.process_payload(request(*calls), received_ns=10**18)
+
+    (view,) = runs.snapshot()
+    assert (view.spans, view.llm_calls, view.input_tokens) == (100, 100, 1000)
+
+
 # -- every convention, every stage ------------------------------------------------
 
 SESSION_KEYS = (

@@ -31,7 +31,7 @@ from supervisor.judge.failures import (
 )
 from supervisor.judge.verifying import WantedBy, only_calls_tools
 from supervisor.normalize import Span, SpanReader, may_fail_quietly, shows_failure_signal
-from supervisor.records import Action, Decision, Failure, SpanRecord
+from supervisor.records import Action, Decision, Failure, SpanRecord, own_run
 from supervisor.runs import Detection, RunTracker
 
 __all__ = [
@@ -204,18 +204,20 @@ class Pipeline:
         # A chunk at a time (see SpanReader), and within a chunk a step at a time.
         while spans := reader.read(_CHUNK_SPANS):
             ok: list[Span] = []
+            maybe: list[Span] = []
             for span in spans:
                 if shows_failure_signal(span):
                     first.append(span)
                 elif may_fail_quietly(span):
-                    quiet.append(span)
+                    maybe.append(span)
                 else:
                     ok.append(span)
             if runs is not None:
                 runs.observe_all(ok, now_s, detected)
-                for span in quiet:  # no error signal: a loop of them is a loop, not retries
-                    runs.observe(span, now_s, detected)
+                # No error signal: a loop of these is a loop, not retries.
+                runs.observe_all(maybe, now_s, detected)
             self._book_successes(ok, calls, verify)
+            quiet += maybe
         if runs is not None:  # a failed call tried again is a retry, not a loop
             for span in first:
                 runs.observe(span, now_s, detected, repeats=not span.failed)
@@ -240,7 +242,9 @@ class Pipeline:
     def _run_of(self, trace_id: str, session_id: str) -> str:
         """A span's run, as the run tracker has it (its own session or trace, untracked)."""
         runs = self.runs
-        return runs.resolve(trace_id, session_id) if runs is not None else session_id or trace_id
+        if runs is None:
+            return own_run(trace_id, session_id)
+        return runs.resolve(trace_id, session_id)
 
     def _book_successes(
         self, ok: list[Span], calls: list[tuple[int, str, bool]], verify: list[Span]
