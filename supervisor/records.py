@@ -200,8 +200,17 @@ class SpanRecord:
 
     @property
     def run_id(self) -> str:
-        """The run this span belongs to: its session when named, else its trace."""
-        return self.session_id or self.trace_id
+        """The span's own run (:func:`own_run`); the run tracker may know its trace's session."""
+        return own_run(self.trace_id, self.session_id)
+
+
+def own_run(trace_id: str, session_id: str) -> str:
+    """A span's own run: the session it names, else its trace.
+
+    The one rule; :meth:`supervisor.runs.RunTracker.resolve` adds what a trace
+    named in its other spans.
+    """
+    return session_id or trace_id
 
 
 @dataclass(frozen=True, slots=True)

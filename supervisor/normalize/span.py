@@ -207,9 +207,6 @@ class Span:
     def end_ns(self) -> int:
         return int(self.message.end_time_unix_nano)
 
-    def has_exception_event(self) -> bool:
-        return any(event.name == "exception" for event in self.message.events)
-
     @property
     def failed(self) -> bool:
         """Failed for sure: an ERROR status, an ``error.type`` or an exception event.
@@ -219,7 +216,7 @@ class Span:
         return (
             self.status_error
             or http_rpc.ERROR_TYPE in self.present
-            or (self.has_events and self.has_exception_event())
+            or (self.has_events and any(e.name == "exception" for e in self.message.events))
         )
 
     # -- what the conventions say ----------------------------------------------
@@ -247,16 +244,6 @@ class Span:
     def names_session(self) -> bool:
         """Whether the span carries one of the session keys (a value may still be empty)."""
         return bool(self._shape.session_keys)
-
-    @property
-    def run_id(self) -> str:
-        """The span's own run: its session when it names one, else its trace.
-
-        A span that names no session may still belong to one its trace named
-        elsewhere; :class:`supervisor.runs.RunTracker` knows that, and the
-        judging asks it.
-        """
-        return self.session_id or self.trace_hex
 
     @property
     def input_tokens(self) -> int:

@@ -34,6 +34,7 @@ from typing import Any, Final
 
 from policies import DetectorSettings, ModelTable, SloSpec, SloTracker
 from supervisor.normalize.span import Span, requested_calls
+from supervisor.records import own_run
 from supervisor.runs.detection import (
     LOOP_RULE,
     REANCHOR_RULE,
@@ -50,6 +51,8 @@ __all__ = ["RunTracker"]
 _MAX_SERVICES: Final = 1024
 #: Tools remembered per run since its last LLM response (for stall reports).
 _MAX_SINCE_LLM: Final = 64
+#: Traces whose run the batch cache keeps (a request holds a few dozen).
+_MAX_BATCH_TRACES: Final = 4096
 _SAME_CALL: Final = "the same tool call"
 _SAME_OUTPUT: Final = "the same LLM output"
 #: What a loop compares of a call: its encoded value, what tells its instances
@@ -139,8 +142,7 @@ class RunTracker:
             return known
         if session_id:
             self._remember_session(trace_id, session_id)
-            return session_id
-        return trace_id
+        return own_run(trace_id, session_id)
 
     def _remember_session(self, trace_id: str, session_id: str) -> None:
         sessions = self._sessions
@@ -313,6 +315,8 @@ class RunTracker:
         run = self._batch.get(trace_id)
         if run is not None and not run.gone and not (run.by_trace and span.names_session):
             return run
+        if len(self._batch) >= _MAX_BATCH_TRACES:
+            self._batch.clear()  # a caller that never settles: bounded all the same
         run = self._batch[trace_id] = self._find_run(span, now)
         return run
 
