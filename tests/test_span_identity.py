@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -261,3 +262,23 @@ def test_every_stage_sees_the_records_run_and_dependency(
         assert run in views
         if len(named[record.trace_id]) < 2:
             assert run == expected_run(record.trace_id)
+
+
+@pytest.mark.parametrize(
+    ("value", "tokens"),
+    [
+        (AnyValue(int_value=120), 120),
+        (AnyValue(int_value=0), 0),
+        (AnyValue(int_value=-5), 0),
+        (AnyValue(int_value=1 << 50), 0),
+        (AnyValue(double_value=2.0), 2),
+        (AnyValue(string_value="42"), 42),
+        (AnyValue(string_value="many"), 0),
+        (AnyValue(), 0),
+    ],
+)
+def test_a_token_count_is_read_whatever_its_encoding(value: AnyValue, tokens: int) -> None:
+    span = encoded_span(GENAI_CHAT, trace=bytes(range(5, 21)))
+    span.attributes.append(KeyValue(key="gen_ai.usage.input_tokens", value=value))
+    (view,) = read_spans(request(span))
+    assert view.input_tokens == tokens

@@ -27,7 +27,13 @@ from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import as_int
 from supervisor.normalize.identity import RUN_ORDER, SESSION_KEYS, dependency_of, session_of
 from supervisor.normalize.record import MAX_SPAN_NAME, record_of
-from supervisor.normalize.wire import LazyConverted, RawAttributes, raw_value, value_of
+from supervisor.normalize.wire import (
+    LazyConverted,
+    RawAttributes,
+    raw_value,
+    read_varint,
+    value_of,
+)
 from supervisor.records import AttrValue, SpanRecord
 
 __all__ = [
@@ -39,6 +45,8 @@ __all__ = [
 ]
 
 _STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+#: The tag of ``AnyValue.int_value`` (field 3, varint).
+_INT_VALUE: Final = b"\x18"
 
 _INPUT_TOKEN_KEYS: Final = genai.INPUT_TOKEN_KEYS + openinference.INPUT_TOKEN_KEYS
 _OUTPUT_TOKEN_KEYS: Final = genai.OUTPUT_TOKEN_KEYS + openinference.OUTPUT_TOKEN_KEYS
@@ -331,10 +339,15 @@ def _count(encoded: Any, key: str | None) -> int:
     """A token count (0 when absent or not a plausible count); ``key``: one the span carries."""
     if key is None:
         return 0
-    value = value_of(encoded[key])  # memoized by the encoding: counts repeat
-    if type(value) is not int:
-        value = as_int(value)  # an integral float or a decimal string
-    return value if value is not None and 0 <= value < 1 << 40 else 0
+    raw: bytes = encoded[key]
+    if raw[:1] == _INT_VALUE:  # how instrumentations write a count: read it here
+        try:
+            value, end = read_varint(raw, 1)
+        except (IndexError, ValueError):
+            return 0
+        return value if end == len(raw) and value < 1 << 40 else 0
+    count = as_int(value_of(raw))  # a double or a decimal string: the long way
+    return count if count is not None and 0 <= count < 1 << 40 else 0
 
 
 def _objective_text(value: object) -> str:
