@@ -34,7 +34,11 @@ class DetectorSettings:
     loop_repeats: int = 3
     loop_window: int = 20
     stalls: bool = True
-    idle_seconds: float = 600.0
+    #: A fixed stall limit (None: from the service's rhythm, see supervisor.runs.rhythm).
+    idle_seconds: float | None = None
+    idle_multiple: float = 4.0
+    min_idle_s: float = 30.0
+    max_idle_s: float = 600.0
     #: Context pressure: the share of the model's window (None: not checked).
     pressure_share: float | None = 0.9
     #: The run budget (None: not checked).
@@ -80,10 +84,17 @@ class CompiledDetectors:
 
     @property
     def shortest_idle_s(self) -> float:
-        """The shortest ``idle_seconds`` of any service with stalls on (inf: stalls off)."""
+        """The shortest silence that can be a stall in any service (inf: stalls off)."""
         specs = [self._base.stalls or StallsSpec()]
         specs += [spec.stalls for _, spec in self._services if spec.stalls is not None]
-        return min((s.idle_seconds for s in specs if s.enabled), default=math.inf)
+        return min(
+            (
+                s.min_idle_s if s.idle_seconds is None else s.idle_seconds
+                for s in specs
+                if s.enabled
+            ),
+            default=math.inf,
+        )
 
     def for_service(self, service: str) -> DetectorSettings:
         loops, stalls = self._base.loops or LoopsSpec(), self._base.stalls or StallsSpec()
@@ -101,6 +112,9 @@ class CompiledDetectors:
             loop_window=loops.window,
             stalls=stalls.enabled,
             idle_seconds=stalls.idle_seconds,
+            idle_multiple=stalls.idle_multiple,
+            min_idle_s=stalls.min_idle_s,
+            max_idle_s=stalls.max_idle_s,
             pressure_share=self.pressure.share if self.pressure.enabled else None,
             budget=self.budget
             if self.budget.max_tokens is not None or self.budget.max_cost_usd is not None

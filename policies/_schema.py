@@ -407,10 +407,25 @@ class LoopsSpec(_Strict):
 
 
 class StallsSpec(_Strict):
-    """An open run with no new span for ``idle_seconds``."""
+    """An open run silent for longer than its service's rhythm allows (or ``idle_seconds``)."""
 
     enabled: bool = True
-    idle_seconds: float = Field(default=600.0, gt=0, le=7 * 86_400)
+    idle_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=7 * 86_400,
+        description="A fixed silence that is a stall; unset: idle_multiple times the longest"
+        " silence seen between the run's (or its service's) spans, within min/max_idle_s.",
+    )
+    idle_multiple: float = Field(default=4.0, ge=1, le=1000)
+    min_idle_s: float = Field(default=30.0, gt=0, le=7 * 86_400)
+    max_idle_s: float = Field(default=600.0, gt=0, le=7 * 86_400)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> StallsSpec:
+        if self.min_idle_s > self.max_idle_s:
+            raise ValueError("min_idle_s must not exceed max_idle_s")
+        return self
 
 
 class CascadesSpec(_Strict):

@@ -47,6 +47,7 @@ from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
+from supervisor.runs.journal import RunJournal
 from supervisor.settings import Settings
 
 log = logging.getLogger("spanvisor.app")
@@ -85,6 +86,8 @@ class SidecarParts:
     pipeline: Pipeline
     #: Every run's progress; the pipeline feeds it only when ``track_runs`` is on.
     runs: RunTracker
+    #: Where the open runs are kept across a restart (None: the state is in memory).
+    journal: RunJournal | None
     governor: Governor
     #: What the governor calls on each breaker change.
     breakers: BreakerReport
@@ -164,6 +167,7 @@ class Sidecar:
         self._otlp_http = parts.otlp_http
         self.pipeline = parts.pipeline
         self.runs = parts.runs
+        self.journal = parts.journal
         self.governor = parts.governor
         self.breakers = parts.breakers
         self.store = parts.store
@@ -226,10 +230,17 @@ class Sidecar:
                 if task is not None:
                     task.cancel()
             with contextlib.suppress(Exception):
+                if self.journal is not None:
+                    self.journal.close()
                 self.store.close()
             raise
 
     async def _start(self) -> Ports:
+        if self.journal is not None:
+            saved = await asyncio.to_thread(self.journal.load, self.runs.max_runs)
+            restored = self.runs.restore(saved)
+            if restored:
+                log.info("open runs taken back from before the restart", extra={"runs": restored})
         grpc_port = await self._grpc.start()
         self._http, http_port = await self._serve(
             self._otlp_http, self.settings.host, self.settings.otlp_http_port
@@ -321,6 +332,9 @@ class Sidecar:
         if self._api is not None:
             await self._stop_server(self._api)
         log.info("spanvisor stopped", extra={"stats": self.stats()})
+        if self.journal is not None:
+            await self._journal_runs()
+            self.journal.close()
         self.store.close()
 
     async def _drain(self, deadline: float) -> bool:
@@ -473,13 +487,22 @@ class Sidecar:
         return {"reloaded": True, "source": policy.source, "error": None}
 
     async def _watch_runs(self) -> None:
-        """Every second: runs silent past their idle time are stalls, judged like failures."""
+        """Every second: runs silent past their limit are stalls, judged like failures;
+        the runs that changed are journaled (off the loop)."""
         while True:
             await asyncio.sleep(1.0)
             try:
                 self.check_stalls()
+                await self._journal_runs()
             except Exception:  # the watch must never end
                 log.exception("stall check failed; trying again")
+
+    async def _journal_runs(self) -> None:
+        if self.journal is None:
+            return
+        changed, gone = self.runs.journal_changes()
+        if changed or gone:
+            await asyncio.to_thread(self.journal.save, changed, gone)
 
     def check_stalls(self, now: float | None = None) -> list[Outcome]:
         """Judge the runs stalled at ``now`` (default: the clock); report and store them."""

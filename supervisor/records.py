@@ -317,6 +317,16 @@ REMEDIATION_TOOLS: Final[frozenset[str]] = REMEDIATION_AGENT_TOOLS | REMEDIATION
 #: How a remediation ends (the ``spanvisor.remediation.outcome`` attribute).
 REMEDIATION_OUTCOMES: Final[tuple[str, ...]] = ("succeeded", "failed", "escalated", "refused")
 #: The states of a remediation's durable workflow (DBOS's), which it can be listed by.
+#: How a run is listed (``GET /v1/runs``), as :func:`supervisor.runs.phase.status` says.
+RUN_STATUSES: Final[tuple[str, ...]] = (
+    "running",
+    "failing",
+    "waiting",
+    "stalled",
+    "paused",
+    "ended",
+)
+
 REMEDIATION_STATUSES: Final[tuple[str, ...]] = (
     "PENDING",
     "ENQUEUED",

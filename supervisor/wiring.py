@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import pybreaker
 from opentelemetry.sdk.metrics.export import MetricReader
@@ -28,7 +28,7 @@ from supervisor.act.actuators.command import CommandActuator
 from supervisor.act.actuators.webhook import WebhookActuator
 from supervisor.act.dispatch import Dispatcher, actuator_table
 from supervisor.act.failure_log import RecentFailures
-from supervisor.act.store import Store
+from supervisor.act.store import Store, StoredCommand
 from supervisor.act.store_writer import StoreWriter
 from supervisor.api.server import ensure_token
 from supervisor.app import Sidecar, SidecarParts
@@ -46,6 +46,7 @@ from supervisor.judge.pipeline import Pipeline
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
+from supervisor.runs.journal import RunJournal
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
 
 
@@ -101,7 +102,15 @@ def build_sidecar(
         actuator_table(actuators),
         max_attempts=functools.partial(_max_attempts, settings.agents),
     )
-    actor = Actor(store, settings.agents, wake_push=dispatcher.wake)
+    actor = Actor(
+        store,
+        settings.agents,
+        wake_push=dispatcher.wake,
+        on_commands=functools.partial(_tell_runs, runs),
+    )
+    dispatcher.on_dead = functools.partial(_tell_runs_dead, runs)
+    # The open runs a restart must not forget, beside the store's tables (under its lock).
+    journal = RunJournal.open(settings.state_path) if _on_disk(settings.state_path) else None
     remediations = Remediations(settings, actor, governor, in_force, tracer=tracer.tracer)
     # The one cycle: remediations act through the actor (their commands and approval
     # requests), and the actor must tell them of each answered approval, which a
@@ -151,6 +160,7 @@ def build_sidecar(
             ),
             pipeline=pipeline,
             runs=runs,
+            journal=journal,
             governor=governor,
             breakers=breakers,
             store=store,
@@ -202,6 +212,28 @@ def _check_remediators(policy: Policy) -> None:
         raise ConfigError(
             f"the policy {policy.source} names remediators that cannot run: " + "; ".join(problems)
         )
+
+
+def _on_disk(path: object) -> bool:
+    return str(path) != ":memory:"
+
+
+def _tell_runs(runs: RunTracker, created: Sequence[StoredCommand]) -> None:
+    """Every stored command moves its run on (one with no channel to go by does not)."""
+    for stored in created:
+        command = stored.command
+        runs.notice(
+            command.run_id,
+            command.type.value,
+            command.not_before,
+            command.params,
+            dead=stored.status == "dead",
+        )
+
+
+def _tell_runs_dead(runs: RunTracker, stored: StoredCommand) -> None:
+    command = stored.command
+    runs.notice(command.run_id, command.type.value, command.not_before, command.params, dead=True)
 
 
 def _max_attempts(agents: Mapping[str, AgentDelivery], service: str) -> int:

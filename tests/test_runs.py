@@ -268,7 +268,7 @@ def test_a_failed_root_that_arrives_after_the_retry_was_decided_keeps_the_run_op
     tracker = RunTracker(settings=lambda s: DetectorSettings(idle_seconds=60))
     feed(tracker, payload(llm("a")), now=1000.0)
     run_id = tracker.snapshot(now=1000.0)[0].run_id
-    tracker.expect_more(run_id, after=1001.0)  # the LLM call failed: retry in 1 s
+    tracker.commanded(run_id, "retry_step", 1001.0, {})  # the LLM call failed: retry in 1 s
     root = span("agent run", {}, parent=False)
     root.status.code = 2
     found: list[Detection] = []
@@ -289,7 +289,7 @@ def test_runs_are_bounded_and_what_goes_is_counted() -> None:
         feed(tracker, payload(span("s", {}, trace=bytes([n + 1]) * 16)), now=1000.0 + n)
     assert len(tracker) == 3 and tracker.evicted == 2
     tracker.stalled(now=1103.5)  # the two oldest left are past max_idle_s
-    assert tracker.stats() == {"tracked": 1, "evicted": 2, "expired": 2}
+    assert tracker.stats() == {"tracked": 1, "evicted": 2, "expired": 2, "notices_dropped": 0}
 
 
 def test_a_run_evicted_in_the_middle_of_a_batch_is_not_counted_into() -> None:
@@ -472,16 +472,29 @@ policies:
         clock=lambda: clock[0],
     )
     pipeline = Pipeline(policy, runs=runs)
-    for n in range(4):  # four runs end, each after a failed call
+    for n in range(4):  # four runs fail: their key was revoked
         trace = bytes([n + 1]) * 16
+        failing = llm("")
+        failing.trace_id = trace
+        failing.status.code = 2
+        failing.status.message = "AuthenticationError: Error code: 401 - invalid_api_key"
+        root = span("agent run", {}, trace=trace, parent=False)
+        root.status.code = 2
+        pipeline.process_payload(payload(failing, root), received_ns=10**12)
+    for n in range(2):  # two runs recover from a failed call and end well: no failure
+        trace = bytes([n + 5]) * 16
         failing = llm("")
         failing.trace_id = trace
         failing.status.code = 2
         failing.status.message = "InternalServerError: 503 Service Unavailable"
         root = span("agent run", {}, trace=trace, parent=False)
         pipeline.process_payload(payload(failing, root), received_ns=10**12)
+    assert "agent" not in runs.slo_status()  # an end counts once it stayed an end
+    clock[0] += 10
+    runs.stalled()
     status = runs.slo_status()["agent"]
-    assert status["runs"]["long"] == 4 and status["success_rate"]["long"] == 0.0
+    assert status["runs"]["long"] == 6
+    assert round(status["success_rate"]["long"], 3) == round(2 / 6, 3)
     assert runs.burning("agent") and status["fast_burn"] is True
     limited = llm("")
     limited.trace_id = bytes([9]) * 16
@@ -533,7 +546,11 @@ def test_the_stall_timer_stops_at_the_first_recent_run_and_finds_the_same_stalls
     assert asked_scanned == ["s1", "s2", "s3"] and asked_bounded == ["s1"]  # it stopped at s2
     for now in (1095.0, 1200.0):
         assert stalls(bounded, now) == stalls(scanned, now)
-    assert bounded.stats() == scanned.stats() == {"tracked": 3, "evicted": 0, "expired": 1}
+    assert (
+        bounded.stats()
+        == scanned.stats()
+        == {"tracked": 3, "evicted": 0, "expired": 1, "notices_dropped": 0}
+    )
     # The clock went back: runs seen "in the future" are passed over, not taken as recent.
     feed(bounded, payload(span("step", {}, trace=b"\x09" * 16)), now=500.0)
     (stall,) = bounded.stalled(now=561.0)

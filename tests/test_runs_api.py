@@ -233,10 +233,10 @@ def test_runs_are_filtered_by_status_and_service_after_the_snapshot(
 
 
 def test_bad_filters_and_limits_are_refused(client: TestClient, runs: FakeRuns) -> None:
-    refused = client.get("/v1/runs?status=paused", headers=AUTH)
+    refused = client.get("/v1/runs?status=sleeping", headers=AUTH)
     assert (refused.status_code, refused.json()) == (
         400,
-        {"error": "status must be one of running, failing, stalled, ended"},
+        {"error": "status must be one of running, failing, waiting, stalled, paused, ended"},
     )
     for bad in ("limit=0", "limit=1001", "limit=abc", "service=", "status=" + "x" * 40):
         answer = client.get(f"/v1/runs?{bad}", headers=AUTH)
@@ -252,7 +252,7 @@ def test_without_a_tracker_no_runs_are_tracked() -> None:
     assert (listed.status_code, listed.json()) == (200, {"runs": [], "tracking": False})
     filtered = client.get("/v1/runs?status=stalled&service=x", headers=AUTH)
     assert filtered.json() == {"runs": [], "tracking": False}
-    assert client.get("/v1/runs?status=paused", headers=AUTH).status_code == 400
+    assert client.get("/v1/runs?status=sleeping", headers=AUTH).status_code == 400
 
 
 def _value(value: str | int) -> AnyValue:
@@ -296,7 +296,7 @@ def test_a_real_tracker_is_listed_as_it_counts() -> None:
 
     body = client.get("/v1/runs", headers=AUTH).json()
 
-    assert body["stats"] == {"tracked": 1, "evicted": 0, "expired": 0}
+    assert body["stats"] == {"tracked": 1, "evicted": 0, "expired": 0, "notices_dropped": 0}
     [run] = body["runs"]
     assert run == {
         "run_id": "conv-7",
@@ -396,7 +396,7 @@ def test_the_cli_filters_and_says_when_nothing_matches(
     assert main(["runs", "--limit", "0", *served]) == 2
     assert "400" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:
-        main(["runs", "--status", "paused", *served])
+        main(["runs", "--status", "sleeping", *served])
     assert refused.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
 

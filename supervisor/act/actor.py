@@ -67,8 +67,12 @@ class Actor:
         waiters: PullWaiters | None = None,
         clock: Callable[[], float] = time.time,
         on_answer: Callable[[Approval], None] | None = None,
+        on_commands: Callable[[Sequence[StoredCommand]], None] | None = None,
     ) -> None:
         self.store = store
+        #: Told of every command stored for an agent, whoever made it (the run tracker
+        #: follows what each run was told). Must not block; may be called on any thread.
+        self.on_commands = on_commands
         #: Told of every answered approval (a remediation may be waiting for it). Public:
         #: the remediations act through this actor, so they are connected to it after both
         #: exist (:func:`supervisor.wiring.build_sidecar`).
@@ -136,6 +140,8 @@ class Actor:
 
     def announce(self, created: Sequence[StoredCommand]) -> None:
         """Wake the dispatcher and long-polling agents for new commands (event loop only)."""
+        if created and self.on_commands is not None:
+            self.on_commands(created)
         push = False
         for stored in created:
             if stored.status != "pending":

@@ -133,6 +133,8 @@ def plan_commands(failure: Failure, decision: Decision, now: float) -> list[Comm
             _command(failure, CommandType.ABORT_RUN, params, not_before=now, now=now, step="abort")
         ]
     if action is Action.ESCALATE:
+        if params.get("run_ended"):
+            return []  # its turn ended: nothing runs to pause; the person is still asked
         pause = {**params, "awaiting": "approval"}
         return [
             _command(failure, CommandType.PAUSE_RUN, pause, not_before=now, now=now, step="pause")

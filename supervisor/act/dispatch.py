@@ -77,6 +77,8 @@ class Dispatcher:
         self.latency = LatencyWindow()
         #: Called after each delivery with the command (for metrics and traces).
         self.on_delivered: Callable[[StoredCommand, float], None] | None = None
+        #: Called with each command dead-lettered (the run will not do what it said).
+        self.on_dead: Callable[[StoredCommand], None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="spanvisor-dispatch")
@@ -208,6 +210,8 @@ class Dispatcher:
     def _dead_letter(self, stored: StoredCommand, why: str, now: float) -> None:
         self.store.dead(stored.command.id, why, now)
         self._dead += 1
+        if self.on_dead is not None:
+            self.on_dead(stored)
         log.error(
             "command dead-lettered",
             extra={

@@ -29,7 +29,7 @@ from supervisor.act.store import ApprovalError, Store
 from supervisor.api.inline import Question, decide
 from supervisor.api.thread_cpu import thread_cpu
 from supervisor.errors import ConfigError
-from supervisor.records import REMEDIATION_STATUSES
+from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
 from supervisor.settings import AgentDelivery, PullChannel
 
 MAX_WAIT_S = 30.0
@@ -44,8 +44,6 @@ NOT_RUNNING = (
     " or there is no state database (state_path is ':memory:')"
 )
 
-#: The statuses a run can be listed by (:class:`supervisor.runs.RunView`'s ``status``).
-RUN_STATUSES = ("running", "failing", "stalled", "ended")
 
 T = TypeVar("T")
 

@@ -22,9 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from supervisor.api.control import RUN_STATUSES, Control, ControlError
+from supervisor.api.control import Control, ControlError
 from supervisor.api.inline import Question
-from supervisor.records import REMEDIATION_STATUSES
+from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
 
 __all__ = ["build_control_app", "ensure_token"]
 

@@ -23,7 +23,7 @@ from supervisor.addresses import DEFAULT_API_PORT, DEFAULT_API_URL, LOOPBACK
 from supervisor.cli import local_verbs, operator_verbs
 from supervisor.cli.operator_verbs import CLEAR_SCREEN
 from supervisor.errors import ConfigError, PolicyError, SupervisorError
-from supervisor.records import REMEDIATION_STATUSES
+from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
 
 # CLEAR_SCREEN was defined here before the operator verbs moved: still importable from here.
 __all__ = ["CLEAR_SCREEN", "build_parser", "main"]
@@ -43,7 +43,6 @@ forwarded and own spans go to OTEL_EXPORTER_OTLP_ENDPOINT when it is set.
 """
 
 
-
 REMEDIATIONS_EPILOG = """\
 examples:
   spanvisor remediations                        the latest 50, newest first
@@ -57,9 +56,6 @@ has a `remediate` action and the sidecar keeps state in a file (not ':memory:').
 """
 
 
-#: A run's statuses, as :data:`supervisor.api.control.RUN_STATUSES` (not imported: heavy).
-RUN_STATUSES = ("running", "failing", "stalled", "ended")
-
 RUNS_EPILOG = """\
 examples:
   spanvisor runs                                the 100 most recently active runs
@@ -72,8 +68,11 @@ counts input and output tokens; RATE is spans per minute while it was active; ST
 is the last LLM or tool call's span name. A status is one of:
   running  spans are arriving
   failing  the sidecar has reported failures in it
-  stalled  no span for the service's idle_seconds while its root span is open
-  ended    its root span ended
+  waiting  the sidecar told it to go on (retry, resume, fallback) and when
+  stalled  silent for longer than its service's rhythm allows (or idle_seconds)
+           while open or told to go on
+  paused   the sidecar paused it (for a person's answer, or a breaker) until a deadline
+  ended    its root span ended, or it was aborted
 --status and --service filter the 1000 most recently active runs. Run ids longer than
 12 characters are shortened: --json and --output jsonl show them whole.
 """

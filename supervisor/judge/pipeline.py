@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from policies import RUN_KINDS, Cascade, Policy
+from supervisor.act.commands import plan_commands
 from supervisor.bounded import BoundedMap
 from supervisor.judge.attribution import Attribution, Candidate, signature
 from supervisor.judge.failures import (
@@ -47,8 +48,6 @@ __all__ = [
 
 #: Resource ``service.name`` of the sidecar's own spans, never judged again.
 OWN_SERVICE: Final = "spanvisor"
-#: Decisions after which the run is expected to go on (a silence is then a stall).
-_GOES_ON: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK, Action.REMEDIATE)
 #: Spans read at a time from a request (SpanReader): about 45 KB of attributes,
 #: which stay in the caches while each step goes over them.
 _CHUNK_SPANS: Final = 32
@@ -148,9 +147,7 @@ class Pipeline:
         self.observe_only = observe_only
         # trace + span id of failing spans already judged: exporters re-send batches.
         self._seen: BoundedMap[str, bool] = BoundedMap(seen_capacity)
-        self._attribution = Attribution(
-            seen_capacity=seen_capacity, traces_capacity=runs_capacity
-        )
+        self._attribution = Attribution(seen_capacity=seen_capacity, traces_capacity=runs_capacity)
         # (run, dependency) → failures since its last success in the run: a step's
         # attempts (the retry of a step is another call of the same dependency).
         self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
@@ -363,7 +360,7 @@ class Pipeline:
             self._seen.set(key, True)
             self._failures += 1
             if self.runs is not None:
-                self.runs.failed(found.run_id)
+                self.runs.failed(found.run_id, found.rule)
             failure = self._with_slo(found)
             outcomes.append(Outcome(failure, self.policy.decide(failure, attempt=1)))
         return self._finish(outcomes, [], cascades=False)
@@ -384,9 +381,7 @@ class Pipeline:
             attributed=self._attribution.attributed,
             duplicates=self._duplicates,
             own_spans_skipped=self._own,
-            evictions=self._seen.evictions
-            + self._attribution.evictions
-            + self._attempts.evictions,
+            evictions=self._seen.evictions + self._attribution.evictions + self._attempts.evictions,
         )
 
     # -- the failure path -------------------------------------------------
@@ -418,7 +413,7 @@ class Pipeline:
                 calls.append((cand.record.end_ns, failure.dependency, False))
             outcomes.append(Outcome(failure, decision))
             if self.runs is not None:
-                self.runs.failed(failure.run_id)
+                self.runs.failed(failure.run_id, failure.rule)
         return self._finish(outcomes, calls)
 
     def _candidates(self, failing: list[SpanRecord]) -> dict[str, Candidate]:
@@ -465,10 +460,18 @@ class Pipeline:
             ]
         runs = self.runs
         if runs is not None:
+            outcomes = [_for_run_as_it_is(runs, o) for o in outcomes]
             for o in outcomes:
-                after = _goes_on_after(o)
-                if after is not None:
-                    runs.expect_more(o.failure.run_id, after)
+                if not o.decision.observe_only:
+                    now = o.failure.received_ns / 1e9
+                    for command in plan_commands(o.failure, o.decision, now):
+                        runs.commanded(
+                            command.run_id,
+                            command.type.value,
+                            command.not_before,
+                            command.params,
+                            now,
+                        )
         return outcomes
 
     @staticmethod
@@ -483,20 +486,32 @@ class Pipeline:
             reviewed.append(o if decision is o.decision else Outcome(o.failure, decision))
         return reviewed
 
-def _goes_on_after(outcome: Outcome) -> float | None:
-    """When a decision tells the run to go on (Unix seconds); None when it does not."""
-    decision = outcome.decision
-    if decision.observe_only:
-        return None
-    params = decision.params
-    if decision.action in _GOES_ON:
-        wait = params.get("delay_s")
-    elif decision.action is Action.FAIL_FAST and "breaker_reopens_in_s" in params:
-        wait = params.get("breaker_reopens_in_s")  # paused, resumed when it may half-open
-    else:
-        return None
-    delay = float(wait) if isinstance(wait, (int, float)) and not isinstance(wait, bool) else 0.0
-    return outcome.failure.received_ns / 1e9 + max(0.0, delay)
+
+def _for_run_as_it_is(runs: RunTracker, outcome: Outcome) -> Outcome:
+    """The decision, for the run as it now is: nothing is sent to a turn that ended well.
+
+    A failure that arrives after its turn's root span succeeded (exporters send a
+    run's spans in any order) is recorded, but no command follows: the run is
+    over. A run paused for a person's answer is not told to go on by anything
+    but that answer. A turn that ended in error is not paused (nothing runs);
+    an escalation still asks the person, who may have it retried.
+    """
+    failure, decision = outcome.failure, outcome.decision
+    if decision.action is Action.NONE or decision.observe_only:
+        return outcome
+    why = ""
+    if runs.finished(failure.run_id, failure.trace_id):
+        why = "the run's turn had already ended: nothing is sent to it"
+    elif runs.awaiting_person(failure.run_id) and failure.kind != "approval_required":
+        why = "the run is paused for a person's answer: only that answer resumes it"
+    elif decision.action is Action.ESCALATE and runs.turn_ended(failure.run_id, failure.trace_id):
+        params = {**decision.params, "run_ended": True}
+        return Outcome(failure, replace(decision, params=params))
+    if not why:
+        return outcome
+    params = {**decision.params, "proposed_action": decision.action.value}
+    reason = f"{decision.reason}; {why}" if decision.reason else why
+    return Outcome(failure, replace(decision, action=Action.NONE, params=params, reason=reason))
 
 
 def _observed(decision: Decision) -> Decision:

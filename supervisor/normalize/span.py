@@ -397,5 +397,3 @@ def requested_calls(kept: Mapping[str, bytes]) -> list[str]:
         text = arguments if isinstance(arguments, str) else repr(arguments)
         out.append(f"{name}({text[:200]})")
     return out
-
-

@@ -13,6 +13,7 @@ __all__ = [
     "BUDGET_RULE",
     "CASCADE_RULE",
     "LOOP_RULE",
+    "NOTICE_RULES",
     "PRESSURE_RULE",
     "REANCHOR_RULE",
     "STALL_RULE",
@@ -27,6 +28,9 @@ PRESSURE_RULE: Final = "builtin.detect.context_pressure"
 BUDGET_RULE: Final = "builtin.detect.run_budget"
 CASCADE_RULE: Final = "builtin.detect.cascade"
 REANCHOR_RULE: Final = "builtin.detect.reanchor"
+#: What these rules report is a prediction or a reminder, not an error of the run:
+#: it is judged and acted on, but the run's error count and its SLO do not count it.
+NOTICE_RULES: Final = frozenset({PRESSURE_RULE, REANCHOR_RULE})
 
 
 @dataclass(frozen=True, slots=True)

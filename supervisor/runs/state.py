@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from policies import DetectorSettings, ModelInfo, RunSpend
+from policies import ModelInfo, RunSpend
 from supervisor.runs.loops import RecentCalls
 
 __all__ = ["RunState", "RunView", "view"]
@@ -61,7 +61,11 @@ class RunState:
     __slots__ = (
         "anchored",
         "by_trace",
+        "ended_at",
+        "ended_traces",
         "errors",
+        "failed",
+        "gap",
         "go_on_at",
         "gone",
         "input_tokens",
@@ -73,9 +77,12 @@ class RunState:
         "model",
         "model_info",
         "objective",
-        "open",
+        "on_timeout",
         "output_tokens",
         "outputs",
+        "paused_for",
+        "paused_until",
+        "phase",
         "pressured",
         "run_id",
         "service",
@@ -88,6 +95,7 @@ class RunState:
         "tools",
         "tools_since_llm",
         "trace",
+        "unverified",
     )
 
     def __init__(self, run_id: str, service: str, trace: bytes, now: float) -> None:
@@ -110,13 +118,27 @@ class RunState:
         self.errors = 0
         self.input_tokens = 0
         self.output_tokens = 0
-        #: The run's turn has not ended (its root span has not arrived).
-        self.open = True
+        #: Where the run is in its life (:mod:`supervisor.runs.phase` moves it, and says
+        #: what each phase means): open, waiting, paused or ended.
+        self.phase = "open"
+        #: Its last turn ended in error, or it was aborted (what an SLO counts).
+        self.failed = False
+        #: When it last ended (0: never).
+        self.ended_at = 0.0
+        #: Traces whose root span arrived -> whether it succeeded (a session's turns; bounded).
+        self.ended_traces: dict[bytes, bool] | None = None
+        #: A pause's deadline, what follows it (resume | abort), and what it waits for.
+        self.paused_until = 0.0
+        self.on_timeout = "abort"
+        self.paused_for = ""
+        #: The longest silence between two of its requests while open (seconds): its rhythm.
+        self.gap = 0.0
+        #: The unverified work a sidecar before a restart had listed (None: not restored).
+        self.unverified: tuple[str, ...] | None = None
         #: Left the tracker (evicted, expired, or folded into its session's run).
         self.gone = False
         self.stalled = False
-        #: When the sidecar's command telling the run to go on after a failure may be
-        #: delivered (0: none): a failed root keeps the run open, idle time counts from it.
+        #: When the sidecar's command telling the run to go on may be delivered (0: none).
         self.go_on_at = 0.0
         self.pressured = False
         #: The run's first input as text (bounded), for re-anchoring: "" when its service
@@ -146,20 +168,14 @@ class RunState:
         self.errors += early.errors
         self.input_tokens += early.input_tokens
         self.output_tokens += early.output_tokens
+        self.gap = max(self.gap, early.gap)
         if self.objective is None:
             self.objective = early.objective
 
 
-def view(run: RunState, now: float, settings: DetectorSettings) -> RunView:
+def view(run: RunState, now: float, status: str) -> RunView:
+    """The run as listed; ``status`` from :func:`supervisor.runs.phase.status`."""
     idle = max(0.0, now - run.last_seen)
-    if not run.open:
-        status = "ended"
-    elif run.stalled or (settings.stalls and idle >= settings.idle_seconds):
-        status = "stalled"
-    elif run.errors:
-        status = "failing"
-    else:
-        status = "running"
     minutes = max((run.last_seen - run.started) / 60.0, 1 / 60)
     spend = run.spend
     return RunView(

@@ -9,40 +9,49 @@ its attempts and the run detectors all speak of the same run.
 The detectors that need a run's history:
 
 * **loops** (:mod:`.loops`): the same call repeated within the run's recent calls;
-* **stalls**: a run whose turn has not ended and that has had no span for
-  ``idle_seconds`` (per service), one detection per silence, from a timer
-  (:meth:`RunTracker.stalled`, with an injectable clock); it lists the tool
-  calls the last LLM response asked for that no tool span answered, the work
-  whose effects are unverified;
+* **stalls**: a run that is open, or was told to go on, and has been silent
+  for longer than its service's rhythm allows (:mod:`.rhythm`), one detection
+  per silence, from a timer (:meth:`RunTracker.stalled`, with an injectable
+  clock); it lists the tool calls the last LLM response asked for that no tool
+  span answered, the work whose effects are unverified. A run that ended, or
+  that is paused, never stalls: where a run is in its life is kept by
+  :mod:`.phase`, from its spans and from the commands the sidecar sends it;
 * **context pressure and budgets** (:mod:`.spend`), from token counts;
 * **re-anchoring**: a long run reminded of its objective.
 
 Bounded: at most ``max_runs`` runs (the least recently active is evicted),
 and runs idle for ``max_idle_s`` are dropped; both are counted.
 
-Lifecycle: built by the wiring; :meth:`observe`, :meth:`run_of` and
-:meth:`failed` from the pipeline's thread; :meth:`stalled`, :meth:`snapshot`
-from the same thread (the event loop), never concurrently.
+Lifecycle: built by the wiring, then :meth:`restore` d from the journal of a
+sidecar that ran before (:mod:`.journal`); :meth:`observe`, :meth:`run_of`,
+:meth:`commanded` and :meth:`failed` from the pipeline's thread;
+:meth:`stalled`, :meth:`snapshot` and :meth:`journal_changes` from the same
+thread (the event loop), never concurrently. :meth:`notice` is the one
+method other threads may call: what it is told is applied on the next tick.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 from policies import DetectorSettings, ModelTable, SloSpec, SloTracker
 from supervisor.normalize.span import Span, requested_calls
 from supervisor.records import own_run
+from supervisor.runs import phase
 from supervisor.runs.detection import (
     LOOP_RULE,
+    NOTICE_RULES,
     REANCHOR_RULE,
     STALL_RULE,
     Detection,
     detection_at,
 )
+from supervisor.runs.journal import SavedRun
 from supervisor.runs.loops import RecentCalls, Repeat, digest, instance_of
+from supervisor.runs.rhythm import MIN_GAP_S, Rhythm, idle_limit
 from supervisor.runs.spend import Charges
 from supervisor.runs.state import RunState, RunView, view
 
@@ -53,6 +62,11 @@ _MAX_SERVICES: Final = 1024
 _MAX_SINCE_LLM: Final = 64
 #: Traces whose run the batch cache keeps (a request holds a few dozen).
 _MAX_BATCH_TRACES: Final = 4096
+#: Commands and delivery failures told by other threads, applied on the next tick.
+_MAX_NOTICES: Final = 100_000
+#: A run's end counts in its SLO once it stayed ended this long: the decision on
+#: the failure that ended it may still tell it to go on.
+SLO_GRACE_S: Final = 5.0
 _SAME_CALL: Final = "the same tool call"
 _SAME_OUTPUT: Final = "the same LLM output"
 #: What a loop compares of a call: its encoded value, what tells its instances
@@ -72,13 +86,24 @@ class RunTracker:
         max_runs: int = 10_000,
         max_idle_s: float = 6 * 3600.0,
         clock: Callable[[], float] = time.time,
+        slo_grace_s: float = SLO_GRACE_S,
     ) -> None:
         self._settings = settings
         self._charges = Charges(models)
         #: Run outcomes per service, against the policy's SLO (None: no SLOs).
         self.slo = SloTracker(slo, clock=clock) if slo is not None else None
-        #: Runs whose turn ended in this batch: counted in the SLO once it is judged.
-        self._ending: list[RunState] = []
+        #: Runs that ended, with when: counted in the SLO once they stayed ended
+        #: ``slo_grace_s`` (a decision may yet tell them to go on).
+        self._ending: deque[tuple[RunState, float]] = deque()
+        self.slo_grace_s = slo_grace_s
+        #: Each service's rhythm: how long a silence is a stall.
+        self.rhythm = Rhythm()
+        #: (run id, command type, not_before, params, dead) from other threads.
+        self._notices: deque[tuple[str, str, float, Mapping[str, object], bool]] = deque()
+        self.notices_dropped = 0
+        #: Runs changed since the journal last saved them, and runs that left.
+        self._dirty: set[str] = set()
+        self._left: set[str] = set()
         self._settings_memo: dict[str, DetectorSettings] = {}
         self.max_runs = max_runs
         self.max_idle_s = max_idle_s
@@ -172,7 +197,7 @@ class RunTracker:
         run.spans += 1
         run.stalled = False
         run.last_span = span_id
-        self._turn(run, span, failed=not repeats)
+        self._turn(run, span, now, failed=span.failed)
         dependency = span.dependency
         if not dependency or dependency.startswith("http:"):
             return
@@ -287,21 +312,10 @@ class RunTracker:
             )
         )
 
-    def _turn(self, run: RunState, span: Span, *, failed: bool) -> None:
-        """Whether the run's turn ended (its root span arrived), and its objective.
-
-        A root span that failed does not end a run the sidecar has told to go
-        on: its spans may arrive after the decision (a later batch).
-        """
-        child = not span.is_root
-        if not child:
-            if failed and run.go_on_at:
-                child = True  # still open: the agent was told to retry, resume...
-            else:
-                run.go_on_at = 0.0
-                if run.open and self.slo is not None and len(self._ending) < 10_000:
-                    self._ending.append(run)  # for the SLO, once the batch is judged
-        run.open = child  # a root span ends its run's turn
+    def _turn(self, run: RunState, span: Span, now: float, *, failed: bool) -> None:
+        """Where the run is now that ``span`` arrived (:mod:`.phase`), and its objective."""
+        if phase.span_seen(run, span.trace_id, root=span.is_root, failed=failed, now=now):
+            self._ended(run)
         if run.objective is None and span.has_objective:
             # Kept only where it can be used (re-anchoring is off by default), and as
             # bounded text: a first input can be a whole document.
@@ -309,8 +323,18 @@ class RunTracker:
             anchoring = settings.reanchor_after is not None or settings.reanchor_after_s is not None
             run.objective = span.objective() if anchoring else ""
 
+    def _ended(self, run: RunState) -> None:
+        """The run ended: its SLO counts it once it stays ended (see ``_ending``)."""
+        self._dirty.add(run.run_id)
+        if self.slo is not None and len(self._ending) < 10_000:
+            self._ending.append((run, run.ended_at))
+
     def _run_for(self, span: Span, now: float) -> RunState:
-        """The span's run, made if new; the batch's cache first (see ``_batch``)."""
+        """The span's run, made if new; the batch's cache first (see ``_batch``).
+
+        The first span of a trace in a batch also measures the run's silence
+        since its previous request (its rhythm, :mod:`.rhythm`).
+        """
         trace_id = span.trace_id
         run = self._batch.get(trace_id)
         if run is not None and not run.gone and not (run.by_trace and span.names_session):
@@ -318,6 +342,11 @@ class RunTracker:
         if len(self._batch) >= _MAX_BATCH_TRACES:
             self._batch.clear()  # a caller that never settles: bounded all the same
         run = self._batch[trace_id] = self._find_run(span, now)
+        silence = now - run.last_seen
+        if silence >= MIN_GAP_S and run.phase == phase.OPEN:
+            run.gap = max(run.gap, silence)
+            self.rhythm.gap(run.service, silence)
+        self._dirty.add(run.run_id)
         return run
 
     def _find_run(self, span: Span, now: float) -> RunState:
@@ -334,7 +363,9 @@ class RunTracker:
             runs[run_id] = run
         elif run is None:
             while len(runs) >= self.max_runs:
-                runs.popitem(last=False)[1].gone = True
+                left = runs.popitem(last=False)[1]
+                left.gone = True
+                self._left.add(left.run_id)
                 self.evicted += 1
             run = runs[run_id] = RunState(run_id, span.service, span.trace_id, now)
         else:
@@ -342,25 +373,35 @@ class RunTracker:
         if early is not None:
             run.fold(early)
             early.gone = True
+            self._left.add(trace)
         run.by_trace = run_id == trace
         run.trace = span.trace_id
         return run
 
     def settle(self, now: float | None = None) -> None:
-        """The batch is judged: runs that ended in it count in their service's SLO."""
+        """The batch is judged: commands told meanwhile apply, ended runs count in SLOs."""
         self._batch.clear()
-        ending, self._ending = self._ending, []
+        self._apply_notices()
+        self._count_ended(self._clock() if now is None else now)
+
+    def _count_ended(self, now: float) -> None:
+        """Runs that stayed ended ``slo_grace_s`` count in their SLO: failed or not."""
+        ending = self._ending
         slo = self.slo
-        if slo is None:
-            return
-        for run in ending:
+        while ending:
+            run, ended_at = ending[0]
+            if now - ended_at < self.slo_grace_s:
+                break
+            ending.popleft()
+            if slo is None or run.phase != phase.ENDED or run.ended_at != ended_at:
+                continue  # told to go on since, or ended again later: counted then
             spend = run.spend
             cost = (
                 spend.cost_usd if spend is not None and spend.calls and not spend.partial else None
             )
             slo.record_run(
                 run.service,
-                run.errors == 0,
+                not run.failed,
                 max(0.0, run.last_seen - run.started),
                 cost,
                 now=now,
@@ -386,51 +427,145 @@ class RunTracker:
             return {}
         return {service: slo.status(service).to_json() for service in slo.services()[:100]}
 
-    def failed(self, run_id: str) -> None:
-        """A failure was reported in ``run_id`` (from the pipeline's judging)."""
-        run = self._runs.get(run_id)
-        if run is not None:
-            run.errors += 1
+    def failed(self, run_id: str, rule: str = "") -> None:
+        """A failure was reported in ``run_id`` under ``rule`` (from the pipeline's judging).
 
-    def expect_more(self, run_id: str, after: float) -> None:
-        """The sidecar tells ``run_id`` to go on at ``after``: silence from then is a stall.
-
-        A run whose turn ended in a failure has its root span ended, so it
-        would never stall; but an agent killed after it was told to retry
-        leaves exactly that run behind, half done. Its idle time counts from
-        when the command may be delivered, so a long backoff is no stall.
+        A prediction or a reminder (context pressure, re-anchoring) is no error.
         """
         run = self._runs.get(run_id)
-        if run is not None:
-            run.open = True
-            run.stalled = False
-            run.go_on_at = max(run.go_on_at, after)
+        if run is not None and rule not in NOTICE_RULES:
+            run.errors += 1
+
+    # -- commands: where the sidecar told a run to go ------------------------
+
+    def commanded(
+        self,
+        run_id: str,
+        kind: str,
+        not_before: float,
+        params: Mapping[str, object],
+        now: float | None = None,
+    ) -> None:
+        """The sidecar sent ``run_id`` a command (see :func:`.phase.commanded`)."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return
+        before = run.phase
+        phase.commanded(run, kind, not_before, params, self._clock() if now is None else now)
+        if run.phase == phase.ENDED and before != phase.ENDED:
+            self._ended(run)
+        self._dirty.add(run_id)
+
+    def notice(
+        self,
+        run_id: str,
+        kind: str,
+        not_before: float,
+        params: Mapping[str, object],
+        *,
+        dead: bool = False,
+    ) -> None:
+        """From any thread: a command was stored (or, ``dead``, could not be delivered).
+
+        Applied on the pipeline's thread at its next batch or tick. Bounded:
+        beyond ``_MAX_NOTICES`` waiting, notices are dropped and counted.
+        """
+        if len(self._notices) >= _MAX_NOTICES:
+            self.notices_dropped += 1
+            return
+        self._notices.append((run_id, kind, not_before, params, dead))
+
+    def _apply_notices(self) -> None:
+        notices = self._notices
+        if not notices:
+            return
+        now = self._clock()
+        while notices:
+            run_id, kind, not_before, params, dead = notices.popleft()
+            if not dead:
+                self.commanded(run_id, kind, not_before, params, now)
+                continue
+            run = self._runs.get(run_id)
+            if run is not None:
+                phase.command_dead(run, kind, now)
+                if run.phase == phase.ENDED:
+                    self._ended(run)
+                self._dirty.add(run_id)
+
+    def finished(self, run_id: str, trace_id: str) -> bool:
+        """Whether the turn of ``trace_id`` (hex) in ``run_id`` ended well: send it nothing."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return False
+        try:
+            trace = bytes.fromhex(trace_id)
+        except ValueError:
+            return False
+        return phase.finished(run, trace)
+
+    def turn_ended(self, run_id: str, trace_id: str) -> bool:
+        """Whether ``run_id`` is one trace whose root ended, well or not: nothing runs to pause.
+
+        A session's run goes on past the end of one of its turns.
+        """
+        run = self._runs.get(run_id)
+        if run is None or run.ended_traces is None or not run.by_trace:
+            return False
+        try:
+            return bytes.fromhex(trace_id) in run.ended_traces
+        except ValueError:
+            return False
+
+    def awaiting_person(self, run_id: str) -> bool:
+        """Whether ``run_id`` is paused until a person answers."""
+        run = self._runs.get(run_id)
+        return run is not None and phase.awaiting_person(run)
+
+    def idle_limit(self, run: RunState) -> float:
+        """The silence after which ``run`` is stalled (see :mod:`.rhythm`)."""
+        return idle_limit(
+            self.settings_for(run.service), run.gap, self.rhythm.long_gap(run.service)
+        )
 
     # -- the timer ------------------------------------------------------------
 
     def stalled(self, now: float | None = None) -> list[Detection]:
-        """Runs silent past their ``idle_seconds``, each once per silence; drops expired runs."""
+        """Runs silent past their limit, each once per silence; pauses that ran out; expiry.
+
+        Commands told from other threads are applied first, so a run told to
+        go on, paused or aborted a moment ago is judged as it now is.
+        """
         now = self._clock() if now is None else now
+        self._apply_notices()
+        self._count_ended(now)
         found: list[Detection] = []
         horizon = min(self.stall_horizon_s, self.max_idle_s)
         expired: list[RunState] = []
         for run in self._runs.values():  # least recently active first
             idle = now - run.last_seen
-            if 0 <= idle < horizon:
+            if 0 <= idle < horizon and run.phase != phase.PAUSED:
                 # The runs after it were active later (a run seen "in the future"
                 # after the clock went back is passed over, not taken as recent).
+                # A paused run is not passed over: its deadline may be due.
                 break
             if idle >= self.max_idle_s:
                 expired.append(run)
                 continue
-            if run.stalled or not run.open:
+            if phase.due(run, now):
+                self._dirty.add(run.run_id)
+                if run.phase == phase.ENDED:
+                    self._ended(run)
+            if not phase.may_stall(run):
                 continue
-            if run.go_on_at > run.last_seen:  # silent since it was told to go on
-                idle = now - run.go_on_at
             settings = self.settings_for(run.service)
-            if not settings.stalls or idle < settings.idle_seconds:
+            if not settings.stalls:
+                continue
+            idle = now - phase.idle_since(run)
+            limit = self.idle_limit(run)
+            if idle < limit:
                 continue
             run.stalled = True
+            self._dirty.add(run.run_id)
             unverified = _unanswered(run)
             listed = ", ".join(unverified) or "none seen"
             found.append(
@@ -441,14 +576,20 @@ class RunTracker:
                     kind="stall",
                     failure_class="transient",
                     rule=STALL_RULE,
-                    message=f"no span for {idle:.0f} s; unverified work: {listed}",
-                    details={"idle_s": round(idle, 3), "unverified": unverified},
+                    message=f"no span for {idle:.0f} s (its limit: {limit:.0f} s);"
+                    f" unverified work: {listed}",
+                    details={
+                        "idle_s": round(idle, 3),
+                        "limit_s": round(limit, 3),
+                        "unverified": unverified,
+                    },
                     role="agent",
                 )
             )
         for run in expired:
             del self._runs[run.run_id]
             run.gone = True
+            self._left.add(run.run_id)
             self.expired += 1
         return found
 
@@ -461,11 +602,77 @@ class RunTracker:
         for run in reversed(self._runs.values()):
             if len(views) >= limit:
                 break
-            views.append(view(run, now, self.settings_for(run.service)))
+            stalls = self.settings_for(run.service).stalls
+            status = phase.status(run, now, self.idle_limit(run) if stalls else None)
+            views.append(view(run, now, status))
         return views
 
+    # -- the journal: what a restart must not forget --------------------------
+
+    def journal_changes(self) -> tuple[list[SavedRun], list[str]]:
+        """Runs changed since the last call that are not over, and runs that are.
+
+        A run that ended (or left the tracker) is removed from the journal: a
+        restart only needs the runs that may still stall or be resumed.
+        """
+        saved: list[SavedRun] = []
+        gone = set(self._left)
+        self._left.clear()
+        for run_id in self._dirty:
+            run = self._runs.get(run_id)
+            if run is None or run.phase == phase.ENDED:
+                gone.add(run_id)
+            else:
+                saved.append(_saved(run))
+                gone.discard(run_id)
+        self._dirty.clear()
+        return saved, sorted(gone)
+
+    def restore(self, saved: Iterable[SavedRun]) -> int:
+        """Take back the open runs a sidecar before this one journaled; how many.
+
+        A run already seen since this sidecar started keeps what it saw.
+        """
+        count = 0
+        for item in saved:
+            if item.run_id in self._runs or len(self._runs) >= self.max_runs:
+                continue
+            try:
+                trace = bytes.fromhex(item.trace_id)
+                last_span = bytes.fromhex(item.last_span)
+            except ValueError:
+                continue
+            run = RunState(item.run_id, item.service, trace, item.started)
+            run.last_seen = item.last_seen
+            run.last_span = last_span
+            run.last_dependency = item.last_dependency
+            run.step = item.step
+            run.spans, run.llm_calls, run.tool_calls, run.errors = item.counts
+            run.phase = item.phase
+            run.go_on_at = item.go_on_at
+            run.paused_until = item.paused_until
+            run.on_timeout = item.on_timeout
+            run.paused_for = item.paused_for
+            run.stalled = item.stalled
+            run.gap = item.gap
+            run.unverified = item.unverified
+            run.by_trace = item.run_id == item.trace_id
+            if not run.by_trace:
+                self._remember_session(item.trace_id, item.run_id)
+            self._runs[item.run_id] = run
+            count += 1
+        # Least recently active first, as the timer expects.
+        for run in sorted(self._runs.values(), key=lambda r: r.last_seen):
+            self._runs.move_to_end(run.run_id)
+        return count
+
     def stats(self) -> dict[str, int]:
-        return {"tracked": len(self._runs), "evicted": self.evicted, "expired": self.expired}
+        return {
+            "tracked": len(self._runs),
+            "evicted": self.evicted,
+            "expired": self.expired,
+            "notices_dropped": self.notices_dropped,
+        }
 
 
 def _loop(run: RunState, dependency: str, first: Repeat, *, repeats: int, what: str) -> Detection:
@@ -484,10 +691,35 @@ def _loop(run: RunState, dependency: str, first: Repeat, *, repeats: int, what: 
     )
 
 
+def _saved(run: RunState) -> SavedRun:
+    return SavedRun(
+        run_id=run.run_id,
+        service=run.service,
+        trace_id=run.trace.hex(),
+        started=run.started,
+        last_seen=run.last_seen,
+        last_span=run.last_span.hex(),
+        last_dependency=run.last_dependency,
+        step=run.step[:256],
+        counts=(run.spans, run.llm_calls, run.tool_calls, run.errors),
+        phase=run.phase,
+        go_on_at=run.go_on_at,
+        paused_until=run.paused_until,
+        on_timeout=run.on_timeout,
+        paused_for=run.paused_for,
+        stalled=run.stalled,
+        gap=run.gap,
+        unverified=_unanswered(run),
+    )
+
+
 def _unanswered(run: RunState) -> tuple[str, ...]:
-    """The tool calls the last LLM response asked for, less the tool spans seen since."""
+    """The tool calls the last LLM response asked for, less the tool spans seen since.
+
+    A run taken back from the journal after a restart lists what was saved.
+    """
     if run.last_llm is None:
-        return ()
+        return run.unverified or ()
     requested = requested_calls(run.last_llm)
     answered = [dependency[5:] for dependency in run.tools_since_llm or ()]
     left: list[str] = []
