@@ -766,7 +766,7 @@ def test_an_unknown_command_is_a_log_line_not_a_crash(
 
 def test_commands_without_what_they_need_are_refused_with_a_reason(rig: Rig) -> None:
     assert rig.adapter.apply(command("switch_fallback", "t", {})).reason == (
-        "switch_fallback without params.to"
+        "switch_fallback without params.model or params.to"
     )
     assert rig.adapter.apply(command("inject_guidance", "t", {"guidance": " "})).action == "none"
 
