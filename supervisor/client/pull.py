@@ -121,7 +121,7 @@ class Command:
             isinstance(seconds, bool)
             or not isinstance(seconds, (int, float))
             or not math.isfinite(seconds)
-            or seconds <= 0
+            or seconds < 0
             or outcome not in PAUSE_OUTCOMES
         ):
             return None
