@@ -259,6 +259,10 @@ class Escalate(Remediator):
     (default), ``retry_step`` or ``none``. The approval request carries what
     failed, where, what is proposed and what approve and deny will do; the
     sidecar also posts it to the notification webhook (Slack-compatible).
+    The ``pause_run`` carries the same deadline, with ``on_timeout``
+    ``resume`` for ``retry_step`` and ``abort`` otherwise: with ``none`` the
+    remediation sends nothing when it passes, and the agent's own timer ends
+    the pause.
     """
 
     name = "escalate"
@@ -277,7 +281,14 @@ class Escalate(Remediator):
         trigger = ctx.trigger
         on_timeout = str(self.params.get("on_timeout", "abort_run"))
         timeout = float(self.params.get("timeout_s", 3600.0))
-        await ctx.call("pause_run", reason=f"awaiting a person's decision on {trigger.kind}")
+        # The pause states its own deadline and outcome, so an agent that hears nothing
+        # more (the sidecar down, on_timeout "none") does not wait forever.
+        await ctx.call(
+            "pause_run",
+            reason=f"awaiting a person's decision on {trigger.kind}",
+            timeout_s=max(timeout, 1.0),
+            on_timeout="resume" if on_timeout == "retry_step" else "abort",
+        )
         asked = await ctx.call(
             "request_approval",
             question=(

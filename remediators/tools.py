@@ -22,6 +22,8 @@ from typing import Any, Final
 
 from remediators.base import AGENT_TOOLS, ALL_TOOLS, ToolResult, Trigger
 from remediators.gateway import Gateway, WorkerRestart
+from supervisor.act.commands import ESCALATION_PAUSE, MAX_PAUSE_S, PAUSE_OUTCOMES, agent_params
+from supervisor.records import CommandType
 
 __all__ = ["TOOL_SPECS", "ToolSpec", "check_arguments", "execute", "function_definitions"]
 
@@ -80,6 +82,7 @@ TOOL_SPECS: Final[Mapping[str, ToolSpec]] = {
             reason=("string", False),
             tool=("string", False),
             steps_back=("integer", False),
+            step=("string", False),
         ),
         _spec(
             "switch_fallback",
@@ -87,7 +90,14 @@ TOOL_SPECS: Final[Mapping[str, ToolSpec]] = {
             to=("string", True),
             reason=("string", False),
         ),
-        _spec("pause_run", "Ask the agent to pause the run.", reason=("string", False)),
+        _spec(
+            "pause_run",
+            "Ask the agent to pause the run for at most timeout_s seconds (default 3600);"
+            " then it resumes or aborts (on_timeout: resume or abort, default abort).",
+            reason=("string", False),
+            timeout_s=("number", False),
+            on_timeout=("string", False),
+        ),
         _spec("abort_run", "Ask the agent to abort the run.", reason=("string", False)),
         _spec(
             "inject_guidance",
@@ -194,6 +204,12 @@ def check_arguments(
             )
     if tool == "rewind_run" and not 1 <= int(arguments.get("steps_back", 1)) <= 100:
         return "rewind_run: steps_back must be between 1 and 100"
+    if tool == "pause_run":
+        timeout = float(arguments.get("timeout_s", ESCALATION_PAUSE.timeout_s))
+        if not 0 < timeout <= MAX_PAUSE_S:
+            return f"pause_run: timeout_s must be more than 0 and at most {MAX_PAUSE_S:g}"
+        if arguments.get("on_timeout", ESCALATION_PAUSE.on_timeout) not in PAUSE_OUTCOMES:
+            return f"pause_run: on_timeout must be one of {', '.join(PAUSE_OUTCOMES)}"
     if tool == "retry_step":
         delay = arguments.get("delay_s", 0)
         if not 0 <= float(delay) <= 3600:
@@ -232,8 +248,11 @@ def execute(
         return ToolResult(
             True, gateway.open_approval(trigger, arguments, key=key, remediation_id=remediation_id)
         )
-    params = {**arguments, "remediation_id": remediation_id}
+    params: dict[str, Any] = {**arguments, "remediation_id": remediation_id}
     if tool in AGENT_TOOLS:
+        # What the agent needs to act (the step, the model, the pause's deadline) is
+        # completed as for the sidecar's own commands.
+        params = agent_params(CommandType(tool), params, step=trigger.span_name)
         return ToolResult(True, gateway.send_command(trigger, tool, params, key=key))
     if tool == "restart_worker":
         restart = WorkerRestart.from_params(configured)

@@ -194,6 +194,7 @@ class Sidecar:
         self._gc_task: asyncio.Task[None] | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._run_watch: asyncio.Task[None] | None = None
+        self._deadlines: asyncio.Task[None] | None = None
         self._remediations_up: asyncio.Task[None] | None = None
         self._decisions = 0
         self._errors = 0
@@ -226,7 +227,13 @@ class Sidecar:
             for server in (self._http, self._api):
                 if server is not None:
                     await self._stop_server(server)
-            for task in (self._worker, self._gc_task, self._housekeeping, self._run_watch):
+            for task in (
+                self._worker,
+                self._gc_task,
+                self._housekeeping,
+                self._run_watch,
+                self._deadlines,
+            ):
                 if task is not None:
                     task.cancel()
             with contextlib.suppress(Exception):
@@ -263,6 +270,7 @@ class Sidecar:
         self._gc_task = asyncio.create_task(self._collect_periodically(), name="spanvisor-gc")
         self._housekeeping = asyncio.create_task(self._keep_house(), name="spanvisor-house")
         self._run_watch = asyncio.create_task(self._watch_runs(), name="spanvisor-runs")
+        self._deadlines = asyncio.create_task(self._watch_deadlines(), name="spanvisor-deadlines")
         self.control = Control(
             store=self.store,
             actor=self.actor,
@@ -306,7 +314,13 @@ class Sidecar:
                 "drain timed out; spans still queued were not judged",
                 extra={"queued_batches": self.queue.qsize, "queued_spans": self.queue.queued_spans},
             )
-        for task in (self._worker, self._gc_task, self._housekeeping, self._run_watch):
+        for task in (
+            self._worker,
+            self._gc_task,
+            self._housekeeping,
+            self._run_watch,
+            self._deadlines,
+        ):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -517,6 +531,15 @@ class Sidecar:
             self._decisions += 1
         self._act(outcomes)
         return outcomes
+
+    async def _watch_deadlines(self) -> None:
+        """Every second: approval requests past their pause's deadline expire (see Actor)."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.actor.expire_approvals()
+            except Exception:  # the watch must never end
+                log.exception("expiring approval requests failed; trying again")
 
     async def _keep_house(self) -> None:
         """Every so often: reload a changed policy file, expire and prune stored rows."""

@@ -213,6 +213,40 @@ def own_run(trace_id: str, session_id: str) -> str:
     return session_id or trace_id
 
 
+#: Dependency keys that name something other than a model: ``tool:<name>``, ``http:<host>``.
+NON_MODEL_PREFIXES: Final[tuple[str, ...]] = ("tool", "http")
+#: What a model dependency key says when the span named no provider or no model.
+UNKNOWN_PART: Final = "unknown"
+
+
+def model_dependency(provider: str, model: str) -> str:
+    """The ``provider:model`` key of an LLM call (``""`` when neither is known).
+
+    The one spelling of the key (:attr:`SpanRecord.dependency`);
+    :func:`split_model_dependency` reads it back.
+    """
+    if not provider and not model:
+        return ""
+    return f"{provider or UNKNOWN_PART}:{model or UNKNOWN_PART}"
+
+
+def split_model_dependency(dependency: str) -> tuple[str, str] | None:
+    """``(provider, model)`` of a ``provider:model`` key; ``None`` for a tool, host or ``""``.
+
+    The model is what the agent's SDK calls it: ``openai:gpt-4o-mini`` gives
+    ``("openai", "gpt-4o-mini")``; a model name may hold colons itself
+    (``ollama:llama3:8b`` gives ``("ollama", "llama3:8b")``), a provider name
+    never does. A part the span did not name comes back as ``""``.
+    """
+    provider, sep, model = dependency.partition(":")
+    if not sep or provider in NON_MODEL_PREFIXES or not (provider or model):
+        return None
+    return (
+        "" if provider == UNKNOWN_PART else provider,
+        "" if model == UNKNOWN_PART else model,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Classification:
     """The verdict of a classification rule on one span."""

@@ -64,7 +64,13 @@ T = TypeVar("T")
 class Sidecar:
     """The control API on its own event loop thread; commands are added on that loop."""
 
-    def __init__(self, *, port: int = 0, services: tuple[str, ...] = (SERVICE,)) -> None:
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        services: tuple[str, ...] = (SERVICE,),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="sidecar", daemon=True)
         self.thread.start()
@@ -73,6 +79,7 @@ class Sidecar:
         self.actor = Actor(
             self.store,
             {s: AgentDelivery(pull=PullChannel(visibility_s=VISIBILITY_S)) for s in services},
+            clock=clock,  # when commands are made, approvals answered and expired
         )
         control = Control(
             store=self.store,
@@ -353,6 +360,123 @@ def test_an_ack_after_the_lease_ran_out_is_still_taken(
 
     assert puller.ack(leased) is True
     assert puller.poll(wait_s=VISIBILITY_S * 1.5) == []
+
+
+def test_an_ack_with_fields_the_sidecar_does_not_know_is_taken(
+    sidecar: Sidecar, puller: CommandPuller
+) -> None:
+    # What an agent in the field sent: refusing it (400) left every command leased,
+    # then handed out again after each visibility timeout, for as long as the run lived.
+    sidecar.add(retry())
+    [leased] = puller.poll(wait_s=0)
+
+    answer = httpx.post(
+        f"{sidecar.url}/v1/commands/{leased.id}/ack",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json={"status": "accepted", "service": SERVICE, "agent": {"version": "1.4"}},
+        timeout=5,
+    )
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"id": leased.id, "status": "delivered"}
+    assert sidecar.status(leased.id) == "delivered"
+    assert puller.poll(wait_s=VISIBILITY_S * 1.5) == []  # not handed out again
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"status": "accepted"}, "service"),  # the one field the ack needs is missing
+        ({"service": 42}, "service"),
+        ({"service": ""}, "service"),
+        (["not", "an", "object"], "object"),
+        ("accepted", "object"),
+    ],
+)
+def test_a_malformed_ack_is_refused_with_a_clear_400(
+    sidecar: Sidecar, puller: CommandPuller, body: object, says: str
+) -> None:
+    sidecar.add(retry())
+    [leased] = puller.poll(wait_s=0)
+
+    answer = httpx.post(
+        f"{sidecar.url}/v1/commands/{leased.id}/ack",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json=body,
+        timeout=5,
+    )
+
+    assert answer.status_code == 400
+    assert says in answer.json()["error"].lower(), answer.text
+    assert sidecar.status(leased.id) == "leased"
+    not_json = httpx.post(
+        f"{sidecar.url}/v1/commands/{leased.id}/ack",
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        content=b"{status: accepted",
+        timeout=5,
+    )
+    assert not_json.status_code == 400 and not_json.json()["error"]
+
+
+def test_a_pulled_pause_says_how_long_it_lasts_and_what_happens_then(
+    sidecar: Sidecar, puller: CommandPuller
+) -> None:
+    sidecar.add(
+        decided(Action.FAIL_FAST, params={"breaker_reopens_in_s": 20.0, "breaker": "open"}),
+        decided(Action.ESCALATE, run_id="run-2"),
+    )
+
+    commands = {(c.type, c.run_id): c for c in puller.poll(wait_s=0)}
+
+    # The breaker's pause: due now; its resume_run waits in the sidecar until the deadline.
+    assert set(commands) == {("pause_run", "run-1"), ("pause_run", "run-2")}
+    pause = commands["pause_run", "run-1"]
+    assert pause.pause is not None
+    assert (pause.pause.timeout_s, pause.pause.on_timeout) == (20.0, "resume")
+    assert (pause.params["timeout_s"], pause.params["on_timeout"]) == (20.0, "resume")
+    held = commands["pause_run", "run-2"]
+    assert held.pause is not None
+    assert (held.pause.timeout_s, held.pause.on_timeout) == (3600.0, "abort")
+    assert held.params["awaiting"] == "approval"
+    [waiting] = sidecar.call(lambda: sidecar.store.commands(status="pending"))
+    assert waiting.command.type is CommandType.RESUME_RUN
+    assert waiting.command.params["after_pause"] == pause.id
+    assert waiting.command.not_before == pytest.approx(pause.created_at + 20.0, abs=0.01)
+    for command in commands.values():
+        assert puller.ack(command) is True
+
+
+def test_an_approval_answered_after_its_deadline_is_refused_by_the_api() -> None:
+    # The escalation is made 90 s ago by the actor's clock; the API's own clock (which
+    # hands out commands) is the real one, where the deadline has just come.
+    now = [time.time() - 90.0]
+    sidecar = Sidecar(clock=lambda: now[0])
+    try:
+        _answered_late(sidecar, now)
+    finally:
+        sidecar.stop()
+
+
+def _answered_late(sidecar: Sidecar, now: list[float]) -> None:
+    sidecar.add(decided(Action.ESCALATE, params={"pause_timeout_s": 90.0}))
+    [approval] = sidecar.call(sidecar.store.approvals)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    assert approval.expires_at == pytest.approx(now[0] + 90.0)
+    now[0] += 90.0
+    puller = CommandPuller(SERVICE, sidecar.url, TOKEN)
+
+    answer = httpx.post(
+        f"{sidecar.url}/v1/approvals/{approval.id}/approve", headers=headers, timeout=5
+    )
+    assert answer.status_code == 409 and "expired" in answer.json()["error"]
+
+    expired = sidecar.call(sidecar.actor.expire_approvals)
+    assert [a.id for a in expired] == [approval.id]
+    shown = httpx.get(f"{sidecar.url}/v1/approvals?status=expired", headers=headers, timeout=5)
+    assert [a["id"] for a in shown.json()["approvals"]] == [approval.id]
+    with puller:
+        types = sorted(c.type for c in puller.poll(wait_s=0))
+    assert types == ["abort_run", "pause_run"]
 
 
 class Unplugged(httpx.BaseTransport):

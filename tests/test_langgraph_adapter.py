@@ -752,6 +752,100 @@ def test_pause_then_resume_run_and_abort(rig: Rig) -> None:
     assert rig.adapter.apply(command("resume_run", "t")).action == "stop"
 
 
+class Ticks:
+    """The adapter's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_pause_nobody_ends_resumes_the_thread_at_its_timeout(rig: Rig) -> None:
+    ticks = Ticks()
+    adapter = rig.restart(clock=ticks)
+    rig.provider.script(Reply.server_error(503))
+    with pytest.raises(openai.InternalServerError):
+        adapter.invoke("t", ask("Hello."))
+    pause = command("pause_run", "t", {"timeout_s": 30, "on_timeout": "resume"})
+    held = adapter.apply(pause)
+    assert (held.action, held.reason) == (
+        "wait",
+        "paused, awaiting resume_run, at most 30 s, then resume",
+    )
+
+    ticks.now += 29.9
+    assert adapter.expire_pauses() == []
+    assert adapter.view("t").paused  # type: ignore[union-attr]
+    ticks.now += 0.1
+    [resumed] = adapter.expire_pauses()
+    assert (resumed.action, resumed.command_id) == ("continue", pause.id)
+    assert "pause timed out after 30 s" in resumed.reason
+    assert not adapter.view("t").paused  # type: ignore[union-attr]
+    assert adapter.expire_pauses() == []  # once
+    assert adapter.proceed(resumed)["messages"][-1].content == "Done."
+
+    # The sidecar's own outcome of that pause, arriving later, is not applied twice.
+    late = adapter.apply(command("resume_run", "t", {"after_pause": pause.id}))
+    assert late.action == "none" and "already timed out here" in late.reason
+    assert len(rig.requests()) == 2
+
+
+def test_an_escalation_nobody_answers_aborts_the_thread_at_its_timeout(rig: Rig) -> None:
+    ticks = Ticks()
+    adapter = rig.restart(clock=ticks)
+    rig.provider.script(Reply.unauthorized())
+    with pytest.raises(openai.AuthenticationError):
+        adapter.invoke("t", ask("Hello."))
+    adapter.apply(
+        command(
+            "pause_run", "t", {"awaiting": "approval", "timeout_s": 3600, "on_timeout": "abort"}
+        )
+    )
+
+    ticks.now += 3600
+    [stopped] = adapter.expire_pauses()
+
+    assert (stopped.action, stopped.reason) == ("stop", "pause timed out after 3600 s: aborted")
+    assert adapter.view("t").stopped  # type: ignore[union-attr]
+    assert adapter.apply(command("approval_result", "t", {"approved": True})).action == "stop"
+
+
+def test_a_pause_ended_by_its_answer_does_not_time_out_later(rig: Rig) -> None:
+    ticks = Ticks()
+    adapter = rig.restart(clock=ticks)
+    rig.provider.script(Reply.unauthorized())
+    with pytest.raises(openai.AuthenticationError):
+        adapter.invoke("t", ask("Hello."))
+    adapter.apply(command("pause_run", "t", {"timeout_s": 60, "on_timeout": "abort"}))
+    approved = adapter.apply(command("approval_result", "t", {"approved": True}))
+    assert approved.action == "continue"
+
+    ticks.now += 3600
+    assert adapter.expire_pauses() == []
+    assert not adapter.view("t").stopped  # type: ignore[union-attr]
+    # A pause from an older sidecar states no deadline: it waits for the next command.
+    adapter.apply(command("pause_run", "t"))
+    ticks.now += 10 * 86_400
+    assert adapter.expire_pauses() == []
+
+
+def test_switch_fallback_takes_the_model_the_sidecar_names(rig: Rig) -> None:
+    rig.provider.script(Reply.server_error(503))
+    with pytest.raises(openai.InternalServerError):
+        rig.adapter.invoke("t", ask("Hello."))
+    directive = rig.adapter.apply(
+        command(
+            "switch_fallback",
+            "t",
+            {"to": "azure.ai.openai:prod-mini", "model": "gpt-4o-mini", "provider": "openai"},
+        )
+    )
+    rig.adapter.proceed(directive)
+    assert [r["model"] for r in rig.requests()] == ["gpt-4o", "gpt-4o-mini"]
+
+
 def test_an_unknown_command_is_a_log_line_not_a_crash(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -766,7 +860,7 @@ def test_an_unknown_command_is_a_log_line_not_a_crash(
 
 def test_commands_without_what_they_need_are_refused_with_a_reason(rig: Rig) -> None:
     assert rig.adapter.apply(command("switch_fallback", "t", {})).reason == (
-        "switch_fallback without params.to"
+        "switch_fallback without params.model or params.to"
     )
     assert rig.adapter.apply(command("inject_guidance", "t", {"guidance": " "})).action == "none"
 
@@ -863,6 +957,44 @@ def _to_json(c: Command) -> dict[str, Any]:
         "failure": dict(c.failure),
         "params": dict(c.params),
     }
+
+
+def test_serve_ends_a_pause_at_its_timeout_while_the_sidecar_sends_nothing(rig: Rig) -> None:
+    ticks = Ticks()
+    adapter = rig.restart(clock=ticks)
+    rig.provider.script(Reply.server_error(503))
+    with pytest.raises(openai.InternalServerError):
+        adapter.invoke("t", ask("Hello."))
+    queued = [command("pause_run", "t", {"timeout_s": 30, "on_timeout": "resume"})]
+    stop = threading.Event()
+    handed: list[Directive] = []
+
+    def sidecar(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(200, json={})
+        if not queued:
+            ticks.now += 31  # the pause's timeout passes while the agent polls
+        batch = [_to_json(c) for c in queued]
+        queued.clear()
+        return httpx.Response(200, json={"commands": batch})
+
+    def on_directive(directive: Directive) -> None:
+        handed.append(directive)
+        if len(handed) == 2:
+            stop.set()
+
+    puller = CommandPuller("lg-unit", "http://sidecar", transport=httpx.MockTransport(sidecar))
+    with puller:
+        worker = threading.Thread(
+            target=adapter.serve, args=(puller, on_directive), kwargs={"stop": stop}
+        )
+        worker.start()
+        worker.join(10)
+    assert not worker.is_alive()
+    assert [(d.command_type, d.action) for d in handed] == [
+        ("pause_run", "wait"),
+        ("pause_run", "continue"),
+    ]
 
 
 def test_serve_does_not_spin_while_the_sidecar_is_down(rig: Rig) -> None:

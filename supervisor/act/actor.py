@@ -10,7 +10,10 @@ an approval stores the ``approval_result`` command the same way.
 Lifecycle: built by :func:`supervisor.wiring.build_sidecar` with the store and the
 delivery settings, then told where answered approvals go (:attr:`Actor.on_answer`);
 :meth:`Actor.record` per batch of outcomes from the pipeline's thread (a
-short SQLite transaction); :meth:`Actor.answer` from the control API.
+short SQLite transaction); :meth:`Actor.answer` from the control API;
+:meth:`Actor.expire_approvals` from the sidecar's timer, on the event loop:
+a request nobody answered by its pause's deadline expires, and its run gets
+the pause's stated outcome.
 """
 
 from __future__ import annotations
@@ -21,11 +24,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from supervisor.act.commands import approval_result, incident_key, plan_commands, proposal
+from supervisor.act.commands import (
+    approval_result,
+    incident_key,
+    pause_timed_out,
+    plan_commands,
+    proposal,
+)
 from supervisor.act.failure_log import outcome_json
 from supervisor.act.store import Approval, NewIncident, Store, StoredCommand
 from supervisor.judge.pipeline import Outcome
-from supervisor.records import Action
+from supervisor.records import Action, Command
 from supervisor.settings import AgentDelivery
 
 log = logging.getLogger("spanvisor.act")
@@ -178,6 +187,46 @@ class Actor:
             extra={"approval": answered.id, "approved": approved, "by": by},
         )
         return answered
+
+    def expire_approvals(self, now: float | None = None) -> list[Approval]:
+        """Expire the approval requests past their deadline; their runs get the pause's outcome.
+
+        Each expired request's run gets ``resume_run`` or ``abort_run`` (what its
+        pause said, :func:`~supervisor.act.commands.pause_timed_out`), once: the
+        store changes a request's status once and keys the command by it.
+        Event loop only (it wakes long polls).
+        """
+        at = self._clock() if now is None else now
+        if (due := self.store.next_expiry()) is None or due > at:
+            return []  # the usual case: one indexed look, nothing else
+        expired = self.store.expire_approvals(at, self._timed_out, self.channel_for)
+        self.announce([stored for _, stored in expired if stored is not None])
+        for approval, stored in expired:
+            log.warning(
+                "approval request expired unanswered",
+                extra={
+                    "approval": approval.id,
+                    "service": approval.service,
+                    "run_id": approval.run_id,
+                    "on_timeout": approval.on_timeout,
+                    "command": stored.command.id if stored is not None else None,
+                },
+            )
+        return [approval for approval, _ in expired]
+
+    @staticmethod
+    def _timed_out(approval: Approval, now: float) -> Command:
+        timeout = approval.body.get("timeout")
+        seconds = timeout.get("timeout_s") if isinstance(timeout, Mapping) else None
+        return pause_timed_out(
+            approval.body.get("what", {}),
+            approval_id=approval.id,
+            incident=approval.incident_key,
+            on_timeout=approval.on_timeout,
+            timeout_s=float(seconds) if isinstance(seconds, (int, float)) else 0.0,
+            proposal_body=approval.body,
+            now=now,
+        )
 
     def describe(self) -> dict[str, Any]:
         return {

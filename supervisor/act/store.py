@@ -32,7 +32,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from supervisor.act.store_rows import (
     Incident,
     NewIncident,
     StoredCommand,
+    approval_deadline,
     approval_from_row,
     command_from_row,
     command_row,
@@ -78,8 +79,10 @@ _INSERT_COMMAND = (
 )
 _INSERT_APPROVAL = (
     "INSERT OR IGNORE INTO approvals (id, incident_key, service, run_id, status, body,"
-    " created_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)"
+    " created_at, expires_at, on_timeout) VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, ?)"
 )
+#: What an expired approval request's run gets: the command, built from the request.
+TimedOut = Callable[[Approval, float], Command]
 
 
 class Store:
@@ -202,6 +205,7 @@ class Store:
                         i.run_id,
                         dumps_json(i.approval),
                         now,
+                        *approval_deadline(i.approval, now),
                     )
                     for i in fresh
                     if i.approval is not None
@@ -237,6 +241,7 @@ class Store:
         row = command_row(command, incident_key, channel, status, error)
         if not db.execute(_INSERT_COMMAND, row).rowcount:
             return None
+        self._waiting += status == "pending"
         finished = command.created_at if status == "dead" else None
         return StoredCommand(command, channel, status, 0, command.not_before, error, finished)
 
@@ -466,7 +471,15 @@ class Store:
             return bool(
                 db.execute(
                     _INSERT_APPROVAL,
-                    (approval_id, incident_key, service, run_id, dumps_json(body), now),
+                    (
+                        approval_id,
+                        incident_key,
+                        service,
+                        run_id,
+                        dumps_json(body),
+                        now,
+                        *approval_deadline(body, now),
+                    ),
                 ).rowcount
             )
 
@@ -518,6 +531,17 @@ class Store:
             row = db.execute("SELECT * FROM approvals WHERE id = ?", (approval_id,)).fetchone()
             if row is None:
                 raise ApprovalError(f"no approval request {approval_id!r}")
+            if row["status"] == "expired" or (
+                row["status"] == "pending"
+                and row["expires_at"] is not None
+                and row["expires_at"] <= now
+            ):
+                # Past its deadline the run was (or is about to be) given the pause's
+                # outcome: an answer now would contradict it.
+                raise ApprovalError(
+                    f"approval request {approval_id!r} expired unanswered; its run gets"
+                    f" {row['on_timeout'] or 'nothing'}"
+                )
             if row["status"] != "pending":
                 raise ApprovalError(
                     f"approval request {approval_id!r} was already answered: {row['status']}"
@@ -529,6 +553,60 @@ class Store:
             )
             row = db.execute("SELECT * FROM approvals WHERE id = ?", (approval_id,)).fetchone()
         return approval_from_row(row)
+
+    def next_expiry(self) -> float | None:
+        """When the first pending approval request with a deadline expires, or None."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT MIN(expires_at) FROM approvals WHERE status = 'pending'"
+                " AND expires_at IS NOT NULL"
+            ).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
+    def expire_approvals(
+        self, now: float, timed_out: TimedOut, channel_for: Callable[[str], str], limit: int = 100
+    ) -> list[tuple[Approval, StoredCommand | None]]:
+        """Expire pending approval requests past their deadline, with their runs' outcomes.
+
+        In one transaction per request: it becomes ``expired`` (``answered_at``
+        the time, ``answered_by`` ``"timeout"``) and the command ``timed_out``
+        builds is stored (none when the request names no outcome). The status
+        change happens once, and the command's key is the request's, so a
+        request is expired, and its run told, once however often this runs.
+        """
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM approvals WHERE status = 'pending' AND expires_at IS NOT NULL"
+                " AND expires_at <= ? ORDER BY expires_at LIMIT ?",
+                (now, limit),
+            ).fetchall()
+        done: list[tuple[Approval, StoredCommand | None]] = []
+        for found in (approval_from_row(r) for r in rows):
+            with self._transaction() as db:
+                changed = db.execute(
+                    "UPDATE approvals SET status = 'expired', answered_at = ?,"
+                    " answered_by = 'timeout', note = ? WHERE id = ? AND status = 'pending'",
+                    (now, f"no answer by the deadline; the run gets: {found.on_timeout}", found.id),
+                ).rowcount
+                if not changed:  # answered meanwhile
+                    continue
+                stored: StoredCommand | None = None
+                if found.on_timeout:
+                    command = timed_out(found, now)
+                    channel = channel_for(command.service)
+                    stored = self._insert_command(
+                        db,
+                        command,
+                        incident_key=found.incident_key,
+                        channel=channel,
+                        status="pending" if channel else "dead",
+                        error=""
+                        if channel
+                        else f"no delivery channel is configured for service {command.service!r}",
+                    )
+                row = db.execute("SELECT * FROM approvals WHERE id = ?", (found.id,)).fetchone()
+            done.append((approval_from_row(row), stored))
+        return done
 
     # -- housekeeping ------------------------------------------------------
 

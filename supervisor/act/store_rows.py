@@ -7,6 +7,7 @@ thread); a command's row repeats what the queries select and order on
 
 from __future__ import annotations
 
+import math
 import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,9 @@ import orjson
 from supervisor.records import Command, CommandType
 
 CommandStatus = Literal["pending", "leased", "delivered", "dead"]
-ApprovalStatus = Literal["pending", "approved", "denied"]
+ApprovalStatus = Literal["pending", "approved", "denied", "expired"]
+#: Every status an approval request can be in (``expired``: its deadline passed unanswered).
+APPROVAL_STATUSES: tuple[ApprovalStatus, ...] = ("pending", "approved", "denied", "expired")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,9 @@ class Approval:
     answered_at: float | None
     answered_by: str
     note: str
+    #: When it expires unanswered (None: never), and what its run gets then.
+    expires_at: float | None = None
+    on_timeout: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -88,6 +94,8 @@ class Approval:
             "status": self.status,
             **dict(self.body),
             "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "on_timeout": self.on_timeout or None,
             "answered_at": self.answered_at,
             "answered_by": self.answered_by,
             "note": self.note,
@@ -158,4 +166,23 @@ def approval_from_row(row: sqlite3.Row) -> Approval:
         answered_at=row["answered_at"],
         answered_by=row["answered_by"],
         note=row["note"],
+        expires_at=row["expires_at"],
+        on_timeout=row["on_timeout"],
     )
+
+
+def approval_deadline(body: Mapping[str, Any], now: float) -> tuple[float | None, str]:
+    """``(expires_at, on_timeout)`` of an approval request whose body names a ``timeout``."""
+    timeout = body.get("timeout")
+    if not isinstance(timeout, Mapping):
+        return None, ""
+    seconds = timeout.get("timeout_s")
+    outcome = timeout.get("on_timeout")
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
+        return None, ""
+    return now + float(seconds), str(outcome or "")

@@ -69,8 +69,23 @@ CREATE TABLE IF NOT EXISTS approvals (
     created_at REAL NOT NULL,
     answered_at REAL,
     answered_by TEXT NOT NULL DEFAULT '',
-    note TEXT NOT NULL DEFAULT ''
+    note TEXT NOT NULL DEFAULT '',
+    -- When an unanswered request expires (NULL: never), and what its run gets then
+    -- ("resume" or "abort"; "" for none).
+    expires_at REAL,
+    on_timeout TEXT NOT NULL DEFAULT ''
 );
+"""
+
+#: Columns added to a table after its first release: (table, column, definition). A store
+#: made before them gets them at open; their index comes after, in :data:`INDEXES`.
+ADDED_COLUMNS = (
+    ("approvals", "expires_at", "REAL"),
+    ("approvals", "on_timeout", "TEXT NOT NULL DEFAULT ''"),
+)
+INDEXES = """
+CREATE INDEX IF NOT EXISTS approvals_expiry ON approvals (status, expires_at)
+    WHERE status = 'pending' AND expires_at IS NOT NULL;
 """
 
 
@@ -96,11 +111,21 @@ def connect(target: str) -> tuple[sqlite3.Connection, int | None]:
         db.execute("PRAGMA cache_size=-16384")  # KiB: the hot index pages stay in memory
         db.execute("PRAGMA busy_timeout=5000")
         db.executescript(SCHEMA)
+        add_columns(db)
+        db.executescript(INDEXES)
     except sqlite3.Error as exc:
         if lock is not None:
             os.close(lock)
         raise ConfigError(f"cannot open the store at {target}: {exc}") from exc
     return db, lock
+
+
+def add_columns(db: sqlite3.Connection) -> None:
+    """Give a store made by an earlier release the columns it lacks (kept rows get defaults)."""
+    for table, column, definition in ADDED_COLUMNS:
+        present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        if column not in present:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
 
 def lock_exclusively(target: str) -> int:

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar, cast
 from policies import Governor, Policy
 from supervisor.act.actor import Actor
 from supervisor.act.store import ApprovalError, Store
+from supervisor.act.store_rows import APPROVAL_STATUSES
 from supervisor.api.inline import Question, decide
 from supervisor.api.thread_cpu import thread_cpu
 from supervisor.errors import ConfigError
@@ -209,8 +210,8 @@ class Control:
     # -- approvals ----------------------------------------------------------
 
     def approvals(self, status: str | None, limit: int) -> list[dict[str, Any]]:
-        if status is not None and status not in ("pending", "approved", "denied"):
-            raise ControlError("status must be pending, approved or denied")
+        if status is not None and status not in APPROVAL_STATUSES:
+            raise ControlError("status must be one of " + ", ".join(APPROVAL_STATUSES))
         return [a.to_json() for a in self.store.approvals(status=status, limit=_limit(limit))]
 
     def approval(self, approval_id: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from policies import Governor, Policy
 from supervisor.normalize.evidence import build_evidence
-from supervisor.records import Action, Failure, Role, SpanRecord
+from supervisor.records import Action, Failure, Role, SpanRecord, split_model_dependency
 
 MAX_TEXT = 8 * 1024
 
@@ -43,14 +43,15 @@ class Question:
 
 def _role_of(dependency: str) -> tuple[Role, str, str, str]:
     """(role, provider, model, tool name) that a dependency key names."""
+    model = split_model_dependency(dependency)
+    if model is not None:
+        return Role.LLM, model[0], model[1], ""
     prefix, sep, rest = dependency.partition(":")
-    if not sep:
-        return Role.OTHER, "", "", ""
-    if prefix == "tool":
+    if sep and prefix == "tool":
         return Role.TOOL, "", "", rest
-    if prefix == "http":
+    if sep and prefix == "http":
         return Role.HTTP, "", "", ""
-    return Role.LLM, prefix, rest, ""
+    return Role.OTHER, "", "", ""
 
 
 def decide(policy: Policy, governor: Governor | None, question: Question) -> dict[str, Any]:

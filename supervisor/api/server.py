@@ -42,7 +42,17 @@ def ensure_token(configured: str | None, token_file: Path) -> str:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body from an agent or an operator: read liberally.
+
+    Fields it does not know are ignored, not refused: an agent's
+    acknowledgement that also says ``"status": "accepted"`` must still count
+    (refusing it hands the command out again and again). What it does know
+    is checked strictly, and a body that is not a JSON object is refused
+    with a 400 that says so. Configuration (settings, policy files) stays
+    strict: a misspelt key there is a mistake to report.
+    """
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class DecideBody(_Body):

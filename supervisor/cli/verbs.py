@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     approvals.add_argument("answer", nargs="?", choices=["list", "approve", "deny"], default="list")
     approvals.add_argument("id", nargs="?", help="the approval request's id (approve, deny)")
-    approvals.add_argument("--status", choices=["pending", "approved", "denied"])
+    approvals.add_argument("--status", choices=["pending", "approved", "denied", "expired"])
     approvals.add_argument("--by", default=os.environ.get("USER", "cli"), help="who answers")
     approvals.add_argument("--note", default="", help="why, for the record")
 

@@ -96,12 +96,16 @@ class CommandLoop(Generic[Outcome]):
         *,
         stop: threading.Event,
         wait_s: float,
+        tick: Callable[[], Iterable[Outcome]] | None = None,
     ) -> None:
         """Poll, :meth:`handle` and hand each outcome to ``on_outcome`` until ``stop``.
 
         A poll that comes back empty long before ``wait_s`` (the sidecar is
         down: a refused connection fails at once) is followed by a pause,
         doubling from 0.25 s up to ``wait_s``, so the loop never spins.
+        ``tick`` runs after each poll, its outcomes handed on too (deadlines
+        that passed: it runs at least every ``wait_s``, whether or not the
+        sidecar answers).
         """
         pauses = wait_exponential(multiplier=0.25, max=wait_s)
         quick_polls = 0  # empty polls in a row that came back long before wait_s
@@ -115,7 +119,13 @@ class CommandLoop(Generic[Outcome]):
             else:
                 quick_polls += 1
                 stop.wait(wait_after(pauses, quick_polls))
-            for outcome in self.handle(commands, puller.ack):
+            outcomes = self.handle(commands, puller.ack)
+            if tick is not None:
+                try:
+                    outcomes.extend(tick())
+                except Exception:
+                    self._log.exception("checking deadlines failed; trying again next poll")
+            for outcome in outcomes:
                 try:
                     on_outcome(outcome)
                 except Exception:

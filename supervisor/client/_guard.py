@@ -21,7 +21,7 @@ from tenacity import AttemptManager as _AttemptManager
 from supervisor.client._advice import OPEN_STATES, Advice
 from supervisor.client._http import SupervisorClient, shared_client
 from supervisor.errors import SupervisorError
-from supervisor.records import Action
+from supervisor.records import Action, split_model_dependency
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -43,6 +43,15 @@ class FallbackAdvised(SupervisorError):
         super().__init__(f"spanvisor advises falling back from {dependency} to {to}")
         self.dependency = dependency
         self.to = to
+
+    @property
+    def model(self) -> str:
+        """``to``'s model, as the agent's SDK calls it (``gpt-4o-mini`` for ``openai:gpt-4o-mini``).
+
+        ``to`` itself when it names no model (a tool, a host).
+        """
+        split = split_model_dependency(self.to)
+        return split[1] if split is not None and split[1] else self.to
 
 
 class _FollowAdvice:
@@ -241,7 +250,7 @@ class Guard:
                     with attempt:
                         answer = ask("gpt-4o", prompt)
             except FallbackAdvised as advised:
-                answer = ask(advised.to.split(":", 1)[1], prompt)
+                answer = ask(advised.model, prompt)
 
         Before the first attempt an open or isolated breaker raises
         :class:`BreakerOpen`. An exception in the block is passed to

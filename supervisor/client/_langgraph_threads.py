@@ -98,8 +98,11 @@ class ThreadState:
     __slots__ = (
         "deferred",
         "directives",
+        "ended_pauses",
         "model",
         "notes",
+        "pause",
+        "pause_until",
         "paused",
         "restored",
         "running",
@@ -114,6 +117,12 @@ class ThreadState:
         self.notes: OrderedDict[str, HumanMessage] = OrderedDict()
         self.unverified: tuple[str, ...] = ()
         self.paused = False
+        #: The pause_run that paused the thread, and when (adapter clock) it times out
+        #: (None: it states no deadline, or the thread is not paused).
+        self.pause: Command | None = None
+        self.pause_until: float | None = None
+        #: Ids of pauses that timed out here: the sidecar's own outcome of one is dropped.
+        self.ended_pauses: deque[str] = deque(maxlen=8)
         self.stopped = False
         self.running = 0
         self.deferred: Command | None = None

@@ -21,8 +21,9 @@ find.
 graph's nodes read them, through the config every node and tool is given:
 
 * ``config["configurable"]["model"]`` (the adapter's ``model_key``): the model
-  a ``switch_fallback`` moved the thread to (``params.to`` without its
-  ``provider:`` prefix); absent while the thread is on its primary model.
+  a ``switch_fallback`` moved the thread to (``params.model``, the name the
+  SDK knows, e.g. ``gpt-4o-mini``); absent while the thread is on its
+  primary model.
 * :func:`supervision` ``(config)``: the thread's live :class:`Supervision`
   handle: ``.model(default)`` (the same, read when the node runs),
   ``.notes(messages)`` (the supervisor's messages the model has not seen yet:
@@ -74,8 +75,8 @@ resume_run         the same, carrying ``params.unverified`` to the model (a
 approval_result    a thread waiting in ``interrupt()`` gets ``Command(resume=
                    {"approved", "note", "answered_by", "approval_id"})``;
                    otherwise approved continues, denied stops the thread
-switch_fallback    the thread's model becomes ``params.to`` (prefix dropped),
-                   then continue
+switch_fallback    the thread's model becomes ``params.model`` (the name the
+                   SDK knows; from ``params.to`` when absent), then continue
 inject_guidance    a note carrying ``params.guidance``, then continue (a
                    running thread gets it at its next model call)
 compact_context    older messages removed (``params.keep_last`` or
@@ -83,7 +84,12 @@ compact_context    older messages removed (``params.keep_last`` or
 rewind_run         fork from the checkpoint before the loop (``params.tool``)
                    or ``params.steps_back`` checkpoints back, with a note
                    carrying ``params.summary``; continue from the fork
-pause_run          the thread waits for resume_run or approval_result
+pause_run          the thread waits for resume_run or approval_result, at
+                   most ``params.timeout_s``: then ``params.on_timeout``
+                   (``resume``: continue; ``abort``: stop) happens here
+                   (:meth:`LangGraphAdapter.expire_pauses`, which ``serve``
+                   calls after every poll), and the sidecar's own outcome of
+                   that pause (``params.after_pause``) is dropped when it comes
 abort_run          the thread is stopped; later commands do not restart it
 =================  ==========================================================
 
@@ -145,6 +151,7 @@ from supervisor.client._langgraph_threads import (
 )
 from supervisor.client._webhooks import SeenCommands
 from supervisor.client.pull import Command, CommandPuller
+from supervisor.records import split_model_dependency
 
 __all__ = [
     "HANDLE_KEY",
@@ -181,6 +188,22 @@ _USING_SESSION = _session_factory()
 def _session(thread_id: str) -> AbstractContextManager[Any]:
     """Spans made inside carry ``session.id`` = the thread id: the sidecar's run id."""
     return _USING_SESSION(thread_id) if _USING_SESSION is not None else nullcontext()
+
+
+def _fallback_model(params: Any) -> str:
+    """The model a ``switch_fallback`` names, as the agent's SDK calls it.
+
+    ``params.model`` (the sidecar sends it); from a sidecar that sends only
+    ``params.to``, the model part of that ``provider:model`` key.
+    """
+    model = params.get("model")
+    if isinstance(model, str) and model.strip():
+        return model.strip()[:200]
+    target = params.get("to")
+    if not isinstance(target, str) or not target.strip():
+        return ""
+    split = split_model_dependency(target.strip())
+    return (split[1] if split is not None and split[1] else target.strip())[:200]
 
 
 # -- the adapter -------------------------------------------------------------------------------
@@ -368,6 +391,14 @@ class LangGraphAdapter:
             log.warning("spanvisor command %s (%s) names no run: ignored", command.id, command.type)
             return self._directive(None, command, "none", "the command names no run (thread)")
         thread = self._touch(thread_id)
+        after = command.params.get("after_pause")
+        if isinstance(after, str) and after and self._ended_here(thread, after):
+            return self._directive(
+                thread,
+                command,
+                "none",
+                f"pause {after} already timed out here; its outcome was applied then",
+            )
         directive = handler(command, thread)
         with self._lock:
             self._counts["applied"] += 1
@@ -408,7 +439,48 @@ class LangGraphAdapter:
         the loop never spins. Raises what :meth:`CommandPuller.poll` raises (a
         refused token); an ``on_directive`` that raises is logged.
         """
-        self._loop.serve(puller, on_directive, stop=stop, wait_s=wait_s)
+        self._loop.serve(puller, on_directive, stop=stop, wait_s=wait_s, tick=self.expire_pauses)
+
+    def expire_pauses(self, now: float | None = None) -> list[Directive]:
+        """End the pauses whose ``timeout_s`` passed (adapter clock): their ``on_timeout``.
+
+        ``resume``: a ``continue`` directive from the last checkpoint (as a
+        ``resume_run`` would); ``abort``: the thread is stopped (``stop``). A
+        paused thread so waits at most its pause's ``timeout_s`` for the
+        sidecar, even when the sidecar is gone. :meth:`serve` calls this after
+        every poll; an agent with its own loop calls it now and then.
+        """
+        at = self._clock() if now is None else now
+        due: list[tuple[ThreadState, Command]] = []
+        with self._lock:
+            for thread in self._threads.values():
+                until, pause = thread.pause_until, thread.pause
+                if thread.paused and until is not None and until <= at and pause is not None:
+                    thread.paused = False
+                    thread.pause_until = None
+                    thread.ended_pauses.append(pause.id)
+                    due.append((thread, pause))
+        directives: list[Directive] = []
+        for thread, pause in due:
+            timeout = pause.pause
+            seconds = f"{timeout.timeout_s:g} s" if timeout is not None else "its timeout"
+            if timeout is not None and timeout.on_timeout == "resume":
+                directive = self._onward(pause, thread, why=f"pause timed out after {seconds}")
+            else:
+                with self._lock:
+                    thread.stopped = True
+                directive = self._directive(
+                    thread, pause, "stop", f"pause timed out after {seconds}: aborted"
+                )
+            log.warning(
+                "spanvisor pause %s of thread %s timed out: %s (%s)",
+                pause.id,
+                thread.thread_id,
+                directive.action,
+                directive.reason,
+            )
+            directives.append(directive)
+        return directives
 
     # -- what the adapter holds -------------------------------------------------------
 
@@ -464,6 +536,7 @@ class LangGraphAdapter:
         with self._lock:
             thread.unverified = unverified
             thread.paused = False
+            thread.pause_until = None
         if unverified:
             listed = "\n".join(f"- {as_data(call, _MAX_CALL_CHARS)}" for call in unverified)
             self._add_note(
@@ -517,14 +590,15 @@ class LangGraphAdapter:
         return self._onward(command, thread, snapshot, why=f"approved by {who}")
 
     def _fallback(self, command: Command, thread: ThreadState) -> Directive:
-        target = command.params.get("to")
-        if not isinstance(target, str) or not target.strip():
-            return self._directive(thread, command, "none", "switch_fallback without params.to")
-        # "openai:gpt-4o-mini" -> "gpt-4o-mini"; "ollama:llama3:8b" -> "llama3:8b".
-        model = (target.split(":", 1)[1] if ":" in target else target).strip()[:200]
+        model = _fallback_model(command.params)
+        if not model:
+            return self._directive(
+                thread, command, "none", "switch_fallback without params.model or params.to"
+            )
         with self._lock:
             thread.model = model
             thread.paused = False
+            thread.pause_until = None
         return self._onward(command, thread, why=f"now on {model}")
 
     def _guidance(self, command: Command, thread: ThreadState) -> Directive:
@@ -580,11 +654,19 @@ class LangGraphAdapter:
         )
 
     def _pause(self, command: Command, thread: ThreadState) -> Directive:
+        timeout = command.pause
         with self._lock:
             thread.paused = True
+            thread.pause = command
+            thread.pause_until = None if timeout is None else self._clock() + timeout.timeout_s
         awaiting = command.params.get("awaiting")
         what = awaiting if isinstance(awaiting, str) and awaiting else "resume_run"
-        return self._directive(thread, command, "wait", f"paused, awaiting {what}")
+        until = (
+            f", at most {timeout.timeout_s:g} s, then {timeout.on_timeout}"
+            if timeout is not None
+            else ""
+        )
+        return self._directive(thread, command, "wait", f"paused, awaiting {what}{until}")
 
     def _abort(self, command: Command, thread: ThreadState) -> Directive:
         with self._lock:
@@ -694,6 +776,11 @@ class LangGraphAdapter:
     def _unpause(self, thread: ThreadState) -> None:
         with self._lock:
             thread.paused = False
+            thread.pause_until = None
+
+    def _ended_here(self, thread: ThreadState, pause_id: str) -> bool:
+        with self._lock:
+            return pause_id in thread.ended_pauses
 
     def _stopped(self, thread: ThreadState) -> bool:
         with self._lock:

@@ -33,9 +33,10 @@ from urllib.parse import quote
 
 import httpx
 
+from supervisor.act.commands import PAUSE_OUTCOMES, PauseTimeout
 from supervisor.client._http import DEFAULT_BASE_URL, SupervisorClientError, default_token
 
-__all__ = ["Command", "CommandPuller", "MalformedCommand"]
+__all__ = ["Command", "CommandPuller", "MalformedCommand", "PauseTimeout"]
 
 log = logging.getLogger("spanvisor.client")
 
@@ -101,6 +102,30 @@ class Command:
     #: already waits for it before handing it out; a clock skew may remain).
     not_before: float | None = None
     created_at: float | None = None
+
+    @property
+    def pause(self) -> PauseTimeout | None:
+        """A ``pause_run``'s deadline and outcome (``params.timeout_s``, ``params.on_timeout``).
+
+        ``None`` for another type, or a pause that states none (a sidecar
+        older than this contract): such a pause waits for the next command.
+        An agent that hears nothing more within ``timeout_s`` of applying the
+        pause does what ``on_timeout`` says (``resume`` or ``abort``) itself;
+        the sidecar sends the same as a command at its deadline.
+        """
+        if self.type != "pause_run":
+            return None
+        seconds = self.params.get("timeout_s")
+        outcome = self.params.get("on_timeout")
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not math.isfinite(seconds)
+            or seconds < 0
+            or outcome not in PAUSE_OUTCOMES
+        ):
+            return None
+        return PauseTimeout(float(seconds), outcome)
 
     @classmethod
     def from_json(cls, payload: object) -> Command:

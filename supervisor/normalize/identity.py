@@ -14,7 +14,7 @@ from typing import Any, Final, TypeVar
 from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import MAX_NAME_CHARS, Draft, as_str
 from supervisor.normalize.wire import RawAttributes, raw_value
-from supervisor.records import AttrValue, Role
+from supervisor.records import AttrValue, Role, model_dependency
 
 __all__ = [
     "RUN_ORDER",
@@ -89,7 +89,7 @@ def dependency_and_tool(draft: Draft, role: Role, name: str) -> tuple[str, str]:
     if role is Role.LLM:
         provider = draft.provider
         model = draft.response_model or draft.request_model
-        dependency = f"{provider or 'unknown'}:{model or 'unknown'}" if provider or model else ""
+        dependency = model_dependency(provider, model)
     elif role is Role.TOOL:
         dependency = f"tool:{tool_name}" if tool_name else ""
     elif role is Role.HTTP:
