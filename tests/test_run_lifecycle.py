@@ -66,15 +66,17 @@ def test_a_turn_that_ended_stays_ended_whatever_order_its_spans_come_in(
     assert tracker.snapshot(now=5000.0)[0].status == "ended"
 
 
-def test_a_failure_that_arrives_after_its_turn_ended_well_sends_nothing() -> None:
+def test_a_late_failure_reopens_an_ended_turn_only_when_the_run_is_told_to_go_on() -> None:
     tracker, pipeline = judged()
     assert pipeline.process_payload(payload(root()), received_ns=1000 * 10**9) == []
-    (late,) = pipeline.process_payload(payload(failing_llm(RETRY_503)), received_ns=1001 * 10**9)
-
-    assert late.decision.action is Action.NONE
-    assert late.decision.params["proposed_action"] == "retry"
-    assert "ended" in late.decision.reason
+    (late,) = pipeline.process_payload(payload(failing_llm(AUTH_401)), received_ns=1001 * 10**9)
+    assert late.decision.action is Action.FAIL_FAST  # abort: it stays ended
     assert tracker.stalled(now=5000.0) == []
+    assert tracker.snapshot(now=5000.0)[0].status == "ended"
+
+    (retried,) = pipeline.process_payload(payload(failing_llm(RETRY_503)), received_ns=5001 * 10**9)
+    assert retried.decision.action is Action.RETRY  # the agent may wait for the verdict
+    assert tracker.snapshot(now=5001.0)[0].status == "waiting"
 
 
 @pytest.mark.parametrize("root_first", [True, False])

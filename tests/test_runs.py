@@ -481,14 +481,12 @@ policies:
         root = span("agent run", {}, trace=trace, parent=False)
         root.status.code = 2
         pipeline.process_payload(payload(failing, root), received_ns=10**12)
-    for n in range(2):  # two runs recover from a failed call and end well: no failure
+    for n in range(2):  # two runs end well, one after a context-pressure prediction
         trace = bytes([n + 5]) * 16
-        failing = llm("")
-        failing.trace_id = trace
-        failing.status.code = 2
-        failing.status.message = "InternalServerError: 503 Service Unavailable"
+        answered = llm("done", **{"gen_ai.usage.input_tokens": 127_000 if n else 10})
+        answered.trace_id = trace
         root = span("agent run", {}, trace=trace, parent=False)
-        pipeline.process_payload(payload(failing, root), received_ns=10**12)
+        pipeline.process_payload(payload(answered, root), received_ns=10**12)
     assert "agent" not in runs.slo_status()  # an end counts once it stayed an end
     clock[0] += 10
     runs.stalled()

@@ -488,27 +488,25 @@ class Pipeline:
 
 
 def _for_run_as_it_is(runs: RunTracker, outcome: Outcome) -> Outcome:
-    """The decision, for the run as it now is: nothing is sent to a turn that ended well.
+    """The decision, for the run as it now is (:mod:`supervisor.runs.phase`).
 
-    A failure that arrives after its turn's root span succeeded (exporters send a
-    run's spans in any order) is recorded, but no command follows: the run is
-    over. A run paused for a person's answer is not told to go on by anything
-    but that answer. A turn that ended in error is not paused (nothing runs);
-    an escalation still asks the person, who may have it retried.
+    A run paused for a person's answer is moved on by nothing but that answer
+    (or its deadline): a decision about another of its failures sends nothing.
+    A run that is one trace whose root span arrived is not paused (nothing
+    runs); an escalation still asks the person, whose answer the agent may be
+    waiting for. Commands that start a run again (retry, fallback) still go to
+    a run whose root span ended: an agent that caught the error may be
+    waiting for the sidecar's verdict, and a silence after it is a stall.
     """
     failure, decision = outcome.failure, outcome.decision
     if decision.action is Action.NONE or decision.observe_only:
         return outcome
-    why = ""
-    if runs.finished(failure.run_id, failure.trace_id):
-        why = "the run's turn had already ended: nothing is sent to it"
-    elif runs.awaiting_person(failure.run_id) and failure.kind != "approval_required":
-        why = "the run is paused for a person's answer: only that answer resumes it"
-    elif decision.action is Action.ESCALATE and runs.turn_ended(failure.run_id, failure.trace_id):
+    if decision.action is Action.ESCALATE and runs.turn_ended(failure.run_id, failure.trace_id):
         params = {**decision.params, "run_ended": True}
         return Outcome(failure, replace(decision, params=params))
-    if not why:
+    if not runs.awaiting_person(failure.run_id) or failure.kind == "approval_required":
         return outcome
+    why = "the run is paused for a person's answer: only that answer resumes it"
     params = {**decision.params, "proposed_action": decision.action.value}
     reason = f"{decision.reason}; {why}" if decision.reason else why
     return Outcome(failure, replace(decision, action=Action.NONE, params=params, reason=reason))

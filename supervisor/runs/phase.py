@@ -4,7 +4,7 @@ Every question about a run's state is answered here, from two kinds of event:
 the spans the run sends (:func:`span_seen`) and the commands the sidecar
 sends it (:func:`commanded`, :func:`command_dead`); a pause's deadline is
 the third (:func:`due`). The detectors ask (:func:`may_stall`,
-:func:`idle_since`); the judging asks (:func:`finished`, :func:`awaiting_person`).
+:func:`idle_since`); the judging asks (:func:`awaiting_person`).
 
 =========  ===================================================================
 open       a turn is under way: its root span has not arrived
@@ -21,8 +21,9 @@ ended      the turn's root span arrived (``failed`` when it was in error and
 
 A turn that ended stays ended: a span of its trace that arrives later (an
 exporter's batches come in any order, a request's spans in any order) is
-counted but reopens nothing. A span of a new trace in the same session opens
-the session's next turn.
+counted but reopens nothing. Only a command that tells the run to go on does
+(an agent that caught the error may be waiting for the sidecar's verdict), and
+a span of a new trace in the same session opens the session's next turn.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ __all__ = [
     "command_dead",
     "commanded",
     "due",
-    "finished",
     "idle_since",
     "may_stall",
     "span_seen",
@@ -100,8 +100,6 @@ def commanded(
     commands it plans, and the store announces them again once stored).
     """
     if kind in GO_ON:
-        if finished(run, run.trace):
-            return  # a finished turn is not started again by a late command
         if run.phase == PAUSED and run.paused_for == "approval" and kind != "resume_run":
             return  # only the person's answer (or the deadline) ends this pause
         run.phase = WAITING
@@ -185,12 +183,6 @@ def status(run: RunState, now: float, idle_limit: float | None) -> str:
     if run.phase == WAITING:
         return WAITING
     return "failing" if run.errors else "running"
-
-
-def finished(run: RunState, trace: bytes) -> bool:
-    """Whether the turn of ``trace`` ended well: nothing more is sent to it."""
-    ended = run.ended_traces
-    return ended is not None and ended.get(trace) is True
 
 
 def awaiting_person(run: RunState) -> bool:

@@ -492,17 +492,6 @@ class RunTracker:
                     self._ended(run)
                 self._dirty.add(run_id)
 
-    def finished(self, run_id: str, trace_id: str) -> bool:
-        """Whether the turn of ``trace_id`` (hex) in ``run_id`` ended well: send it nothing."""
-        run = self._runs.get(run_id)
-        if run is None:
-            return False
-        try:
-            trace = bytes.fromhex(trace_id)
-        except ValueError:
-            return False
-        return phase.finished(run, trace)
-
     def turn_ended(self, run_id: str, trace_id: str) -> bool:
         """Whether ``run_id`` is one trace whose root ended, well or not: nothing runs to pause.
 
