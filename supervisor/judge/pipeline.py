@@ -148,9 +148,7 @@ class Pipeline:
         self.observe_only = observe_only
         # trace + span id of failing spans already judged: exporters re-send batches.
         self._seen: BoundedMap[str, bool] = BoundedMap(seen_capacity)
-        self._attribution = Attribution(
-            seen_capacity=seen_capacity, traces_capacity=runs_capacity
-        )
+        self._attribution = Attribution(seen_capacity=seen_capacity, traces_capacity=runs_capacity)
         # (run, dependency) → failures since its last success in the run: a step's
         # attempts (the retry of a step is another call of the same dependency).
         self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
@@ -233,7 +231,7 @@ class Pipeline:
         calls: list[tuple[int, str, bool]] = []
         outcomes = self._judge_spans(rest.quiet, rest.received_ns, calls)
         if rest.verify:
-            answers = [s.record() for s in rest.verify if not only_calls_tools(s, s.record())]
+            answers = [r for r in (s.record() for s in rest.verify) if not only_calls_tools(r)]
             outcomes += self._verify(answers, rest.received_ns)
         if self.runs is not None:
             self.runs.settle()
@@ -327,7 +325,7 @@ class Pipeline:
                 continue
             if record.dependency:
                 self._succeeded(span, record.dependency, calls)
-            if not only_calls_tools(span, record):
+            if not only_calls_tools(record):
                 passed.append(record)
         outcomes = self._judge(failing, received_ns, calls)
         return outcomes + self._verify(passed, received_ns)
@@ -384,9 +382,7 @@ class Pipeline:
             attributed=self._attribution.attributed,
             duplicates=self._duplicates,
             own_spans_skipped=self._own,
-            evictions=self._seen.evictions
-            + self._attribution.evictions
-            + self._attempts.evictions,
+            evictions=self._seen.evictions + self._attribution.evictions + self._attempts.evictions,
         )
 
     # -- the failure path -------------------------------------------------
@@ -482,6 +478,7 @@ class Pipeline:
             # Kept as it was, mostly: dataclasses.replace is the slow way to copy.
             reviewed.append(o if decision is o.decision else Outcome(o.failure, decision))
         return reviewed
+
 
 def _goes_on_after(outcome: Outcome) -> float | None:
     """When a decision tells the run to go on (Unix seconds); None when it does not."""

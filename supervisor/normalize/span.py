@@ -26,7 +26,7 @@ from typing import Any, Final
 from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import as_int
 from supervisor.normalize.identity import RUN_ORDER, SESSION_KEYS, dependency_of, session_of
-from supervisor.normalize.record import MAX_SPAN_NAME, record_of
+from supervisor.normalize.record import ANSWER_KEYS, MAX_SPAN_NAME, RESULT_KEYS, record_of
 from supervisor.normalize.wire import (
     LazyConverted,
     RawAttributes,
@@ -68,7 +68,13 @@ WATCHED_RUN_KEYS: Final = (
         + _OBJECTIVE_KEYS
     )
     | _REQUEST_MARKERS
+    | ANSWER_KEYS
+    | RESULT_KEYS
 )
+#: Encoded outputs up to this long may be empty or blank (:attr:`Span.may_say_nothing`).
+_SHORT_OUTPUT: Final = 256
+#: A span's result, in the order tried when it has no answer's text or message list.
+_RESULT_KEYS: Final = tuple(sorted(RESULT_KEYS))
 
 #: Raw values longer than this are not kept past their batch (requested calls).
 _MAX_KEPT_BYTES: Final = 16 * 1024
@@ -85,12 +91,14 @@ class _Shape:
     """
 
     __slots__ = (
+        "answer_role",
         "input_tokens_key",
         "llm_text_key",
         "messages",
         "objective_key",
         "output_tokens_key",
         "requests",
+        "result_keys",
         "session_keys",
         "tool_arguments_key",
     )
@@ -102,6 +110,8 @@ class _Shape:
         self.tool_arguments_key = _first(present, _TOOL_ARGUMENT_KEYS)
         self.llm_text_key = _first(present, _LLM_TEXT_KEYS)
         self.messages = genai.OUTPUT_MESSAGES in present
+        self.answer_role = openinference.OUTPUT_ROLE in present
+        self.result_keys = tuple(k for k in _RESULT_KEYS if k in present)
         self.objective_key = _first(present, _OBJECTIVE_KEYS)
         self.requests = not _REQUEST_MARKERS.isdisjoint(present)
 
@@ -277,6 +287,25 @@ class Span:
         return self._raw(self._shape.llm_text_key) or self.output_messages
 
     @property
+    def may_say_nothing(self) -> bool:
+        """Whether the span may have recorded an empty output: a cheap superset.
+
+        True when what carries its output is short; the record says for sure
+        (:attr:`SpanRecord.says_nothing`). Spans that recorded no output, or a
+        long one, or a requested tool call, are not empty and need no record.
+        """
+        shape = self._shape
+        if openinference.FIRST_TOOL_CALL in self.present:
+            return False
+        encoded = self.encoded
+        key = shape.llm_text_key or (genai.OUTPUT_MESSAGES if shape.messages else None)
+        if key is not None:
+            return len(encoded[key]) <= _SHORT_OUTPUT
+        if shape.answer_role:  # an answer recorded without a text: empty unless it called tools
+            return True
+        return any(len(encoded[k]) <= _SHORT_OUTPUT for k in shape.result_keys)
+
+    @property
     def has_objective(self) -> bool:
         return self._shape.objective_key is not None
 
@@ -397,5 +426,3 @@ def requested_calls(kept: Mapping[str, bytes]) -> list[str]:
         text = arguments if isinstance(arguments, str) else repr(arguments)
         out.append(f"{name}({text[:200]})")
     return out
-
-
