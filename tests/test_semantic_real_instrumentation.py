@@ -35,6 +35,7 @@ from supervisor.judge.pipeline import Outcome, Pipeline
 from supervisor.normalize import read_spans
 from supervisor.testing import FakeProvider
 from tests import real_corpus as corpus
+from tests.screening import assert_early_reads_agree
 
 HEALTHY_RUNS = 12
 #: The checks the issue ran: an answer, a tool's output and the run's answer, not empty.
@@ -107,6 +108,7 @@ def _judge(batches: list[bytes], policy_text: str | None = None) -> list[Outcome
     pipeline = Pipeline(policy)
     outcomes: list[Outcome] = []
     for n, payload in enumerate(batches):
+        assert_early_reads_agree(payload)  # the screens pass every span the record fails
         outcomes += pipeline.process_payload(payload, received_ns=1_700_000_000_000_000_000 + n)
     return outcomes
 
