@@ -20,6 +20,7 @@ which order the conventions are asked.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -71,8 +72,14 @@ WATCHED_RUN_KEYS: Final = (
     | ANSWER_KEYS
     | RESULT_KEYS
 )
-#: Encoded outputs up to this long may be empty or blank (:attr:`Span.may_say_nothing`).
+#: Longest encoded text read for blankness (:attr:`Span.may_say_nothing`): longer is not blank.
 _SHORT_OUTPUT: Final = 256
+#: The tag of ``AnyValue.string_value`` (field 1, length-delimited).
+_STRING_VALUE: Final = b"\x0a"
+#: In a GenAI message list: a text part with a character that is not blank, or a tool call.
+_SAYS_SOMETHING: Final = re.compile(
+    rb'"content"\s*:\s*"(?:\s|\\[nrt])*[^"\s\\]|"type"\s*:\s*"tool_call"'
+)
 #: A span's result, in the order tried when it has no answer's text or message list.
 _RESULT_KEYS: Final = tuple(sorted(RESULT_KEYS))
 
@@ -298,12 +305,13 @@ class Span:
         if openinference.FIRST_TOOL_CALL in self.present:
             return False
         encoded = self.encoded
-        key = shape.llm_text_key or (genai.OUTPUT_MESSAGES if shape.messages else None)
-        if key is not None:
-            return len(encoded[key]) <= _SHORT_OUTPUT
+        if shape.llm_text_key is not None:
+            return _blank(encoded[shape.llm_text_key])
+        if shape.messages:
+            return _SAYS_SOMETHING.search(encoded[genai.OUTPUT_MESSAGES]) is None
         if shape.answer_role:  # an answer recorded without a text: empty unless it called tools
             return True
-        return any(len(encoded[k]) <= _SHORT_OUTPUT for k in shape.result_keys)
+        return any(_blank(encoded[k]) for k in shape.result_keys)
 
     @property
     def has_objective(self) -> bool:
@@ -362,6 +370,18 @@ class Span:
 
     def __repr__(self) -> str:
         return f"Span({self.service!r}, {self.name!r}, trace={self.trace_hex})"
+
+
+def _blank(raw: bytes) -> bool:
+    """Whether an encoded value may be an empty or blank text (a superset: not decoded)."""
+    if raw[:1] != _STRING_VALUE:
+        return len(raw) <= _SHORT_OUTPUT  # another type: the record decides
+    try:
+        size, end = read_varint(raw, 1)
+    except (IndexError, ValueError):
+        return True
+    text = raw[end:].strip()
+    return size <= _SHORT_OUTPUT and (not text or text in (b'""', b"''"))
 
 
 def _count(encoded: Any, key: str | None) -> int:
