@@ -30,6 +30,23 @@ What the free text looks like, per producer:
   friends), else OpenAI's "Please try again in 1.5s" / "in 20ms" / "in 1m3s",
   Azure's "Please retry after 20 seconds".
 
+Where a tool span's output and failure are, per producer (the adapters read
+the output; this module what it says):
+
+* opentelemetry-util-genai (openai-v2's helper) ``execute_tool``: the result in
+  ``gen_ai.tool.call.result``, only with content capture on; a raised exception
+  is status ERROR with the bare message and ``error.type`` = the class name.
+* OpenInference LangChain: ``output.value`` holds the ``ToolMessage`` as
+  ``{"type": "tool", "data": {"content", "status", ...}}``; a raised exception is
+  status ERROR plus an ``exception`` event (``json.decoder.JSONDecodeError``).
+* OpenLLMetry LangChain: ``traceloop.entity.output`` (and
+  ``gen_ai.tool.call.result``) hold ``{"output": <LangChain's serialised
+  ToolMessage>, "kwargs": ...}``; traceloop-sdk's ``@tool`` the JSON-encoded
+  return value. A raised exception is status ERROR plus an ``exception`` event.
+* OpenInference Agents SDK: ``output.value`` is the tool's text; a failure is
+  status ERROR ``Error running tool (non-fatal): {...}`` with no event, the
+  exception redacted unless a ``failure_error_function`` wrote it into the output.
+
 Errors swallowed by tools (status OK, output describes a caught error) are
 recognised conservatively, by shape and never by a mere word — see
 :func:`detect_swallowed` for the list of patterns. A LangChain ``ToolMessage``
