@@ -85,7 +85,9 @@ FAILURES: dict[str, Callable[[], str]] = {
     "tool_exception": _raise(ToolException("the archive is offline")),
     "fine": lambda: "line 1: all clear",
 }
-TOOLS = (*HONEST, "read_file")
+#: ``lookup`` answers like ``read_file``; under LangChain it handles its own argument
+#: errors (``handle_validation_error``): an OK span whose ToolMessage says status "error".
+TOOLS = (*HONEST, "read_file", "lookup")
 _PARAMETERS = {"type": "object", "properties": {"query": {"type": "string"}}}
 OPENAI_TOOLS: Any = [
     {"type": "function", "function": {"name": n, "description": n, "parameters": _PARAMETERS}}
@@ -234,7 +236,7 @@ def _tool_runner(flavor: str, provider: TracerProvider) -> Callable[[str, str, s
 
 def run_tool(tool: str, query: str) -> str:
     """What a tool answers; ``read_file`` fails as its query says."""
-    if tool == "read_file":
+    if tool in ("read_file", "lookup"):
         return FAILURES.get(query, FAILURES["fine"])()
     return HONEST.get(tool, f"no such tool: {tool}")
 
@@ -366,7 +368,11 @@ def langgraph(
             return run_tool(name, query)
 
         return StructuredTool.from_function(
-            body, name=name, description=f"{name}.", handle_tool_error=True
+            body,
+            name=name,
+            description=f"{name}.",
+            handle_tool_error=True,
+            handle_validation_error=name == "lookup",
         )
 
     tools = [make(name) for name in TOOLS]

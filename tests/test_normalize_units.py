@@ -1293,6 +1293,7 @@ def test_a_framework_refusing_the_models_arguments_is_an_invalid_tool_call(
         ("ValidationError", "1 validation error for Order", None, "", False),
         ("ValidationError", "1 validation error for ReadFileInput", None,
          'File "base.py", line 835, in _parse_input\n    result = ...', True),
+        ("ValidationError", "Tool input validation error", None, "", True),
         ("json.decoder.JSONDecodeError", "Expecting value", "{path: x", "", True),
         ("json.decoder.JSONDecodeError", "Expecting value", '{"path": "x"}', "", False),
         ("json.decoder.JSONDecodeError", "Expecting value", "/srv/notes.txt", "", False),

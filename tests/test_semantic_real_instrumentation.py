@@ -58,10 +58,11 @@ NOT_RECORDED = frozenset({"openai_v2_off", "lg_openinference_hidden", "sdk_hidde
 FAULTS: dict[str, list[corpus.Step]] = {
     **{f: [("call", f"read_file:{f}"), ("answer", "Sorry.")] for f in corpus.FAILURES},
     "bad_args": [("bad_args", "read_file"), ("answer", "Sorry.")],
+    "bad_args_handled": [("bad_args", "lookup"), ("answer", "Sorry.")],
     "empty_answer": [("call", "get_weather"), ("answer", "")],
 }
 #: The hand-written loop parses the model's arguments itself, before any tool span.
-_LOOP_FAULTS = [name for name in FAULTS if name != "bad_args"]
+_LOOP_FAULTS = [name for name in FAULTS if not name.startswith("bad_args")]
 
 
 def _custom_failure(_context: Any, error: Exception) -> str:
@@ -232,6 +233,18 @@ def test_arguments_the_model_wrote_that_the_tool_refused_are_an_invalid_tool_cal
     assert _seen(outcomes) == [("tool", "builtin.llm.invalid_tool_call", _M, "invalid_tool_call")]
     evidence = outcomes[0].failure.evidence
     assert evidence is not None and evidence.invalid_tool_calls == ("bad_arguments:read_file",)
+
+
+@pytest.mark.parametrize("flavor", ["lg_openinference", "lg_openllmetry"])
+def test_arguments_a_langchain_tool_refused_itself_are_an_invalid_tool_call(
+    runs: Runs, flavor: str
+) -> None:
+    """handle_validation_error: an OK span, ToolMessage status "error", LangChain's own words."""
+    outcomes = _judge(runs[flavor]["bad_args_handled"])
+    assert _seen(outcomes) == [("tool", "builtin.llm.invalid_tool_call", _M, "invalid_tool_call")]
+    evidence = outcomes[0].failure.evidence
+    assert evidence is not None
+    assert (evidence.swallowed, evidence.invalid_tool_calls) == (True, ("bad_arguments:lookup",))
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)

@@ -479,6 +479,8 @@ _PLEASE_FIX: Final = re.compile(r"\s*Please fix your mistakes\.?\s*\Z")
 _REPR: Final = re.compile(r"([A-Za-z_][\w.]{0,200})\((.*)\)\s*\Z", re.S)
 _TRACEBACK: Final = "Traceback (most recent call last)"
 _TB_LAST: Final = re.compile(r"^([A-Za-z_][\w.]{0,200})(?::[ \t]*(.*))?$", re.M)
+#: LangChain's answer for arguments its schema refused (``handle_validation_error=True``).
+_INPUT_VALIDATION_DEFAULT: Final = "Tool input validation error"
 _LANGCHAIN_DEFAULTS: Final[Mapping[str, str]] = {
     # langchain_core.tools: handle_tool_error=True / handle_validation_error=True
     "Tool execution error": "ToolException",
@@ -661,7 +663,8 @@ def rejected_arguments(
 
     * a ``ValidationError`` whose model is the tool's argument schema
       (LangChain and the Agents SDK name it after the tool: ``read_file``,
-      ``read_file_args``) or raised from LangChain's input parsing frames;
+      ``read_file_args``), raised from LangChain's input parsing frames, or
+      answered with LangChain's ``Tool input validation error``;
     * a ``JSONDecodeError`` on a span whose own recorded arguments are not a
       JSON object (the tool parsed what the model wrote);
     * a framework's own words for refused arguments (:data:`_REFUSED_ARGUMENTS`).
@@ -671,6 +674,8 @@ def rejected_arguments(
     bad = (f"bad_arguments:{bounded(tool, MAX_NAME_CHARS)}",)
     last = exception_type.rpartition(".")[2]
     if last == "ValidationError":
+        if message.strip() == _INPUT_VALIDATION_DEFAULT:  # handle_validation_error=True
+            return bad
         title = _VALIDATION_TITLE.match(message.lstrip()[:512])
         if title and title.group(1) in (tool, f"{tool}_args", f"{tool}Args", f"{tool}Input"):
             return bad
