@@ -43,6 +43,7 @@ forwarded and own spans go to OTEL_EXPORTER_OTLP_ENDPOINT when it is set.
 """
 
 
+
 REMEDIATIONS_EPILOG = """\
 examples:
   spanvisor remediations                        the latest 50, newest first

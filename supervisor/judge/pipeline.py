@@ -148,7 +148,9 @@ class Pipeline:
         self.observe_only = observe_only
         # trace + span id of failing spans already judged: exporters re-send batches.
         self._seen: BoundedMap[str, bool] = BoundedMap(seen_capacity)
-        self._attribution = Attribution(seen_capacity=seen_capacity, traces_capacity=runs_capacity)
+        self._attribution = Attribution(
+            seen_capacity=seen_capacity, traces_capacity=runs_capacity
+        )
         # (run, dependency) → failures since its last success in the run: a step's
         # attempts (the retry of a step is another call of the same dependency).
         self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
@@ -382,7 +384,9 @@ class Pipeline:
             attributed=self._attribution.attributed,
             duplicates=self._duplicates,
             own_spans_skipped=self._own,
-            evictions=self._seen.evictions + self._attribution.evictions + self._attempts.evictions,
+            evictions=self._seen.evictions
+            + self._attribution.evictions
+            + self._attempts.evictions,
         )
 
     # -- the failure path -------------------------------------------------
@@ -478,7 +482,6 @@ class Pipeline:
             # Kept as it was, mostly: dataclasses.replace is the slow way to copy.
             reviewed.append(o if decision is o.decision else Outcome(o.failure, decision))
         return reviewed
-
 
 def _goes_on_after(outcome: Outcome) -> float | None:
     """When a decision tells the run to go on (Unix seconds); None when it does not."""

@@ -122,3 +122,5 @@ def _resource(resource: Any) -> tuple[Mapping[str, AttrValue], str]:
         converted = {}
     resource = MappingProxyType(converted)
     return resource, as_str(resource.get("service.name")) or UNKNOWN_SERVICE
+
+

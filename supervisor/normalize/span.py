@@ -297,9 +297,11 @@ class Span:
     def may_say_nothing(self) -> bool:
         """Whether the span may have recorded an empty output: a cheap superset.
 
-        True when what carries its output is short; the record says for sure
-        (:attr:`SpanRecord.says_nothing`). Spans that recorded no output, or a
-        long one, or a requested tool call, are not empty and need no record.
+        Read from the encoding: a text that is blank, a message list with no
+        text part that has a non-blank character and no tool call, an answer
+        recorded without a text. The record says for sure
+        (:attr:`SpanRecord.says_nothing`); spans that recorded no output, or
+        said something, or asked for a tool call, need no record.
         """
         shape = self._shape
         if openinference.FIRST_TOOL_CALL in self.present:
