@@ -199,7 +199,7 @@ def _semantic_issues(doc: YamlDoc, *, user: bool) -> list[PolicyIssue]:
         issues.append(PolicyIssue(doc.source, text, doc.line_of(path), message))
 
     data = doc.data if isinstance(doc.data, dict) else {}
-    sections = {key: _items(data.get(key)) for key in ("rules", "policies")}
+    sections = {key: _items(data.get(key)) for key in ("rules", "policies", "verifiers")}
     for section, items in sections.items():
         seen: dict[str, int] = {}
         for index, item in items:
@@ -286,6 +286,7 @@ def _builtin_policy() -> Policy:
         BUILTIN_SOURCE,
         _limits(spec, None),
         remediators=spec.remediators,
+        verifiers=compile_verifiers(spec.verifiers),
         detectors=compile_detectors(
             spec.detectors,
             None,
@@ -322,7 +323,9 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
         doc.source,
         _limits(spec, builtin_spec),
         remediators=remediators,
-        verifiers=compile_verifiers([*spec.verifiers, *builtin_spec.verifiers]),
+        verifiers=compile_verifiers(
+            [*spec.verifiers, *(builtin_spec.verifiers if spec.builtin else ())]
+        ),
         detectors=compile_detectors(
             spec.detectors,
             builtin_spec.detectors,

@@ -28,6 +28,7 @@ __all__ = [
     "CHECKS",
     "FINAL_ROLES",
     "MAX_VERIFIERS",
+    "ROOT_FINAL_ROLES",
     "AttributeRangeSpec",
     "Number",
     "OutputRegexSpec",
@@ -46,8 +47,11 @@ CHECKS: Final = (
     "attribute_range",
     "final_answer_empty",
 )
-#: The roles of the spans that carry a run's final answer.
-FINAL_ROLES: Final = frozenset({Role.AGENT, Role.CHAIN})
+#: The roles of the spans that carry a run's final answer: an LLM's answer that
+#: calls no tool (an agent's loop ends on it), or a root agent/chain span's output.
+FINAL_ROLES: Final = frozenset({Role.LLM, Role.AGENT, Role.CHAIN})
+#: Of those, the roles whose spans carry it only at the root of the run.
+ROOT_FINAL_ROLES: Final = frozenset({Role.AGENT, Role.CHAIN})
 
 
 def _true_only(value: bool) -> bool:
@@ -127,7 +131,13 @@ class VerifierSpec(_Strict):
     name: Name
     description: Description | None = None
     match: VerifierMatch = Field(default_factory=VerifierMatch)
-    output_empty: TrueOnly | None = Field(default=None, description="Fails on an empty output.")
+    output_empty: TrueOnly | None = Field(
+        default=None,
+        description=(
+            "Fails on an output that was recorded and is empty (an LLM turn that only"
+            " calls tools is not empty; a span that recorded no output is not judged)."
+        ),
+    )
     output_regex: OutputRegexSpec | None = None
     output_json: TrueOnly | None = Field(
         default=None, description="Fails when the output is not JSON."
@@ -138,7 +148,11 @@ class VerifierSpec(_Strict):
     attribute_range: AttributeRangeSpec | None = None
     final_answer_empty: TrueOnly | None = Field(
         default=None,
-        description="Fails when a run's root agent/chain span ends with an empty output.",
+        description=(
+            "Fails on an empty final answer: an LLM answer with neither text nor tool"
+            " calls (the agent's loop ends on it), or a run's root agent/chain span whose"
+            " recorded output is empty. Outputs that were not recorded are not judged."
+        ),
     )
 
     @model_validator(mode="after")
@@ -153,8 +167,8 @@ class VerifierSpec(_Strict):
         roles = self.match.role
         if self.final_answer_empty and roles and not FINAL_ROLES & {Role(r) for r in roles}:
             raise ValueError(
-                f"final_answer_empty looks at root agent or chain spans; match.role {roles}"
-                " leaves none"
+                f"final_answer_empty looks at llm spans and root agent or chain spans;"
+                f" match.role {roles} leaves none"
             )
         return self
 

@@ -1,5 +1,9 @@
 """The checks a verifier runs on one span's output, each bounded on untrusted content.
 
+Whether an output was recorded, and whether it is empty, are the record's
+(:attr:`SpanRecord.output_recorded`, :attr:`SpanRecord.says_nothing`): a check
+asks them, and never takes an output that was not recorded for an empty one.
+
 A check returns why the span fails (one short line) or None, and raises
 :class:`Unjudged` when it cannot judge this span: an output too long to parse,
 one the normalizer may have cut, a regex search stopped at its time limit.
@@ -22,6 +26,7 @@ from policies._text import short
 from supervisor.records import AttrValue, SpanRecord
 
 __all__ = [
+    "EMPTINESS_CHECKS",
     "MAX_JSON_CHARS",
     "MAX_REGEX_CHARS",
     "NORMALIZED_OUTPUT_CHARS",
@@ -51,16 +56,51 @@ class Unjudged(Exception):
 Check = Callable[[SpanRecord], "str | None"]
 
 
+#: The checks that ask only whether an output is empty (cheap to screen for).
+EMPTINESS_CHECKS: Final = frozenset({"output_empty", "final_answer_empty"})
+
+
 def _is_blank(text: str) -> bool:
     return not text or text.isspace()
 
 
+def _not_recorded() -> Unjudged:
+    return Unjudged(
+        "not_recorded",
+        "spans that recorded no output (content capture off, hidden outputs) are not judged",
+    )
+
+
 def _output_empty(record: SpanRecord) -> str | None:
-    return "output is empty" if _is_blank(record.output_text) else None
+    if not record.output_recorded:
+        raise _not_recorded()
+    return "output is empty" if record.says_nothing else None
 
 
 def _final_answer_empty(record: SpanRecord) -> str | None:
-    return "final answer is empty" if _is_blank(record.output_text) else None
+    if not record.output_recorded:
+        raise _not_recorded()
+    return "final answer is empty" if record.says_nothing else None
+
+
+class _OnContent:
+    """A check of an output's text, run only on outputs that were recorded and are text.
+
+    An output that was not recorded is not judged (reported once), and an LLM
+    turn that only calls tools has no text to judge: it passes.
+    """
+
+    __slots__ = ("check",)
+
+    def __init__(self, check: Check) -> None:
+        self.check = check
+
+    def __call__(self, record: SpanRecord) -> str | None:
+        if not record.output_recorded:
+            raise _not_recorded()
+        if record.calls_tools and _is_blank(record.output_text):
+            return None
+        return self.check(record)
 
 
 class _OutputRegex:
@@ -206,11 +246,11 @@ def compile_check(spec: VerifierSpec, output_cut_at: int | None) -> Check:
     if spec.final_answer_empty:
         return _final_answer_empty
     if spec.output_regex is not None:
-        return _OutputRegex(spec.output_regex, output_cut_at)
+        return _OnContent(_OutputRegex(spec.output_regex, output_cut_at))
     if spec.output_json:
-        return _OutputJson(None, output_cut_at)
+        return _OnContent(_OutputJson(None, output_cut_at))
     if spec.output_json_schema is not None:
-        return _OutputJson(OutputSchema(spec.output_json_schema), output_cut_at)
+        return _OnContent(_OutputJson(OutputSchema(spec.output_json_schema), output_cut_at))
     if spec.attribute_range is not None:
         return _AttributeRange(spec.attribute_range)
     raise ValueError(f"verifier {spec.name!r} has no check")  # pragma: no cover - one is required

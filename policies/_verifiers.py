@@ -18,9 +18,17 @@ makes the span fail as class ``semantic``, kind ``verification_failed``::
 
 Each verifier has exactly one check: ``output_empty``, ``output_regex``,
 ``output_json``, ``output_json_schema``, ``attribute_range`` or
-``final_answer_empty`` (on a run's root ``agent``/``chain`` span, which ends
-last and carries the run's answer). The specs are
-:mod:`policies._schema_verifiers`; the checks, :mod:`policies._verifier_checks`.
+``final_answer_empty``. The last looks at LLM answers that call no tool (an
+agent's loop ends on such an answer, so it is the run's final answer) and at
+a run's root ``agent``/``chain`` span; the built-in policy has one
+(``builtin.final_answer``), so an empty final answer is found with no policy
+of the user's. The specs are :mod:`policies._schema_verifiers`; the checks,
+:mod:`policies._verifier_checks`.
+
+A span that recorded no output (content capture off, the default of the OTel
+GenAI instrumentations; OpenInference's ``hide_outputs``) is not judged by a
+check of its output, and an LLM turn that only calls tools is not an empty
+answer: both are the record's facts (``output_recorded``, ``says_nothing``).
 
 Span content is untrusted, so every check is bounded:
 
@@ -50,9 +58,15 @@ from dataclasses import dataclass
 from typing import Final
 
 from policies._glob import GlobSet
-from policies._schema_verifiers import FINAL_ROLES, VerifierSpec
+from policies._schema_verifiers import FINAL_ROLES, ROOT_FINAL_ROLES, VerifierSpec
 from policies._text import short
-from policies._verifier_checks import NORMALIZED_OUTPUT_CHARS, Check, Unjudged, compile_check
+from policies._verifier_checks import (
+    EMPTINESS_CHECKS,
+    NORMALIZED_OUTPUT_CHARS,
+    Check,
+    Unjudged,
+    compile_check,
+)
 from supervisor.records import FailureClass, Role, SpanRecord
 
 __all__ = [
@@ -97,6 +111,7 @@ class _Verifier:
         "check",
         "name",
         "on_error",
+        "reads_text",
         "reported",
         "roles",
         "root_only",
@@ -117,8 +132,12 @@ class _Verifier:
         self.service = GlobSet(spec.match.service) if spec.match.service else None
         self.span_name = GlobSet(spec.match.span_name) if spec.match.span_name else None
         roles = frozenset(Role(r) for r in spec.match.role) if spec.match.role else frozenset(Role)
-        self.root_only = spec.final_answer_empty is True
-        self.roles = roles & FINAL_ROLES if self.root_only else roles
+        final = spec.final_answer_empty is True
+        #: Roles whose spans it judges only at the root of a run.
+        self.root_only = ROOT_FINAL_ROLES if final else frozenset()
+        self.roles = roles & FINAL_ROLES if final else roles
+        #: Whether it reads more of an output than whether it is empty.
+        self.reads_text = spec.check not in EMPTINESS_CHECKS
         self.reported: set[str] = set()
         self.timeouts = 0
 
@@ -208,6 +227,17 @@ class VerifierSet:
             return False
         return any(v.span_name is None or v.span_name(span_name) for v in self._for(service, role))
 
+    def wants_text(self, service: str, role: Role, span_name: str) -> bool:
+        """Whether a verifier that reads more than an output's emptiness may look at such a span.
+
+        When none does, only spans whose output may be empty need a record
+        (:attr:`supervisor.normalize.Span.may_say_nothing`).
+        """
+        return any(
+            v.reads_text and (v.span_name is None or v.span_name(span_name))
+            for v in self._for(service, role)
+        )
+
     def check(self, record: SpanRecord) -> list[VerificationFailure]:
         """The verifiers that fail on ``record``, in policy order; ``[]`` when all pass.
 
@@ -224,7 +254,7 @@ class VerifierSet:
         for verifier in candidates:
             if verifier.span_name is not None and not verifier.span_name(record.name):
                 continue
-            if verifier.root_only and record.parent_span_id:
+            if record.parent_span_id and record.role in verifier.root_only:
                 continue
             if verifier.timeouts >= MAX_TIMEOUTS:
                 continue

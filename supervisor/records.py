@@ -188,8 +188,17 @@ class SpanRecord:
     tool_args_digest: str = ""
     input_tokens: int | None = None
     output_tokens: int | None = None
-    #: The span's output text when it carries one (bounded in length).
+    #: The span's output text when it carries one (bounded in length). A
+    #: LangChain ``ToolMessage`` a tool returned is read for its content.
     output_text: str = ""
+    #: Whether the span carries its output at all. False when the
+    #: instrumentation did not record it (content capture off, the default of
+    #: the OTel GenAI instrumentations; OpenInference's ``hide_outputs``): then
+    #: an empty ``output_text`` says nothing of what the output was.
+    output_recorded: bool = True
+    #: The LLM response asked for tool calls: with no text, it is a step, not an
+    #: empty answer.
+    calls_tools: bool = False
     #: ``gen_ai.conversation.id`` / ``session.id`` when present, else ``""``.
     session_id: str = ""
     #: ``None`` when the span shows no sign of failure.
@@ -197,6 +206,17 @@ class SpanRecord:
     #: The span's attributes, read-only, for policies that match on them.
     attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
     resource_attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def says_nothing(self) -> bool:
+        """The output was recorded, and is empty: no text and no tool call.
+
+        The one test of an empty output, for every verifier and detector: an
+        output that was not recorded is not empty, and an answer that only
+        calls tools is not an empty answer.
+        """
+        text = self.output_text
+        return self.output_recorded and not self.calls_tools and (not text or text.isspace())
 
     @property
     def run_id(self) -> str:

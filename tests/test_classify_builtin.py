@@ -689,7 +689,7 @@ CASES: list[Any] = [
             ),
             role=Role.HTTP,
         ),
-        (T, "connection", "builtin.sdk.connection"),
+        (T, "connection", "builtin.python.connection"),
         id="requests-ConnectionError",
     ),
     pytest.param(
@@ -754,46 +754,46 @@ CASES: list[Any] = [
     # --- Python built-ins ---------------------------------------------------------------
     pytest.param(
         record(from_exception(TimeoutError("timed out")), role=Role.TOOL),
-        (T, "timeout", "builtin.sdk.timeout"),
+        (T, "timeout", "builtin.python.timeout"),
         id="TimeoutError",
     ),
     pytest.param(
         record(from_exception(asyncio.TimeoutError()), role=Role.TOOL),
-        (T, "timeout", "builtin.sdk.timeout"),
+        (T, "timeout", "builtin.python.timeout"),
         id="asyncio.TimeoutError",
     ),
     pytest.param(
         record(text("", exception_type="builtins.TimeoutError"), role=Role.TOOL),
-        (T, "timeout", "builtin.sdk.timeout"),
+        (T, "timeout", "builtin.python.timeout"),
         id="builtins.TimeoutError",
     ),
     pytest.param(
         record(from_exception(ConnectionError("down")), role=Role.TOOL),
-        (T, "connection", "builtin.sdk.connection"),
+        (T, "connection", "builtin.python.connection"),
         id="ConnectionError",
     ),
     pytest.param(
         record(
             from_exception(ConnectionResetError(104, "Connection reset by peer")), role=Role.TOOL
         ),
-        (T, "connection", "builtin.sdk.connection"),
+        (T, "connection", "builtin.python.connection"),
         id="ConnectionResetError",
     ),
     pytest.param(
         record(from_exception(ConnectionRefusedError(111, "Connection refused")), role=Role.TOOL),
-        (T, "connection", "builtin.sdk.connection"),
+        (T, "connection", "builtin.python.connection"),
         id="ConnectionRefusedError",
     ),
     pytest.param(
         record(from_exception(BrokenPipeError(32, "Broken pipe")), role=Role.TOOL),
-        (T, "connection", "builtin.sdk.connection"),
+        (T, "connection", "builtin.python.connection"),
         id="BrokenPipeError",
     ),
     pytest.param(
         record(
             from_exception(PermissionError(13, "Permission denied", "/etc/shadow")), role=Role.TOOL
         ),
-        (P, "permission", "builtin.sdk.permission"),
+        (P, "permission", "builtin.python.permission"),
         id="PermissionError",
     ),
     pytest.param(
@@ -801,7 +801,7 @@ CASES: list[Any] = [
             from_exception(FileNotFoundError(2, "No such file or directory", "notes.txt")),
             role=Role.TOOL,
         ),
-        (P, "not_found", "builtin.sdk.not_found"),
+        (P, "not_found", "builtin.python.not_found"),
         id="FileNotFoundError",
     ),
     # --- parsing --------------------------------------------------------------------------
@@ -817,8 +817,46 @@ CASES: list[Any] = [
     ),
     pytest.param(
         record(from_exception(raised(lambda: json.loads("<html>"))), role=Role.TOOL),
+        (P, "tool_error", "builtin.parse.tool_data"),
+        id="JSONDecodeError-in-a-tools-body-is-the-tools",
+    ),
+    pytest.param(
+        record(from_exception(_pydantic_error()), role=Role.TOOL),
+        (P, "tool_error", "builtin.parse.tool_data"),
+        id="ValidationError-in-a-tools-body-is-the-tools",
+    ),
+    pytest.param(
+        record(from_exception(raised(lambda: json.loads("<html>"))), role=Role.HTTP),
         (P, "parse_error", "builtin.parse.json"),
-        id="JSONDecodeError-on-tool-is-permanent",
+        id="JSONDecodeError-on-http-is-permanent",
+    ),
+    pytest.param(
+        record(from_exception(_pydantic_error()), role=Role.HTTP),
+        (P, "parse_error", "builtin.parse.json"),
+        id="ValidationError-on-http-is-permanent",
+    ),
+    pytest.param(
+        record(
+            text(
+                "[Errno 13] Permission denied: '/srv/insufficient_quota/report.csv'",
+                exception_type="PermissionError",
+            ),
+            role=Role.TOOL,
+        ),
+        (P, "permission", "builtin.python.permission"),
+        id="PermissionError-whose-message-names-a-quota",
+    ),
+    pytest.param(
+        record(
+            text(
+                "no answer in 5s after HTTP 503 from the backend",
+                exception_type="TimeoutError",
+                http_status=503,  # what normalization reads in such a message
+            ),
+            role=Role.TOOL,
+        ),
+        (T, "timeout", "builtin.python.timeout"),
+        id="TimeoutError-whose-message-names-a-status",
     ),
     pytest.param(
         record(from_exception(_pydantic_error()), role=Role.CHAIN),
@@ -1050,7 +1088,7 @@ CASES: list[Any] = [
             ),
             role=Role.TOOL,
         ),
-        (T, "connection", "builtin.sdk.connection"),
+        (T, "connection", "builtin.python.connection"),
         id="swallowed-with-parsed-type",
     ),
     pytest.param(

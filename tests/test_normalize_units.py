@@ -1219,3 +1219,90 @@ def test_text_scans_find_what_a_regex_search_finds(text: str, upper: bool) -> No
     assert evidence.http_status_from_text(text) == _reference_http_status(text)
     assert evidence.retry_after_from_text(text) == _reference_retry_after(text)
     assert evidence.provider_code_from_text(text) == _reference_provider_code(text)
+
+
+# -- tool outputs that are LangChain ToolMessages, and refused arguments -----------------
+
+
+def _oi_tool_message(content: str, status: str) -> str:
+    """A ToolMessage as OpenInference's LangChain instrumentation writes ``output.value``."""
+    data = {"content": content, "type": "tool", "name": "read_file", "tool_call_id": "c1"}
+    return json.dumps({"type": "tool", "data": {**data, "status": status}})
+
+
+def _lc_tool_message(content: str, status: str) -> str:
+    """As OpenLLMetry writes ``traceloop.entity.output``: LangChain's serialised form."""
+    kwargs = {"content": content, "type": "tool", "tool_call_id": "c1", "status": status}
+    message = {"lc": 1, "type": "constructor", "id": ["x", "ToolMessage"], "kwargs": kwargs}
+    return json.dumps({"output": message, "kwargs": {"tags": []}})
+
+
+@pytest.mark.parametrize("envelope", [_oi_tool_message, _lc_tool_message])
+def test_a_tool_message_is_read_for_its_content_and_status(envelope: Any) -> None:
+    swallowed = evidence.detect_swallowed
+    assert evidence.tool_message(envelope("Error: refused", "success")) == (
+        "Error: refused",
+        "success",
+    )
+    assert swallowed(envelope("Error: connection refused", "success")) == evidence.Swallowed(
+        "", "connection refused"
+    )
+    assert swallowed(envelope("the archive is offline", "error")) == evidence.Swallowed(
+        "", "the archive is offline"
+    )
+    assert swallowed(envelope("Error rates fell to 0.1%", "success")) is None
+    assert swallowed(envelope('{"status": "ok", "errors": []}', "success")) is None
+
+
+def test_a_tool_message_cut_by_the_output_bound_is_read_up_to_the_cut() -> None:
+    text = _oi_tool_message("Error: disk full\n" + "x" * 10_000, "success")[:4096]
+    found = evidence.detect_swallowed(text)
+    assert found is not None and found.message.startswith("disk full")
+    assert evidence.tool_message('{"type": "tool", "data": {"no": "content"') is None
+    assert evidence.tool_message('{"content": "not a message", "x": 1}') is None
+
+
+@pytest.mark.parametrize(
+    ("output", "invalid"),
+    [
+        ("Error: ModelBehaviorError('Invalid JSON input for tool read_file')", "read_file"),
+        (
+            "Error invoking tool 'read_file' with kwargs {'city': 1} with error:\n"
+            " path: Field required\n Please fix the error and try again.",
+            "read_file",
+        ),
+        ("Log line 3: Invalid JSON input for tool x, seen yesterday", None),
+    ],
+)
+def test_a_framework_refusing_the_models_arguments_is_an_invalid_tool_call(
+    output: str, invalid: str | None
+) -> None:
+    found = evidence.detect_swallowed(output)
+    if invalid is None:
+        assert found is None
+    else:
+        assert found is not None and found.invalid_tool_calls == (f"bad_arguments:{invalid}",)
+
+
+@pytest.mark.parametrize(
+    ("exception_type", "message", "arguments", "stacktrace", "refused"),
+    [
+        ("pydantic_core._pydantic_core.ValidationError", "1 validation error for read_file",
+         None, "", True),
+        ("ValidationError", "2 validation errors for read_file_args", None, "", True),
+        ("ValidationError", "1 validation error for Order", None, "", False),
+        ("ValidationError", "1 validation error for ReadFileInput", None,
+         'File "base.py", line 835, in _parse_input\n    result = ...', True),
+        ("ValidationError", "Tool input validation error", None, "", True),
+        ("json.decoder.JSONDecodeError", "Expecting value", "{path: x", "", True),
+        ("json.decoder.JSONDecodeError", "Expecting value", '{"path": "x"}', "", False),
+        ("json.decoder.JSONDecodeError", "Expecting value", "/srv/notes.txt", "", False),
+        ("", "Error running tool (non-fatal): {'error': 'Invalid JSON input for tool read_file'}",
+         None, "", True),
+    ],
+)  # fmt: skip
+def test_arguments_refused_are_told_from_a_backends_data(
+    exception_type: str, message: str, arguments: object, stacktrace: str, refused: bool
+) -> None:
+    found = evidence.rejected_arguments("read_file", exception_type, message, arguments, stacktrace)
+    assert found == (("bad_arguments:read_file",) if refused else ())

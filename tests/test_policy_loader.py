@@ -752,3 +752,16 @@ def test_a_run_budget_with_abort_run_aborts_instead_of_escalating() -> None:
     assert over(load_policy(text="version: 1\nrun_budget: {max_cost_usd: 5}\n")) == "escalate"
     aborting = "version: 1\nrun_budget: {max_cost_usd: 5, action: abort_run}\n"
     assert over(load_policy(text=aborting)) == "fail_fast"
+
+
+def test_the_builtin_verifiers_come_with_the_builtin_policy_only() -> None:
+    assert load_policy().verifiers.names == ("builtin.final_answer",)
+    assert load_policy(text="version: 1\n").verifiers.names == ("builtin.final_answer",)
+    assert load_policy(text="version: 1\nbuiltin: false\n").verifiers.names == ()
+
+
+def test_verifier_names_starting_builtin_are_reserved() -> None:
+    text = "version: 1\nverifiers:\n  - {name: builtin.mine, output_empty: true}\n"
+    with pytest.raises(PolicyError) as caught:
+        load_policy(text=text)
+    assert "verifiers[0].name" in str(caught.value)

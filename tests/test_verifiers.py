@@ -40,6 +40,8 @@ def span(
     parent: str = CHILD,
     attributes: Mapping[str, AttrValue] | None = None,
     error: ErrorEvidence | None = None,
+    recorded: bool = True,
+    calls_tools: bool = False,
 ) -> SpanRecord:
     return SpanRecord(
         trace_id="4bf92f3577b34da6a3ce929d0e0e4736",
@@ -52,6 +54,8 @@ def span(
         end_ns=1,
         role=role,
         output_text=output,
+        output_recorded=recorded,
+        calls_tools=calls_tools,
         error=error,
         attributes=MappingProxyType(dict(attributes or {})),
     )
@@ -478,17 +482,49 @@ def test_attribute_range_required_and_float_bounds() -> None:
     assert messages(vset, span("x", attributes={"score": 0.75})) == []
 
 
-def test_final_answer_empty_looks_at_root_agent_and_chain_spans() -> None:
+def test_final_answer_empty_looks_at_root_agent_and_chain_spans_and_llm_answers() -> None:
     vset = verifiers({"final_answer_empty": True})
     root_agent = span("", role=Role.AGENT, parent=ROOT, name="invoke_agent")
     assert messages(vset, root_agent) == ["final answer is empty"]
     assert messages(vset, span("  ", role=Role.CHAIN, parent=ROOT)) == ["final answer is empty"]
     assert messages(vset, span("42", role=Role.AGENT, parent=ROOT)) == []
     assert messages(vset, span("", role=Role.AGENT, parent=CHILD)) == []  # not the run's end
-    assert messages(vset, span("", role=Role.LLM, parent=ROOT)) == []
+    # An LLM answer that calls no tool ends the agent's loop, wherever its span is.
+    assert messages(vset, span("", role=Role.LLM, parent=CHILD)) == ["final answer is empty"]
+    assert messages(vset, span("", role=Role.LLM, calls_tools=True)) == []  # a step
     assert messages(vset, span("", role=Role.TOOL, parent=ROOT)) == []
     assert vset.wants("billing-agent", Role.AGENT, "invoke_agent")
-    assert not vset.wants("billing-agent", Role.LLM, "chat")
+    assert vset.wants("billing-agent", Role.LLM, "chat")
+    assert not vset.wants_text("billing-agent", Role.LLM, "chat")  # emptiness only
+    assert not vset.wants("billing-agent", Role.TOOL, "execute_tool")
+
+
+def test_an_output_that_was_not_recorded_is_not_judged_and_said_once() -> None:
+    errors: list[VerifierError] = []
+    vset = verifiers(
+        {"output_empty": True},
+        {"final_answer_empty": True},
+        {"output_json": True},
+        {"output_regex": {"pattern": "x"}},
+        errors=errors,
+    )
+    for _ in range(3):
+        assert messages(vset, span("", recorded=False)) == []
+    assert [(e.verifier, e.message[:40]) for e in errors] == [
+        (f"v{i}", "spans that recorded no output (content c") for i in range(4)
+    ]
+
+
+def test_an_answer_that_only_calls_tools_is_not_empty_nor_judged_as_text() -> None:
+    vset = verifiers(
+        {"output_empty": True}, {"output_json": True}, {"output_regex": {"pattern": "x"}}
+    )
+    assert messages(vset, span("", calls_tools=True)) == []
+    # Text beside the calls is the model's to answer for.
+    assert messages(vset, span("let me look", calls_tools=True)) == [
+        "output is not JSON: Expecting value at 1:1",
+        "output does not match /x/",
+    ]
 
 
 def test_spans_that_already_failed_are_not_verified() -> None:

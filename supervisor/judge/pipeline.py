@@ -230,7 +230,7 @@ class Pipeline:
         calls: list[tuple[int, str, bool]] = []
         outcomes = self._judge_spans(rest.quiet, rest.received_ns, calls)
         if rest.verify:
-            answers = [s.record() for s in rest.verify if not only_calls_tools(s, s.record())]
+            answers = [r for r in (s.record() for s in rest.verify) if not only_calls_tools(r)]
             outcomes += self._verify(answers, rest.received_ns)
         if self.runs is not None:
             self.runs.settle()
@@ -324,7 +324,7 @@ class Pipeline:
                 continue
             if record.dependency:
                 self._succeeded(span, record.dependency, calls)
-            if not only_calls_tools(span, record):
+            if not only_calls_tools(record):
                 passed.append(record)
         outcomes = self._judge(failing, received_ns, calls)
         return outcomes + self._verify(passed, received_ns)

@@ -6,7 +6,6 @@ from typing import Final
 
 from policies import VerifierSet
 from supervisor.normalize import Span
-from supervisor.normalize.span import requested_calls
 from supervisor.records import Role, SpanRecord
 
 __all__ = ["WantedBy", "only_calls_tools"]
@@ -49,26 +48,28 @@ class WantedBy:
             by_name[name] = bits
             self._size += 1
         if dependency.startswith("tool:"):
-            return bits & _TOOL != 0
-        if dependency.startswith("http:"):
-            return bits & _HTTP != 0
-        if dependency:
-            return bits & _LLM != 0
-        return bits & _UNNAMED != 0
+            group = _TOOL
+        elif dependency.startswith("http:"):
+            group = _HTTP
+        elif dependency:
+            group = _LLM
+        else:
+            group = _UNNAMED
+        if bits & group == 0:
+            return False
+        # Wanted only by checks of emptiness: most outputs are plainly not empty.
+        return bits & (group << _TEXT) != 0 or span.may_say_nothing
 
     def _ask(self, service: str, name: str) -> int:
         verifiers = self.verifiers
         if verifiers is None:
             return 0
         bits = 0
-        if verifiers.wants(service, Role.TOOL, name):
-            bits |= _TOOL
-        if verifiers.wants(service, Role.HTTP, name):
-            bits |= _HTTP
-        if verifiers.wants(service, Role.LLM, name):
-            bits |= _LLM
-        if any(verifiers.wants(service, role, name) for role in _UNNAMED_ROLES):
-            bits |= _UNNAMED
+        for group, roles in _GROUPS:
+            if any(verifiers.wants(service, role, name) for role in roles):
+                bits |= group
+            if any(verifiers.wants_text(service, role, name) for role in roles):
+                bits |= group << _TEXT
         return bits
 
 
@@ -76,12 +77,17 @@ _TOOL: Final = 1
 _HTTP: Final = 2
 _LLM: Final = 4
 _UNNAMED: Final = 8
+#: Each group's bit shifted by this: a verifier that reads the text wants it.
+_TEXT: Final = 4
+_GROUPS: Final = (
+    (_TOOL, (Role.TOOL,)),
+    (_HTTP, (Role.HTTP,)),
+    (_LLM, (Role.LLM,)),
+    (_UNNAMED, _UNNAMED_ROLES),
+)
 _WANTED_ENTRIES: Final = 4096
 
 
-def only_calls_tools(span: Span, record: SpanRecord) -> bool:
+def only_calls_tools(record: SpanRecord) -> bool:
     """An LLM turn with no text that asked for tool calls: not an answer to verify."""
-    if record.role is not Role.LLM or record.output_text:
-        return False
-    requested = span.requested()
-    return requested is not None and bool(requested_calls(requested))
+    return record.calls_tools and not record.output_text

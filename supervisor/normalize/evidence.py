@@ -30,9 +30,35 @@ What the free text looks like, per producer:
   friends), else OpenAI's "Please try again in 1.5s" / "in 20ms" / "in 1m3s",
   Azure's "Please retry after 20 seconds".
 
+Where a tool span's output and failure are, per producer (the adapters read
+the output; this module what it says):
+
+* opentelemetry-util-genai (openai-v2's helper) ``execute_tool``: the result in
+  ``gen_ai.tool.call.result``, only with content capture on; a raised exception
+  is status ERROR with the bare message and ``error.type`` = the class name.
+* OpenInference LangChain: ``output.value`` holds the ``ToolMessage`` as
+  ``{"type": "tool", "data": {"content", "status", ...}}``; a raised exception is
+  status ERROR plus an ``exception`` event (``json.decoder.JSONDecodeError``).
+* OpenLLMetry LangChain: ``traceloop.entity.output`` (and
+  ``gen_ai.tool.call.result``) hold ``{"output": <LangChain's serialised
+  ToolMessage>, "kwargs": ...}``; traceloop-sdk's ``@tool`` the JSON-encoded
+  return value. A raised exception is status ERROR plus an ``exception`` event.
+* OpenInference Agents SDK: ``output.value`` is the tool's text; a failure is
+  status ERROR ``Error running tool (non-fatal): {...}`` with no event, the
+  exception redacted unless a ``failure_error_function`` wrote it into the output.
+
 Errors swallowed by tools (status OK, output describes a caught error) are
 recognised conservatively, by shape and never by a mere word — see
-:func:`detect_swallowed` for the list of patterns.
+:func:`detect_swallowed` for the list of patterns. A LangChain ``ToolMessage``
+is read through the envelope each instrumentation writes it in
+(:func:`tool_message`): its ``status="error"`` is the most specific evidence
+there is, whatever its text; a ``"success"`` message is judged by its text.
+
+Arguments the model wrote that a tool refused before it ran (LangChain's
+schema validation, the Agents SDK's ``Invalid JSON input for tool``,
+LangGraph's ``Error invoking tool ... with kwargs``) are the model's fault,
+not the tool's: :func:`rejected_arguments` names them as
+``bad_arguments:<tool>`` invalid tool calls.
 """
 
 from __future__ import annotations
@@ -71,9 +97,11 @@ __all__ = [
     "http_status_from_text",
     "parse_duration",
     "provider_code_from_text",
+    "rejected_arguments",
     "retry_after_from_attributes",
     "retry_after_from_text",
     "split_exception_prefix",
+    "tool_message",
 ]
 
 #: Characters of any free text that are scanned.
@@ -400,17 +428,81 @@ class Swallowed(NamedTuple):
     invalid_tool_calls: tuple[str, ...] = ()
 
 
+#: How instrumentations write a LangChain ``ToolMessage`` as a tool's output:
+#: OpenInference ``{"type": "tool", "data": {...}}``, LangChain's serialised
+#: form ``{"lc": 1, "type": "constructor", "id": [..., "ToolMessage"], "kwargs": {...}}``
+#: (OpenLLMetry wraps it in ``{"output": ...}``), or the message's own fields.
+_ENVELOPE_HEAD: Final = re.compile(
+    r'\{\s*"(?:output"\s*:\s*\{\s*")?(?:type"\s*:\s*"tool"|lc"\s*:\s*1\b|content"\s*:)'
+)
+_OI_TOOL_MESSAGE: Final = re.compile(r'\{\s*"type"\s*:\s*"tool"\s*,\s*"data"\s*:\s*\{')
+#: The ``content`` string of a message whose JSON was cut before its end.
+_CUT_CONTENT: Final = re.compile(r'"content"\s*:\s*"((?:[^"\\]|\\.){0,8192})')
+
+
+def tool_message(text: str) -> tuple[str, str] | None:
+    """``(content, status)`` of a LangChain ``ToolMessage`` a tool span's output holds.
+
+    ``None`` when the output is not one. ``status`` is ``"error"``,
+    ``"success"`` or ``""`` (unknown: the JSON was cut before it). Only text
+    that starts like one of the envelopes is parsed.
+    """
+    head = text[:SCAN_CHARS]
+    if not _ENVELOPE_HEAD.match(head):
+        return None
+    obj = parse_json(text)
+    if isinstance(obj, dict):
+        if isinstance(obj.get("output"), dict):
+            obj = obj["output"]
+        fields = obj.get("data") if obj.get("type") == "tool" else obj.get("kwargs")
+        if not isinstance(fields, dict):
+            fields = obj if obj.get("type") == "tool" else None
+        if fields is None or "tool_call_id" not in fields or "content" not in fields:
+            return None
+        content = fields.get("content")
+        status = fields.get("status")
+        body = content if isinstance(content, str) else str(content)
+        return body, status if isinstance(status, str) else ""
+    # Cut by the output bound before its end: the content is read from what is left.
+    if not (_OI_TOOL_MESSAGE.match(head) or "ToolMessage" in head[:300]):
+        return None
+    match = _CUT_CONTENT.search(head)
+    if match is None:
+        return None
+    body = parse_json(f'"{match.group(1).rstrip(chr(92))}"')
+    return (body, "") if isinstance(body, str) else None
+
+
 _ERROR_PREFIX: Final = re.compile(r"(?:error|exception)\s*:\s*", re.IGNORECASE)
 _INVALID_TOOL: Final = re.compile(r"(\S{1,256}) is not a valid tool, try one of \[")
 _PLEASE_FIX: Final = re.compile(r"\s*Please fix your mistakes\.?\s*\Z")
 _REPR: Final = re.compile(r"([A-Za-z_][\w.]{0,200})\((.*)\)\s*\Z", re.S)
 _TRACEBACK: Final = "Traceback (most recent call last)"
 _TB_LAST: Final = re.compile(r"^([A-Za-z_][\w.]{0,200})(?::[ \t]*(.*))?$", re.M)
+#: LangChain's answer for arguments its schema refused (``handle_validation_error=True``).
+_INPUT_VALIDATION_DEFAULT: Final = "Tool input validation error"
 _LANGCHAIN_DEFAULTS: Final[Mapping[str, str]] = {
     # langchain_core.tools: handle_tool_error=True / handle_validation_error=True
     "Tool execution error": "ToolException",
     "Tool input validation error": "ValidationError",
+    # openai-agents: default_tool_error_function (the exception itself is not shown)
+    "An error occurred while running the tool. Please try again.": "",
 }
+#: What a tool answers when it refused the arguments the model wrote, by framework:
+#: LangGraph's ToolNode (ToolInvocationError), the Agents SDK (ModelBehaviorError).
+_REFUSED_ARGUMENTS: Final = (
+    re.compile(r"Error invoking tool '([^'\n]{1,256})' with kwargs "),
+    re.compile(r"Invalid JSON input for tool (\S{1,256}?)(?::|\s|'|\"|\)|\Z)"),
+)
+#: What may stand before those words at the start of a tool's output:
+#: ``Error: ``, then ``SomeError('`` (a repr, as LangGraph and custom handlers write).
+_REFUSED_LEAD: Final = re.compile(
+    r"""(?:(?:error|exception)\s*:\s*)?(?:[A-Za-z_][\w.]{0,200}\(\s*['"])?""", re.I
+)
+#: ``N validation error(s) for <Model>``: pydantic's title line.
+_VALIDATION_TITLE: Final = re.compile(r"\d+ validation errors? for (\S{1,256})")
+#: Frames of a framework parsing a tool's input, in a stack trace (langchain_core.tools).
+_INPUT_FRAMES: Final = re.compile(r", in (?:_parse_input|_to_args_and_kwargs)\n")
 
 
 def _unquote(text: str) -> str:
@@ -421,7 +513,12 @@ def _unquote(text: str) -> str:
 
 
 def _typed(text: str) -> tuple[str, str] | None:
-    """``SomeError: message`` / ``<SomeError>: message`` / ``SomeError('message')``."""
+    """``SomeError: message`` / ``<SomeError>: message`` / ``SomeError('message')``.
+
+    And pydantic's own words, which name no type: ``1 validation error for Model``.
+    """
+    if _VALIDATION_TITLE.match(text):
+        return "ValidationError", text.strip()
     match = _REPR.match(text)
     if match and _looks_like_exception(match.group(1)):
         return match.group(1), _unquote(match.group(2))
@@ -481,9 +578,16 @@ def detect_swallowed(text: str) -> Swallowed | None:
        where the name ends like an exception class (``Error``, ``Exception``,
        ``Timeout``...).
     4. LangChain's ``handle_tool_error``/``handle_validation_error`` defaults:
-       exactly ``Tool execution error`` / ``Tool input validation error``.
+       exactly ``Tool execution error`` / ``Tool input validation error``, and
+       the Agents SDK's ``failure_error_function`` default, exactly ``An error
+       occurred while running the tool. Please try again.``
     5. A JSON object with a truthy ``"error"`` (and no result/data/output),
        an MCP result with ``"isError": true``, or ``"status": "error"``.
+    6. A LangChain ``ToolMessage`` (:func:`tool_message`): ``status="error"``
+       whatever its content, else its content judged by these patterns.
+    7. A framework refusing the call's arguments, at the start (``Error
+       invoking tool 'x' with kwargs``, ``Invalid JSON input for tool x``):
+       also an invalid tool call, ``bad_arguments:x``.
 
     Prose that merely mentions an error ("no errors found", "Error rates
     fell") matches none of these.
@@ -493,7 +597,21 @@ def detect_swallowed(text: str) -> Swallowed | None:
         return None
     first = head[0]
     if first == "{":
-        return _json_error(head)
+        returned = tool_message(head)
+        if returned is None:
+            return _json_error(head)
+        content, status = returned
+        found = detect_swallowed(content) if content[:1] != "{" else _json_error(content)
+        if status != "error":
+            return found
+        # A ToolMessage marked as an error is one, whatever its text says.
+        return found or Swallowed("", content.strip())
+    refused = _refused_in(head)
+    if refused:
+        prefix = _ERROR_PREFIX.match(head)
+        rest = _PLEASE_FIX.sub("", head[prefix.end() :] if prefix else head).strip()
+        exc_type, said = _typed(rest) or ("", rest)
+        return Swallowed(exc_type, said, refused)
     match = _ERROR_PREFIX.match(head)
     if match:
         rest = _PLEASE_FIX.sub("", head[match.end() :])
@@ -518,6 +636,63 @@ def detect_swallowed(text: str) -> Swallowed | None:
     return None
 
 
+def _refused_in(text: str, *, anywhere: bool = False) -> tuple[str, ...]:
+    """``bad_arguments:<tool>`` when a framework's message refuses a call's arguments.
+
+    At the start of ``text`` (a tool's output: prose that quotes such a
+    message is not one), or ``anywhere`` in an error message.
+    """
+    head = text[:1024]
+    start = 0 if anywhere else _REFUSED_LEAD.match(head).end()  # type: ignore[union-attr]
+    for pattern in _REFUSED_ARGUMENTS:
+        match = pattern.search(head, start) if anywhere else pattern.match(head, start)
+        if match:
+            return (f"bad_arguments:{bounded(match.group(1), MAX_NAME_CHARS)}",)
+    return ()
+
+
+def rejected_arguments(
+    tool: str, exception_type: str, message: str, arguments: object, stacktrace: str = ""
+) -> tuple[str, ...]:
+    """``bad_arguments:<tool>`` when a failing tool refused the arguments the model wrote.
+
+    The same exception type means two things on a tool span: a pydantic
+    ``ValidationError`` or a ``JSONDecodeError`` on the call's arguments is
+    the model's mistake (asking it again fixes it), on data a backend
+    returned it is the tool's. Told apart by what the span says:
+
+    * a ``ValidationError`` whose model is the tool's argument schema
+      (LangChain and the Agents SDK name it after the tool: ``read_file``,
+      ``read_file_args``), raised from LangChain's input parsing frames, or
+      answered with LangChain's ``Tool input validation error``;
+    * a ``JSONDecodeError`` on a span whose own recorded arguments are not a
+      JSON object (the tool parsed what the model wrote);
+    * a framework's own words for refused arguments (:data:`_REFUSED_ARGUMENTS`).
+    """
+    if not tool:
+        return ()
+    bad = (f"bad_arguments:{bounded(tool, MAX_NAME_CHARS)}",)
+    last = exception_type.rpartition(".")[2]
+    if last == "ValidationError":
+        if message.strip() == _INPUT_VALIDATION_DEFAULT:  # handle_validation_error=True
+            return bad
+        title = _VALIDATION_TITLE.match(message.lstrip()[:512])
+        if title and title.group(1) in (tool, f"{tool}_args", f"{tool}Args", f"{tool}Input"):
+            return bad
+        if stacktrace and _INPUT_FRAMES.search(stacktrace[-SCAN_CHARS:]):
+            return bad
+    elif (
+        last == "JSONDecodeError"
+        and isinstance(arguments, str)
+        # Arguments meant as a JSON object that are not one (a tool given a bare
+        # string, as LangChain records a one-argument call, parsed something else).
+        and arguments.lstrip()[:1] == "{"
+        and not isinstance(parse_json(arguments), dict)
+    ):
+        return bad
+    return _refused_in(message, anywhere=True)
+
+
 # -- assembly ----------------------------------------------------------------
 
 
@@ -534,8 +709,15 @@ def build_evidence(
     swallowed: Swallowed | None,
     attrs: Mapping[str, AttrValue],
     now_ns: int,
+    caught: Swallowed | None = None,
 ) -> ErrorEvidence:
-    """Gather everything a failing span says into one :class:`ErrorEvidence`."""
+    """Gather everything a failing span says into one :class:`ErrorEvidence`.
+
+    ``swallowed``: the error an OK tool span's output describes. ``caught``:
+    the one a failing tool span's output describes (the Agents SDK's
+    ``failure_error_function`` writes the exception there, not on the span):
+    it only fills what the span itself does not say.
+    """
     exc_type, exc_message = exception if exception is not None else ("", "")
     if not exc_type and status_message:
         parsed_type, remainder = split_exception_prefix(status_message)
@@ -545,10 +727,11 @@ def build_evidence(
     if not exc_type and error_type:
         exc_type = exception_type_from_error_type(error_type)
     invalid = invalid_tool_calls
-    if swallowed is not None:
-        exc_type = exc_type or swallowed.exception_type
-        exc_message = exc_message or swallowed.message
-        invalid = invalid + swallowed.invalid_tool_calls
+    for said in (swallowed, caught):
+        if said is not None:
+            exc_type = exc_type or said.exception_type
+            exc_message = exc_message or said.message
+            invalid = invalid + tuple(c for c in said.invalid_tool_calls if c not in invalid)
     if status_message and status_message not in exc_message:
         text = f"{exc_message[:SCAN_CHARS]}\n{status_message[:SCAN_CHARS]}"
     else:

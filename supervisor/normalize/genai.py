@@ -72,6 +72,11 @@ TOOL_RESULT_KEYS: Final[tuple[str, ...]] = ("gen_ai.tool.call.result",)
 #: The response as a message list: text, requested tool calls and finish reasons.
 OUTPUT_MESSAGES: Final = "gen_ai.output.messages"
 OFFERED_TOOLS: Final = "gen_ai.tool.definitions"
+#: Where a span's output is, when the instrumentation recorded it (openai-v2 and
+#: util-genai write these only with content capture on; it is off by default).
+#: An LLM's answer; a tool's, an agent's or a workflow's result.
+ANSWER_KEYS: Final[tuple[str, ...]] = (OUTPUT_MESSAGES,)
+RESULT_KEYS: Final[tuple[str, ...]] = (*TOOL_RESULT_KEYS, OUTPUT_MESSAGES)
 OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("gen_ai.input.messages",)
 #: Finish reasons in single attributes.
 FINISH_REASON_KEYS: Final[tuple[str, ...]] = (

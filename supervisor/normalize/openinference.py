@@ -54,6 +54,12 @@ OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("llm.input_messages.0.message.content"
 FINISH_REASON_KEYS: Final[tuple[str, ...]] = ("llm.finish_reason",)
 #: The first output message's role: present when the response was recorded.
 OUTPUT_ROLE: Final = "llm.output_messages.0.message.role"
+#: Where a span's output is, when recorded (``TraceConfig(hide_outputs=True)``
+#: and the Agents SDK without sensitive data leave them out).
+#: An LLM's answer (``output.value`` there is the raw response, not the answer);
+#: the result of any other span.
+ANSWER_KEYS: Final[tuple[str, ...]] = (OUTPUT_ROLE, *LLM_TEXT_KEYS)
+RESULT_KEYS: Final[tuple[str, ...]] = TOOL_RESULT_KEYS
 #: The first requested tool call: its presence says the response asked for one.
 FIRST_TOOL_CALL: Final = "llm.output_messages.0.message.tool_calls.0.tool_call.function.name"
 #: Without one of these a span cannot name a tool role or a failing finish.

@@ -75,6 +75,10 @@ TOOL_RESULT_KEYS: Final[tuple[str, ...]] = ("traceloop.entity.output",)
 LLM_TEXT_KEYS: Final[tuple[str, ...]] = ("gen_ai.completion.0.content",)
 OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("gen_ai.prompt.0.content",)
 FINISH_REASON_KEYS: Final[tuple[str, ...]] = ("gen_ai.completion.0.finish_reason",)
+#: Where a span's output is, when recorded (``TRACELOOP_TRACE_CONTENT=false`` leaves
+#: them out; a finish reason alone says nothing of the content).
+ANSWER_KEYS: Final[tuple[str, ...]] = (*LLM_TEXT_KEYS, "gen_ai.completion.0.tool_calls.0.name")
+RESULT_KEYS: Final[tuple[str, ...]] = TOOL_RESULT_KEYS
 #: Without one of these a span cannot name a tool role, a tool call or a failing finish.
 QUIET_KEYS: Final = frozenset(
     {KIND_KEY, "gen_ai.completion.0.role", "gen_ai.completion.0.content", *FINISH_REASON_KEYS}

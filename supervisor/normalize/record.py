@@ -32,12 +32,23 @@ from supervisor.normalize.evidence import (
     check_tool_calls,
     detect_swallowed,
     failing_finish,
+    rejected_arguments,
+    tool_message,
 )
 from supervisor.normalize.identity import dependency_and_tool, identify
 from supervisor.normalize.wire import LazyConverted, RawAttributes
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
-__all__ = ["MAX_SPAN_NAME", "SpanFields", "count_failure", "failures", "record_of"]
+__all__ = [
+    "ANSWER_KEYS",
+    "MAX_SPAN_NAME",
+    "RESULT_KEYS",
+    "SpanFields",
+    "count_failure",
+    "failures",
+    "output_recorded",
+    "record_of",
+]
 
 #: Span names are the agent's to choose: kept to this many characters.
 MAX_SPAN_NAME: Final = 1024
@@ -45,6 +56,15 @@ _STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERRO
 #: Events scanned for an ``exception`` event: all of a short list, else the
 #: first and last ``_EVENT_SCAN`` (streaming spans may carry one per chunk).
 _EVENT_SCAN: Final = 16
+
+#: Where each convention records an LLM's answer, and any other span's result:
+#: a span with none of its role's keys has no output recorded.
+ANSWER_KEYS: Final = frozenset(
+    genai.ANSWER_KEYS + openinference.ANSWER_KEYS + openllmetry.ANSWER_KEYS
+)
+RESULT_KEYS: Final = frozenset(
+    genai.RESULT_KEYS + openinference.RESULT_KEYS + openllmetry.RESULT_KEYS
+)
 
 _logger = logging.getLogger("supervisor.normalize")
 _failures_lock = threading.Lock()
@@ -80,6 +100,11 @@ class SpanFields(Protocol):
     def dependency(self) -> str: ...
     @property
     def session_id(self) -> str: ...
+
+
+def output_recorded(present: frozenset[str], role: Role) -> bool:
+    """Whether a span of ``role`` with these keys carries its output (the one place it is said)."""
+    return not (ANSWER_KEYS if role is Role.LLM else RESULT_KEYS).isdisjoint(present)
 
 
 def failures() -> int:
@@ -126,6 +151,13 @@ def _normalize(span: SpanFields) -> SpanRecord:
     status = message.status
     status_error = status.code == _STATUS_ERROR
     invalid = check_tool_calls(draft.tool_calls, draft.offered_tools) if draft.tool_calls else ()
+    name = span.name
+    tool_name = dependency_and_tool(draft, role, name)[0]
+    output = draft.output_text
+    if role is Role.TOOL and output[:1] == "{":
+        returned = tool_message(output)  # a LangChain ToolMessage: its content is the output
+        if returned is not None:
+            draft.output_text = returned[0][: len(output)]
     http_status = draft.http_status
     error_type = attrs.get(http_rpc.ERROR_TYPE)
     server = kind == http_rpc.SPAN_KIND_SERVER
@@ -139,14 +171,31 @@ def _normalize(span: SpanFields) -> SpanRecord:
     )
     exception = _exception_event(message.events) if span.has_events else None
     swallowed: Swallowed | None = None
-    if not failing and exception is None and role is Role.TOOL and draft.output_text:
-        swallowed = detect_swallowed(draft.output_text)
+    caught: Swallowed | None = None
+    if role is Role.TOOL and output:
+        if not failing and exception is None:
+            swallowed = detect_swallowed(output)
+        elif exception is None or not exception[0]:
+            caught = detect_swallowed(output)  # what a failing tool's output says it raised
     error = None
     if failing or exception is not None or swallowed is not None:
+        if role is Role.TOOL:
+            exc_type, exc_message, stacktrace = exception or ("", "", "")
+            said = caught or swallowed
+            if said is not None and not exc_type:
+                exc_type, exc_message = said.exception_type, said.message
+            refused = rejected_arguments(
+                tool_name,
+                exc_type,
+                exc_message or status.message[:SCAN_CHARS],
+                draft.tool_args,
+                stacktrace,
+            )
+            invalid = invalid + tuple(c for c in refused if c not in invalid)
         error = build_evidence(
             status_error=status_error,
             status_message=status.message[:SCAN_CHARS] if status_error else "",
-            exception=exception,
+            exception=exception[:2] if exception is not None else None,
             error_type=as_str(error_type),
             http_status=http_status,
             grpc_code=draft.grpc_code,
@@ -155,10 +204,9 @@ def _normalize(span: SpanFields) -> SpanRecord:
             swallowed=swallowed,
             attrs=attrs,
             now_ns=span.end_ns,
+            caught=caught,
         )
 
-    name = span.name
-    tool_name = dependency_and_tool(draft, role, name)[0]
     service = span.service
     return SpanRecord(
         trace_id=span.trace_hex,
@@ -179,6 +227,8 @@ def _normalize(span: SpanFields) -> SpanRecord:
         input_tokens=draft.input_tokens,
         output_tokens=draft.output_tokens,
         output_text=draft.output_text,
+        output_recorded=output_recorded(span.present, role),
+        calls_tools=role is Role.LLM and bool(draft.tool_calls),
         session_id=draft.session_id,
         error=error,
         attributes=span.attributes,
@@ -193,8 +243,12 @@ def _scanned(count: int) -> Any:
     return (*range(_EVENT_SCAN), *range(count - _EVENT_SCAN, count))
 
 
-def _exception_event(events: Any) -> tuple[str, str] | None:
-    """Type and message of the first ``exception`` event, if any."""
+def _exception_event(events: Any) -> tuple[str, str, str] | None:
+    """Type, message and (for a validation error) stack trace of the first ``exception`` event.
+
+    The stack trace is kept only where it tells what was being validated
+    (:func:`.evidence.rejected_arguments`): it can be long.
+    """
     for i in _scanned(len(events)):
         event = events[i]
         if event.name != "exception":
@@ -209,9 +263,13 @@ def _exception_event(events: Any) -> tuple[str, str] | None:
                 message = kv.value.string_value
             elif key == "exception.stacktrace":
                 traceback = kv
-        if not exc_type and traceback is not None:
-            exc_type = _last_traceback_type(traceback.value.string_value)
-        return bounded(exc_type, MAX_NAME_CHARS), message[:SCAN_CHARS]
+        stack = ""
+        if traceback is not None:
+            if not exc_type:
+                exc_type = _last_traceback_type(traceback.value.string_value)
+            if exc_type.endswith("ValidationError"):
+                stack = traceback.value.string_value[-SCAN_CHARS:]
+        return bounded(exc_type, MAX_NAME_CHARS), message[:SCAN_CHARS], stack
     return None
 
 
@@ -232,6 +290,7 @@ def minimal_record(span: Any, resource: Mapping[str, AttrValue], service: str) -
         start_ns=_read(span, "start_time_unix_nano", int, 0),
         end_ns=_read(span, "end_time_unix_nano", int, 0),
         role=Role.OTHER,
+        output_recorded=False,
         resource_attributes=resource,
         error=_read(span, "status", _status_only, None),
     )

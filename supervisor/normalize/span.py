@@ -20,13 +20,14 @@ which order the conventions are asked.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
 from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import as_int
 from supervisor.normalize.identity import RUN_ORDER, SESSION_KEYS, dependency_of, session_of
-from supervisor.normalize.record import MAX_SPAN_NAME, record_of
+from supervisor.normalize.record import ANSWER_KEYS, MAX_SPAN_NAME, RESULT_KEYS, record_of
 from supervisor.normalize.wire import (
     LazyConverted,
     RawAttributes,
@@ -68,7 +69,19 @@ WATCHED_RUN_KEYS: Final = (
         + _OBJECTIVE_KEYS
     )
     | _REQUEST_MARKERS
+    | ANSWER_KEYS
+    | RESULT_KEYS
 )
+#: Longest encoded text read for blankness (:attr:`Span.may_say_nothing`): longer is not blank.
+_SHORT_OUTPUT: Final = 256
+#: The tag of ``AnyValue.string_value`` (field 1, length-delimited).
+_STRING_VALUE: Final = b"\x0a"
+#: In a GenAI message list: a text part with a character that is not blank, or a tool call.
+_SAYS_SOMETHING: Final = re.compile(
+    rb'"content"\s*:\s*"(?:\s|\\[nrt])*[^"\s\\]|"type"\s*:\s*"tool_call"'
+)
+#: A span's result, in the order tried when it has no answer's text or message list.
+_RESULT_KEYS: Final = tuple(sorted(RESULT_KEYS))
 
 #: Raw values longer than this are not kept past their batch (requested calls).
 _MAX_KEPT_BYTES: Final = 16 * 1024
@@ -85,12 +98,14 @@ class _Shape:
     """
 
     __slots__ = (
+        "answer_role",
         "input_tokens_key",
         "llm_text_key",
         "messages",
         "objective_key",
         "output_tokens_key",
         "requests",
+        "result_keys",
         "session_keys",
         "tool_arguments_key",
     )
@@ -102,6 +117,8 @@ class _Shape:
         self.tool_arguments_key = _first(present, _TOOL_ARGUMENT_KEYS)
         self.llm_text_key = _first(present, _LLM_TEXT_KEYS)
         self.messages = genai.OUTPUT_MESSAGES in present
+        self.answer_role = openinference.OUTPUT_ROLE in present
+        self.result_keys = tuple(k for k in _RESULT_KEYS if k in present)
         self.objective_key = _first(present, _OBJECTIVE_KEYS)
         self.requests = not _REQUEST_MARKERS.isdisjoint(present)
 
@@ -277,6 +294,28 @@ class Span:
         return self._raw(self._shape.llm_text_key) or self.output_messages
 
     @property
+    def may_say_nothing(self) -> bool:
+        """Whether the span may have recorded an empty output: a cheap superset.
+
+        Read from the encoding: a text that is blank, a message list with no
+        text part that has a non-blank character and no tool call, an answer
+        recorded without a text. The record says for sure
+        (:attr:`SpanRecord.says_nothing`); spans that recorded no output, or
+        said something, or asked for a tool call, need no record.
+        """
+        shape = self._shape
+        if openinference.FIRST_TOOL_CALL in self.present:
+            return False
+        encoded = self.encoded
+        if shape.llm_text_key is not None:
+            return _blank(encoded[shape.llm_text_key])
+        if shape.messages:
+            return _SAYS_SOMETHING.search(encoded[genai.OUTPUT_MESSAGES]) is None
+        if shape.answer_role:  # an answer recorded without a text: empty unless it called tools
+            return True
+        return any(_blank(encoded[k]) for k in shape.result_keys)
+
+    @property
     def has_objective(self) -> bool:
         return self._shape.objective_key is not None
 
@@ -333,6 +372,18 @@ class Span:
 
     def __repr__(self) -> str:
         return f"Span({self.service!r}, {self.name!r}, trace={self.trace_hex})"
+
+
+def _blank(raw: bytes) -> bool:
+    """Whether an encoded value may be an empty or blank text (a superset: not decoded)."""
+    if raw[:1] != _STRING_VALUE:
+        return len(raw) <= _SHORT_OUTPUT  # another type: the record decides
+    try:
+        size, end = read_varint(raw, 1)
+    except (IndexError, ValueError):
+        return True
+    text = raw[end:].strip()
+    return size <= _SHORT_OUTPUT and (not text or text in (b'""', b"''"))
 
 
 def _count(encoded: Any, key: str | None) -> int:
