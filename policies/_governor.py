@@ -13,7 +13,8 @@ this order:
    the time the run may resume (``breaker_reopens_in_s``: the run is paused
    and resumed, see below). A permanent, model or semantic failure says
    nothing of the dependency's health: its ``fail_fast`` or ``escalate``
-   stands, so a revoked key aborts instead of waiting for the breaker.
+   stands, so a revoked key aborts instead of waiting for the breaker; and a
+   permanent failure is never paused (no alternative left: ``fail_fast``).
 2. A **fallback** whose target's breaker is open moves on along the chain.
 3. **Restart intensity**: a retry, fallback or pause that would be the
    ``max_actions + 1``-th corrective action for the same dependency in the
@@ -306,6 +307,9 @@ class Governor:
             return _revised(decision, Action.FALLBACK, params, why)
         params = {"breaker": state.value}
         info = self.board.info(dependency)
+        if failure.failure_class is FailureClass.PERMANENT:
+            # Waiting cannot help (a quota, a retry a policy asked for): never paused.
+            return _revised(decision, Action.FAIL_FAST, params, f"{why}, no alternative left")
         if state is BreakerState.OPEN and info.reopens_at is not None:
             wait = self._resume_delay(failure.run_id, info)
             params["breaker_reopens_in_s"] = wait

@@ -235,6 +235,20 @@ def test_one_fallbacks_line_serves_every_decision_that_falls_back() -> None:
     assert (diverted.action, diverted.params["to"]) == (Action.FALLBACK, "openai:gpt-4o-mini")
 
 
+def test_a_permanent_failure_is_never_paused_behind_an_open_breaker() -> None:
+    governor = Governor(load_policy(text=FALLBACKS))
+    for dependency in ("openai:gpt-4o", "openai:gpt-4o-mini", "anthropic:claude-haiku-4-5"):
+        open_breaker(governor, dependency)
+    quota = failure(kind="quota_exhausted", klass=FailureClass.PERMANENT)
+    auth = failure(kind="auth", klass=FailureClass.PERMANENT)
+
+    decisions = [review(governor, quota), review(governor, auth)]
+
+    assert [d.action for d in decisions] == [Action.FAIL_FAST, Action.FAIL_FAST]
+    assert not any("breaker_reopens_in_s" in d.params for d in decisions)
+    assert review(governor, failure()).params["on_timeout"] == "resume"  # a 503 waits
+
+
 @pytest.mark.parametrize(
     ("text", "path", "message"),
     [
