@@ -261,7 +261,9 @@ class BreakerBoard:
     reported with reason ``shared_storage`` when this board notices them (only
     for dependencies it has a breaker for: ``state`` never creates one).
     ``isolate`` is local to the board: the shared storage shows the breaker
-    open, and other boards half-open it after their own timeout.
+    open, and other boards half-open it after their own timeout. So is the
+    count of failed trials a half-open breaker absorbed (``half_open_trials``):
+    each board tolerates its own, and the one that re-opens it opens it for all.
     """
 
     def __init__(

@@ -67,10 +67,9 @@ from policies._policy import Policy
 from supervisor.records import Action, AttrValue, Decision, Failure, FailureClass
 
 _BLOCKED: Final[tuple[BreakerState, ...]] = (BreakerState.OPEN, BreakerState.ISOLATED)
+#: Decisions that call a dependency again: restart intensity counts them (and
+#: breaker pauses), and an open breaker diverts them whatever the failure.
 _CORRECTIVE: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK)
-#: Decisions that call the failed dependency again: an open breaker diverts them
-#: whatever the failure.
-_CALLS_AGAIN: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK)
 #: What an open breaker turns into a fallback or a pause when the failure is
 #: transient: every decision about its dependency but ``none`` (an outage must
 #: not become a queue of approval requests).
@@ -366,7 +365,7 @@ def _diverted(failure: Failure, action: Action) -> bool:
     """Whether an open breaker of the failure's dependency changes ``action`` (module, 1.)."""
     if failure.kind in RUN_KINDS:
         return False
-    return action in _CALLS_AGAIN or (action in _DIVERTED and counts_for_breaker(failure))
+    return action in _CORRECTIVE or (action in _DIVERTED and counts_for_breaker(failure))
 
 
 def _corrective(decision: Decision) -> bool:

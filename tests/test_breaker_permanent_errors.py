@@ -10,7 +10,9 @@ governor. Each call is its own trace, so its own run.
   the same number of 503s does.
 * A run with a 401 while its model's breaker is open is aborted (``abort_run``),
   not paused and resumed at half-open; a 503 of another run at the same moment is
-  paused, with a deadline and ``on_timeout: resume``.
+  paused, with a deadline and ``on_timeout: resume``; the runs paused together
+  resume a few at a time.
+* Half-open, one failed trial among three does not re-open the breaker.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def calls() -> dict[str, bytes]:
         "outage": [Reply.server_error(503)] * 6,
         "auth_once": [Reply.unauthorized()],
         "outage_once": [Reply.server_error(503)],
+        "trials": [Reply.server_error(503), Reply.text("back"), Reply.text("back")],
     }
     found: dict[str, bytes] = {}
     with FakeProvider() as fake, _instrumented() as (tracer_provider, exporter):
@@ -152,3 +155,18 @@ def test_a_401_while_the_breaker_is_open_aborts_a_503_pauses_with_a_deadline(
     )
     commands = plan_commands(outage.failure, outage.decision, now=clock.now)
     assert [c.type for c in commands] == [CommandType.PAUSE_RUN, CommandType.RESUME_RUN]
+
+
+def test_one_failed_trial_among_the_first_runs_resumed_does_not_reopen_it(
+    calls: dict[str, bytes],
+) -> None:
+    pipeline, governor, clock = _pipeline()
+    _judge(pipeline, calls["outage"])
+    dependency = governor.board.snapshot()[0].dependency
+    clock.now += 30.0  # reset_timeout_s: half-open
+    assert governor.breaker_state(dependency) is BreakerState.HALF_OPEN
+
+    [trial] = _judge(pipeline, calls["trials"])  # a 503, then two answers
+
+    assert trial.decision.action is Action.RETRY  # not diverted: the breaker stayed half-open
+    assert governor.breaker_state(dependency) is BreakerState.CLOSED
