@@ -127,8 +127,12 @@ COPY_OF_BUILTIN = (
 )
 
 
+#: Reserved names in a user file from which it is taken for a copy of the built-in one.
+_COPY_NAMES = 5
+
+
 def _copies_builtin(data: object) -> bool:
-    """A user file that holds the built-in policy's own catch-alls: a copy of its file.
+    """A user file that holds the built-in policy's catch-alls, or many of its names.
 
     Reported as one issue rather than one per reserved name: a copy layered
     on the built-in policy would run every rule twice and hide later fixes to
@@ -142,7 +146,8 @@ def _copies_builtin(data: object) -> bool:
         for _, item in _items(data.get(section))
         if isinstance(name := item.get("name"), str)
     }
-    return CATCH_ALL_RULE in names and CATCH_ALL_ENTRY in names
+    reserved = sum(1 for name in names if name.startswith(BUILTIN_PREFIX))
+    return (CATCH_ALL_RULE in names and CATCH_ALL_ENTRY in names) or reserved >= _COPY_NAMES
 
 
 def _finish(issues: list[PolicyIssue], source: str) -> list[PolicyIssue]:

@@ -303,3 +303,18 @@ def test_a_copy_of_the_builtin_policy_gets_one_clear_message(
     err = capsys.readouterr().err
     assert "1 error(s)" in err
     assert "copy of the built-in policy" in err and "spanvisor init" in err
+
+
+def test_part_of_the_builtin_policy_copied_gets_the_same_message() -> None:
+    import yaml
+
+    builtin = yaml.safe_load(
+        (resources.files("policies") / "default_policy.yaml").read_text(encoding="utf-8")
+    )
+    part = {"version": 1, "rules": builtin["rules"][:6]}  # no catch-alls, six names
+
+    with pytest.raises(PolicyError) as caught:
+        load_policy(text=yaml.safe_dump(part))
+
+    [issue] = caught.value.issues
+    assert "copy of the built-in policy" in issue.message
