@@ -205,6 +205,7 @@ def start_worker(
     folder: Path,
     provider_url: str,
     sidecar: SidecarProcess | None,
+    export_delay_ms: int = 100,
 ) -> subprocess.Popen[bytes]:
     """One agent worker process (``bench._recovery_worker``)."""
     argv = [
@@ -224,6 +225,7 @@ def start_worker(
             f"--otlp-endpoint={sidecar.otlp_http}",
             f"--api-url={sidecar.api_url}",
             f"--api-token={sidecar.token}",
+            f"--export-delay-ms={export_delay_ms}",
         ]
     with (folder / f"worker-w{index}.log").open("ab") as sink:
         return children.add(

@@ -394,7 +394,11 @@ class Worker:
         # and the queue holds what is made meanwhile.
         exporter = OTLPSpanExporter(endpoint=f"{self.args.otlp_endpoint}/v1/traces", timeout=30)
         provider.add_span_processor(
-            BatchSpanProcessor(exporter, schedule_delay_millis=100, max_queue_size=65536)
+            BatchSpanProcessor(
+                exporter,
+                schedule_delay_millis=self.args.export_delay_ms,
+                max_queue_size=65536,
+            )
         )
         LangChainInstrumentor().instrument(tracer_provider=provider)
         self.tracer_provider = provider
@@ -614,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--otlp-endpoint", default="")
     parser.add_argument("--api-url", default="")
     parser.add_argument("--api-token", default="")
+    parser.add_argument(
+        "--export-delay-ms", type=int, default=100, help="BatchSpanProcessor schedule delay"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"worker {args.worker}: %(message)s")
     for noisy in ("opentelemetry", "openinference", "httpx", "openai", "langchain", "langgraph"):

@@ -29,7 +29,9 @@ Arms, run one after the other with the same faults (``--arms``):
   job table says were running, from its checkpointer;
 * ``d`` spanvisor: a real ``spanvisor run`` with its built-in policy and what
   the deployment needs (see :func:`policy_text`); workers never retry on
-  their own and do what the sidecar's commands say.
+  their own and do what the sidecar's commands say;
+* ``d+f`` the same sidecar and workers, the built-in policy with one
+  ``fallbacks:`` line (the fallback declared once) instead of restated entries.
 
 Printed: a markdown table with the exact command line, the goals of arm d
 checked one by one, and what happened around each fault. Saved: a PNG of the
@@ -74,13 +76,16 @@ from bench.harness import BenchError, command_line, exit_cleanly_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_POLICY = ROOT / "policies" / "default_policy.yaml"
-ARMS = ("a", "b", "c", "c+", "d")
+ARMS = ("a", "b", "c", "c+", "d", "d+f")
+#: The arms that run spanvisor (their workers are arm d's).
+SPANVISOR_ARMS = ("d", "d+f")
 ARM_NAMES = {
     "a": "(a) no recovery",
     "b": "(b) tenacity, retry everything",
     "c": "(c) LangGraph RetryPolicy()",
     "c+": "(c+) RetryPolicy + resume on restart",
     "d": "(d) spanvisor, default policy",
+    "d+f": "(d+f) spanvisor, default policy + `fallbacks:` once",
 }
 GOALS = {"completion": 0.99, "duplicates": 0, "permanent_retries": 0, "amplification": 1.3}
 #: How long the benchmark waits for every worker to be ready before an arm starts.
@@ -95,15 +100,46 @@ QUIET_S = 30.0
 # -- the policy arm d runs with ------------------------------------------------------
 
 
-def policy_text(scenario: Scenario, stall_s: float, time_scale: float) -> str:
+def _benchmark_clock(scenario: Scenario, stall_s: float, time_scale: float) -> str:
+    """Stall detection and restart intensity on the benchmark's compressed clock."""
+    period = 60.0 / time_scale
+    builtin = yaml.safe_load(DEFAULT_POLICY.read_text(encoding="utf-8"))
+    intensity = builtin.get("restart_intensity") or {}
+    max_actions = int(intensity.get("max_actions", 10))
+    built_in_period = float(intensity.get("period_s", 60))
+    return f"""\
+detectors:
+  # Stall detection on the benchmark's clock: a step takes about
+  # {scenario.tool_s:g} s here, not minutes. A run whose worker died mid-invocation
+  # is silent; after {stall_s:g} s it is a stall (built in: 600 s).
+  stalls: {{idle_seconds: {stall_s:g}}}
+# Restart intensity on the benchmark's clock: its runs go {time_scale:g}x faster
+# than real ones, so the built-in "{max_actions} corrective actions for one dependency
+# of a run in {built_in_period:g} s" is {max_actions} in {period:g} s.
+restart_intensity: {{max_actions: {max_actions}, period_s: {period:g}}}
+"""
+
+
+def policy_text(scenario: Scenario, stall_s: float, time_scale: float, arm: str = "d") -> str:
     """What the deployment adds to the built-in policy for the benchmark, and why.
 
-    The built-in retry entries for rate limits and transient I/O are restated
-    with the one thing the built-in file leaves empty, their fallback chain;
-    every other value is read from the built-in file, so they stay its own.
+    Arm d: the built-in retry entries for rate limits and transient I/O are
+    restated with the one thing the built-in file leaves empty, their fallback
+    chain; every other value is read from the built-in file, so they stay its
+    own. Arm d+f: the same chain as one ``fallbacks:`` line, which every
+    decision that falls back follows. Both: the benchmark's clock.
     """
-    period = 60.0 / time_scale
     primary, fallback = f"openai:{scenario.primary}", f"openai:{scenario.fallback}"
+    clock = _benchmark_clock(scenario, stall_s, time_scale)
+    if arm == "d+f":
+        return f"""\
+version: 1
+# Layered on the built-in policy (policies/default_policy.yaml): the fallback,
+# declared once. The built-in retries end in a fallback without a chain, which
+# follows it; so do an open breaker and a spent retry budget.
+fallbacks:
+  "{primary}": ["{fallback}"]
+{clock}"""
     builtin = yaml.safe_load(DEFAULT_POLICY.read_text(encoding="utf-8"))
     restated = []
     for found in builtin["policies"]:
@@ -120,23 +156,15 @@ version: 1
 # Layered on the built-in policy (policies/default_policy.yaml): its rules and
 # decisions apply unchanged, but for what the deployment must say itself.
 #
-# 1. The fallback chain. The built-in policy names none: its rate-limit and
-#    transient-I/O entries fall back, once their retries are spent, along an
-#    empty chain (so: escalate), and an open breaker can only pause runs. Here
-#    they are restated as they are built in, with {primary} -> {fallback} as
-#    their chain; the governor also takes this chain when {primary}'s breaker
-#    opens (its first entry whose chain covers the dependency).
+# The fallback chain. The built-in policy names none: its rate-limit and
+# transient-I/O entries fall back, once their retries are spent, along the
+# policy's fallbacks (none: so, escalate), and an open breaker can only pause
+# runs. Here they are restated as they are built in, with {primary} -> {fallback}
+# as their chain; the governor also takes this chain when {primary}'s breaker
+# opens (its first entry whose chain covers the dependency).
 policies:
 {textwrap.indent(entries, "  ")}
-detectors:
-  # 2. Stall detection on the benchmark's clock: a step takes about
-  #    {scenario.tool_s:g} s here, not minutes. A run whose worker died mid-invocation
-  #    is silent; after {stall_s:g} s it is a stall (built in: 600 s).
-  stalls: {{idle_seconds: {stall_s:g}}}
-# 3. Restart intensity on the benchmark's clock: its runs go {time_scale:g}x faster
-#    than real ones, so the built-in "5 corrective actions in 60 s" is 5 in {period:g} s.
-restart_intensity: {{max_actions: 5, period_s: {period:g}}}
-"""
+{clock}"""
 
 
 # -- one arm ---------------------------------------------------------------------------
@@ -209,22 +237,23 @@ def run_arm(arm: str, scenario: Scenario, root: Path, args: argparse.Namespace, 
     sidecar: SidecarProcess | None = None
     run: ArmRun | None = None
     try:
-        if arm == "d":
+        if arm in SPANVISOR_ARMS:
             policy = folder / "policy.yaml"
             policy.write_text(
-                policy_text(scenario, args.stall_s, args.time_scale), encoding="utf-8"
+                policy_text(scenario, args.stall_s, args.time_scale, arm), encoding="utf-8"
             )
             sidecar = SidecarProcess(folder, policy, children, extra_env=args.sidecar_env)
             sidecar.start()
         workers = {
             i: start_worker(
                 children,
-                arm=arm,
+                arm=_worker_arm(arm),
                 index=i,
                 incarnation=0,
                 folder=folder,
                 provider_url=provider.base_url,
                 sidecar=sidecar,
+                export_delay_ms=args.export_delay_ms,
             )
             for i in range(scenario.workers)
         }
@@ -246,6 +275,11 @@ def run_arm(arm: str, scenario: Scenario, root: Path, args: argparse.Namespace, 
     if provider.unparsed:
         run.notes.append(f"{provider.unparsed} request(s) the fake could not read")
     return run
+
+
+def _worker_arm(arm: str) -> str:
+    """The workers' arm: every spanvisor arm runs arm d's workers."""
+    return "d" if arm in SPANVISOR_ARMS else arm
 
 
 def _wait_ready(folder: Path, count: int, workers: dict[int, Any]) -> None:
@@ -289,7 +323,7 @@ def _drive(
     sidecar_due = t0 + scenario.sidecar_kill_s if sidecar is not None else None
     sidecar_back_due: float | None = None
     sidecar_starting = False
-    resumable = arm in ("c+", "d")
+    resumable = arm in ("c+", *SPANVISOR_ARMS)
     last_activity = time.time()
     last_seen = (0, 0)
     runs = set(scenario.run_ids())
@@ -316,12 +350,13 @@ def _drive(
                 incarnations[index] += 1
                 workers[index] = start_worker(
                     children,
-                    arm=arm,
+                    arm=_worker_arm(arm),
                     index=index,
                     incarnation=incarnations[index],
                     folder=folder,
                     provider_url=provider.base_url,
                     sidecar=sidecar,
+                    export_delay_ms=args.export_delay_ms,
                 )
                 record.restarted_at = time.time()
         if sidecar is not None and sidecar_due is not None and now >= sidecar_due:
@@ -456,6 +491,8 @@ class Figures:
     completions: list[float]
     commands: dict[str, int] = field(default_factory=dict)
     command_duplicates: int = 0
+    #: Recoverable runs left paused for a person (escalated) that never completed.
+    lost_to_escalation: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -535,6 +572,11 @@ def figures(scenario: Scenario, run: ArmRun) -> Figures:
         if e.get("ev") in ("failed", "aborted")
     )
     command_events = [e for e in run.events if e.get("ev") == "command"]
+    escalated = {
+        str(e.get("run"))
+        for e in run.events
+        if e.get("ev") == "directive" and "awaiting approval" in str(e.get("reason", ""))
+    }
     return Figures(
         arm=run.arm,
         recoverable=len(recoverable),
@@ -559,6 +601,7 @@ def figures(scenario: Scenario, run: ArmRun) -> Figures:
         completions=completions,
         commands=dict(Counter(str(e.get("type")) for e in command_events)),
         command_duplicates=sum(1 for e in command_events if e.get("duplicate")),
+        lost_to_escalation=len((escalated & set(recoverable)) - done),
         notes=list(run.notes),
     )
 
@@ -597,6 +640,7 @@ def markdown_table(rows: Sequence[Figures], baseline: Figures | None) -> str:
         "retries on permanent errors",
         "calls to the primary in the outage (per logical call)",
         "same, / arm (a)",
+        "runs lost to escalation",
         "time to recovery after the outage: median / max (runs back / hit)",
         "after a worker crash",
         "LLM calls (extra over the minimum)",
@@ -615,6 +659,7 @@ def markdown_table(rows: Sequence[Figures], baseline: Figures | None) -> str:
             f"{f.permanent_retries}",
             f"{f.outage_calls} ({f.amplification:.2f}x)",
             versus_a,
+            f"{f.lost_to_escalation}",
             _ttr(f.outage_ttr, f.outage_recovered, f.outage_hit),
             _ttr(f.crash_ttr, f.crash_recovered, f.crash_hit),
             f"{f.llm_calls} (+{f.extra_calls}, {100 * f.extra_calls / max(1, f.llm_needed):.0f}%)",
@@ -632,9 +677,11 @@ one. *Calls in the outage* = calls to the primary model whose arrival falls in t
 outage window; *per logical call* divides by the distinct (run, turn) calls among them,
 i.e. what the same fleet would have sent with no retries; */ arm (a)* divides by arm
 (a)'s count (arm a stops runs at their first failure, so fewer of its runs are alive to
-call). *Time to recovery*: outage: from a run's first failed call in the window to its
-next successful call (any model); crash: from the SIGKILL to the run's next successful
-call; median / max over the runs that came back, and how many did of those hit.
+call). *Lost to escalation*: recoverable runs paused for a person (an escalation;
+nobody answers in the benchmark) that never completed. *Time to recovery*: outage:
+from a run's first failed call in the window to its next successful call (any model);
+crash: from the SIGKILL to the run's next successful call; median / max over the runs
+that came back, and how many did of those hit.
 *LLM calls*: all calls the provider received; the minimum is one per step whose effect
 happened plus one per final answer (the progress actually made)."""
 
@@ -652,6 +699,11 @@ def goal_lines(d: Figures, run: ArmRun) -> list[str]:
             "no retry of a permanent error",
             d.permanent_retries == 0,
             f"{d.permanent_retries} retries",
+        ),
+        (
+            "no recoverable run lost to escalation",
+            d.lost_to_escalation == 0,
+            f"{d.lost_to_escalation} lost",
         ),
         (
             f"outage amplification at most {GOALS['amplification']:g}x",
@@ -751,7 +803,13 @@ def plot(
     )
     last = [max((c.t for c in r.calls), default=r.t0) - r.t0 for r in runs]
     end = max(last, default=1.0) + 3.0
-    colours = {"a": "tab:gray", "b": "tab:orange", "c": "tab:purple", "c+": "tab:brown"}
+    colours = {
+        "a": "tab:gray",
+        "b": "tab:orange",
+        "c": "tab:purple",
+        "c+": "tab:brown",
+        "d+f": "tab:cyan",
+    }
     for run, f in zip(runs, rows, strict=True):
         colour = colours.get(run.arm, "tab:green")
         label = f"{ARM_NAMES[run.arm]}: {100 * f.completion:.0f}%"
@@ -827,7 +885,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=4, help="agent worker processes (4)")
     parser.add_argument("--seed", type=int, default=7, help="seed of the faults (7)")
     parser.add_argument(
-        "--arms", default="a,b,c,c+,d", help="arms to run, in order: a,b,c,c+,d (all)"
+        "--arms",
+        default="a,b,c,c+,d,d+f",
+        help="arms to run, in order: a,b,c,c+,d,d+f (all)",
     )
     parser.add_argument(
         "--tool-s", type=float, default=0.45, help="seconds a step's tool takes: the pace (0.45)"
@@ -846,6 +906,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=12.0,
         help="arm d: how much faster than real runs the benchmark's go (12): restart"
         " intensity's 60 s period is divided by it",
+    )
+    parser.add_argument(
+        "--export-delay-ms",
+        type=int,
+        default=100,
+        help="spanvisor arms: the workers' BatchSpanProcessor schedule delay (100; the"
+        " SDK's default is 5000: spans then reach the sidecar up to 5 s after the call,"
+        " which is what retries race against in an outage)",
     )
     parser.add_argument("--png", type=Path, default=Path("bench/recovery.png"), help="plot path")
     parser.add_argument("--json", type=Path, help="write the raw results here")
@@ -883,6 +951,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("at most 2000 runs of 1000 steps")
     if not 0.01 <= args.tool_s <= 10:
         parser.error("--tool-s must be between 0.01 and 10")
+    if not 1 <= args.export_delay_ms <= 60_000:
+        parser.error("--export-delay-ms must be between 1 and 60000")
     return args
 
 
@@ -944,12 +1014,12 @@ def main(argv: list[str] | None = None) -> int:
     for run, f in zip(runs, rows, strict=True):
         for line in what_happened(scenario, run, f):
             print(line)
-    d = next(((r, f) for r, f in zip(runs, rows, strict=True) if f.arm == "d"), None)
-    if d is not None:
-        print()
-        print("arm (d) goals:")
-        for line in goal_lines(d[1], d[0]):
-            print(line)
+    for run, f in zip(runs, rows, strict=True):
+        if f.arm in SPANVISOR_ARMS:
+            print()
+            print(f"arm ({f.arm}) goals:")
+            for line in goal_lines(f, run):
+                print(line)
     if args.png:
         args.png.parent.mkdir(parents=True, exist_ok=True)
         title = f"{args.runs} runs x {args.steps} steps, seed {args.seed}: {cmd}"

@@ -18,7 +18,7 @@ modules are private.
 from policies._breakers import BreakerChange, BreakerState
 from policies._cascade import Cascade
 from policies._detectors import DetectorSettings
-from policies._governor import RUN_KINDS, Governor
+from policies._governor import RUN_KINDS, Governor, counts_for_breaker
 from policies._loader import json_schema, load_policy
 from policies._model_table import ModelTable
 from policies._policy import Policy
@@ -46,6 +46,7 @@ __all__ = [
     "SloTracker",
     "VerificationFailure",
     "VerifierSet",
+    "counts_for_breaker",
     "json_schema",
     "load_policy",
 ]

@@ -15,6 +15,7 @@ from typing import Protocol
 from policies._backoff import Backoff, jitter_fraction
 from policies._glob import GlobSet
 from policies._schema import (
+    EscalateSpec,
     FallbackSpec,
     RemediateSpec,
     RetrySpec,
@@ -55,7 +56,7 @@ def _decision(
 
 
 class Simple:
-    """``fail_fast``, ``escalate`` or ``none``: no parameters."""
+    """``fail_fast`` or ``none``: no parameters."""
 
     __slots__ = ("action",)
 
@@ -67,6 +68,34 @@ class Simple:
     ) -> Decision:
         reason = _reason(failure, why, self.action.value)
         return _decision(self.action, policy, {}, reason, observe)
+
+
+class Escalate:
+    """Pause the run and ask a person, for at most ``timeout_s``; then ``on_timeout``.
+
+    The decision's ``pause_timeout_s`` and ``on_timeout`` are what the
+    ``pause_run`` command carries as its deadline and what happens at it.
+    """
+
+    __slots__ = ("action", "on_timeout", "timeout_s")
+
+    def __init__(self, timeout_s: float, on_timeout: str) -> None:
+        self.action = Action.ESCALATE
+        self.timeout_s = timeout_s
+        self.on_timeout = on_timeout
+
+    def decide(
+        self, failure: Failure, attempt: int, policy: str, observe: bool, why: str = ""
+    ) -> Decision:
+        reason = _reason(failure, why, self.action.value)
+        return _decision(
+            self.action, policy, pause_params(self.timeout_s, self.on_timeout), reason, observe
+        )
+
+
+def pause_params(timeout_s: float, on_timeout: str) -> dict[str, AttrValue]:
+    """What a decision that pauses the run says of the pause: its deadline and what follows."""
+    return {"pause_timeout_s": round(float(timeout_s), 3), "on_timeout": on_timeout}
 
 
 class Remediate:
@@ -189,7 +218,9 @@ class Retry:
         return _decision(self.action, policy, params, _reason(failure, why, what), observe)
 
 
-def compile_action(spec: RetrySpec | FallbackSpec | RemediateSpec | SimpleSpec) -> CompiledAction:
+def compile_action(
+    spec: RetrySpec | FallbackSpec | RemediateSpec | EscalateSpec | SimpleSpec,
+) -> CompiledAction:
     """Build the callable action for a validated spec (recursively for ``on_exhausted``)."""
     if isinstance(spec, RetrySpec):
         return Retry(
@@ -203,4 +234,6 @@ def compile_action(spec: RetrySpec | FallbackSpec | RemediateSpec | SimpleSpec) 
         return Fallback(chains, compile_action(spec.on_exhausted))
     if isinstance(spec, RemediateSpec):
         return Remediate(spec.remediator)
+    if isinstance(spec, EscalateSpec):
+        return Escalate(spec.timeout_s, spec.on_timeout)
     return Simple(Action(spec.action))

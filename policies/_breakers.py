@@ -44,18 +44,38 @@ class BreakerSettings:
     """How one dependency's breaker trips and recovers.
 
     ``fail_max`` consecutive failures open it; it stays open ``reset_timeout_s``
-    seconds, then lets trial calls through (half-open); ``success_threshold``
-    successful trials close it, one failed trial opens it again.
+    seconds, then lets trial calls through (half-open): ``success_threshold``
+    successful trials close it, and it opens again once failed trials make
+    that out of reach among its ``half_open_trials`` (with the defaults, 2
+    successes of 3 trials: one failure among them is tolerated; with
+    ``half_open_trials == success_threshold``, one failed trial re-opens it,
+    pybreaker's own rule).
     """
 
     fail_max: int = 5
     reset_timeout_s: float = 30.0
     success_threshold: int = 2
+    #: None: ``success_threshold`` (pybreaker's rule: the first failed trial re-opens).
+    half_open_trials: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("fail_max", self.fail_max, 1, MAX_FAIL_MAX)
         _check_seconds("reset_timeout_s", self.reset_timeout_s, MAX_RESET_TIMEOUT_S)
         _check_int("success_threshold", self.success_threshold, 1, MAX_SUCCESS_THRESHOLD)
+        if self.half_open_trials is not None:
+            _check_int(
+                "half_open_trials",
+                self.half_open_trials,
+                self.success_threshold,
+                MAX_SUCCESS_THRESHOLD,
+            )
+
+    @property
+    def tolerated_trial_failures(self) -> int:
+        """Failed trials a half-open breaker absorbs before it opens again."""
+        if self.half_open_trials is None:
+            return 0
+        return self.half_open_trials - self.success_threshold
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
@@ -166,7 +186,15 @@ def _unlink(error: BaseException) -> None:
 class _Entry:
     """A breaker and what the board keeps beside it (its clock, its manual state)."""
 
-    __slots__ = ("breaker", "failures", "isolated", "opened_at", "settings", "state")
+    __slots__ = (
+        "breaker",
+        "failures",
+        "isolated",
+        "opened_at",
+        "settings",
+        "state",
+        "trial_failures",
+    )
 
     def __init__(self, settings: BreakerSettings) -> None:
         self.settings = settings
@@ -177,6 +205,8 @@ class _Entry:
         self.failures = 0
         self.opened_at: float | None = None
         self.isolated = False
+        #: Failed trials absorbed since the breaker last half-opened.
+        self.trial_failures = 0
 
 
 class _Watch(pybreaker.CircuitBreakerListener):
@@ -203,7 +233,9 @@ class BreakerBoard:
     (calls already in flight, or made against advice) until ``reset_timeout_s``
     has passed on the clock; the breaker is then half-open, as ``state``,
     ``record`` and ``snapshot`` see it. Half-open: ``success_threshold``
-    successes close it, one failure opens it again (a new ``opened_at``).
+    successes close it; failures open it again (a new ``opened_at``) once
+    they leave fewer than ``success_threshold`` of its ``half_open_trials``
+    able to succeed (see :class:`BreakerSettings`).
     ``isolate`` forces it open with no timeout and outcomes ignored, until
     ``close``, which closes it and resets its counts.
 
@@ -229,7 +261,9 @@ class BreakerBoard:
     reported with reason ``shared_storage`` when this board notices them (only
     for dependencies it has a breaker for: ``state`` never creates one).
     ``isolate`` is local to the board: the shared storage shows the breaker
-    open, and other boards half-open it after their own timeout.
+    open, and other boards half-open it after their own timeout. So is the
+    count of failed trials a half-open breaker absorbed (``half_open_trials``):
+    each board tolerates its own, and the one that re-opens it opens it for all.
     """
 
     def __init__(
@@ -498,8 +532,21 @@ class BreakerBoard:
         now: float,
         changes: list[BreakerChange],
     ) -> BreakerState:
-        """Replay one outcome through pybreaker (closed or half-open only)."""
+        """Replay one outcome through pybreaker (closed or half-open only).
+
+        Half-open, a failed trial is absorbed while the breaker can still reach
+        ``success_threshold`` within its ``half_open_trials`` (pybreaker would
+        re-open at the first one): one failure among the first runs resumed
+        must not re-open the breaker for every run.
+        """
         breaker = entry.breaker
+        if (
+            before is BreakerState.HALF_OPEN
+            and not ok
+            and entry.trial_failures < entry.settings.tolerated_trial_failures
+        ):
+            entry.trial_failures += 1
+            return before
         # pybreaker hands a counted failure back as our error, or as CircuitBreakerError when
         # it trips; CircuitBreakerError also comes when a shared storage was opened meanwhile
         # (the outcome is then ignored, as any outcome while open).
@@ -527,6 +574,7 @@ class BreakerBoard:
     ) -> None:
         old = entry.state
         entry.state = new
+        entry.trial_failures = 0  # a new state: trials, if any, start afresh
         entry.failures = failures = entry.breaker.fail_counter
         if new is BreakerState.CLOSED:
             entry.opened_at = None

@@ -27,6 +27,7 @@ from policies._match import (
     Swallowed,
 )
 from policies._schema import (
+    EscalateEntry,
     FallbackEntry,
     RemediateEntry,
     RetryEntry,
@@ -162,7 +163,9 @@ class CompiledEntry:
 
 
 def compile_entry(
-    entry: RetryEntry | FallbackEntry | RemediateEntry | SimpleEntry, *, observe: bool
+    entry: RetryEntry | FallbackEntry | RemediateEntry | EscalateEntry | SimpleEntry,
+    *,
+    observe: bool,
 ) -> CompiledEntry:
     m = entry.match
     classes = (

@@ -1,20 +1,37 @@
 """A policy's decisions, revised by what every run's spans show.
 
 The policy decides from one failure; the governor knows the fleet: a circuit
-breaker per dependency (fed by every call outcome the sidecar sees, from every
-run of every service), a retry budget per dependency, and each run's restart
-intensity. It revises a decision in this order:
+breaker per dependency (fed by the transient failures and the successes the
+sidecar sees, from every run of every service), a retry budget per
+dependency, and the restart intensity of each step. It revises a decision in
+this order:
 
-1. **Breaker open or isolated** for the failed dependency: any decision but
-   ``none`` becomes a fallback to the first alternative in the policy's chain
-   whose breaker is not open, else ``fail_fast`` with the time the breaker may
-   half-open (``breaker_reopens_in_s``, so the run can be paused and resumed).
+1. **Breaker open or isolated** for the failed dependency: a decision that
+   would call it again (retry, fallback), and any decision but ``none`` about
+   a transient failure, becomes a fallback to the first alternative whose
+   breaker is not open (the policy's ``fallbacks:``), else ``fail_fast`` with
+   the time the run may resume (``breaker_reopens_in_s``: the run is paused
+   and resumed, see below). A permanent, model or semantic failure says
+   nothing of the dependency's health: its ``fail_fast`` or ``escalate``
+   stands, so a revoked key aborts instead of waiting for the breaker; and a
+   permanent failure is never paused (no alternative left: ``fail_fast``).
 2. A **fallback** whose target's breaker is open moves on along the chain.
-3. **Restart intensity**: a retry or fallback that would be the run's
-   ``max_actions + 1``-th corrective action within ``period_s`` is escalated
-   instead (Erlang's supervisor gives up restarting; here a person decides).
+3. **Restart intensity**: a retry, fallback or pause that would be the
+   ``max_actions + 1``-th corrective action for the same dependency in the
+   same run within ``period_s`` is escalated instead (Erlang's supervisor
+   gives up restarting; here a person decides, for at most the escalation's
+   ``timeout_s``).
 4. **Retry budget**: a retry over the dependency's budget becomes a fallback
    when there is one, else ``fail_fast``: a fleet cannot multiply an outage.
+
+**Pauses behind an open breaker are staggered.** The first
+``half_open_trials`` runs paused while a breaker is open resume when it
+half-opens: they are its trial calls. Every other run resumes later, at a
+point of the ``resume_spread_s`` after that, from a quarter of it on, placed
+by a hash of its run id and the dependency (the same run always gets the same
+place, so a replay decides the same). The decision carries the pause's
+deadline and outcome for the ``pause_run`` command: ``pause_timeout_s`` (the
+resume delay) and ``on_timeout: resume``.
 
 Decisions in observe mode are revised by the breakers (read only) but spend
 no budget and count no action: nothing will be delivered.
@@ -34,17 +51,28 @@ from typing import Final
 
 import pybreaker
 
-from policies._breakers import BreakerBoard, BreakerChange, BreakerSettings, BreakerState
+from policies._actions import pause_params
+from policies._backoff import jitter_fraction
+from policies._breakers import (
+    BreakerBoard,
+    BreakerChange,
+    BreakerInfo,
+    BreakerSettings,
+    BreakerState,
+)
 from policies._budget import BudgetSettings, RetryBudget
 from policies._cascade import Cascade, CascadeDetector
 from policies._intensity import IntensitySettings, RestartIntensity
 from policies._policy import Policy
-from supervisor.records import Action, AttrValue, Decision, Failure
+from supervisor.records import Action, AttrValue, Decision, Failure, FailureClass
 
 _BLOCKED: Final[tuple[BreakerState, ...]] = (BreakerState.OPEN, BreakerState.ISOLATED)
+#: Decisions that call a dependency again: restart intensity counts them (and
+#: breaker pauses), and an open breaker diverts them whatever the failure.
 _CORRECTIVE: Final[tuple[Action, ...]] = (Action.RETRY, Action.FALLBACK)
-#: What an open breaker turns into a fallback or fail_fast: every decision about its
-#: dependency but ``none`` (an outage must not become a queue of approval requests).
+#: What an open breaker turns into a fallback or a pause when the failure is
+#: transient: every decision about its dependency but ``none`` (an outage must
+#: not become a queue of approval requests).
 _DIVERTED: Final[tuple[Action, ...]] = (
     Action.RETRY,
     Action.FALLBACK,
@@ -58,6 +86,29 @@ _DIVERTED: Final[tuple[Action, ...]] = (
 RUN_KINDS: Final = frozenset(
     {"stall", "reasoning_loop", "goal_drift", "budget_exceeded", "approval_required"}
 )
+#: Where in ``resume_spread_s`` the runs after the first trials start resuming.
+_SPREAD_FROM: Final = 0.25
+
+
+def counts_for_breaker(failure: Failure) -> bool:
+    """Whether ``failure`` says its dependency is unhealthy: counted by its breaker.
+
+    Only transient failures of calls do. A 401, a 404, a bad request or an
+    exhausted quota is the caller's (``permanent``); a bad answer is the
+    model's (``model``, ``semantic``); a stall or a loop is the run's. Counting
+    them would let one run with a revoked key open the breaker for the fleet.
+    """
+    return failure.failure_class is FailureClass.TRANSIENT and failure.kind not in RUN_KINDS
+
+
+class _Paused:
+    """The runs paused behind one opening of one breaker that resume first (its trials)."""
+
+    __slots__ = ("first", "opened_at")
+
+    def __init__(self, opened_at: float | None) -> None:
+        self.opened_at = opened_at
+        self.first: set[str] = set()
 
 
 class Governor:
@@ -91,6 +142,9 @@ class Governor:
         # Dependencies whose breaker has something a success can change (failures
         # counted, or not closed): successes of all others skip the board.
         self._watched: set[str] = set()
+        #: dependency -> the runs resumed first since its breaker last opened (bounded).
+        self._paused: dict[str, _Paused] = {}
+        self._max_dependencies = max_dependencies
         #: One dependency failing across runs: one incident, and its breaker opened.
         self.cascade = CascadeDetector(
             policy.detectors.cascades, clock=clock, max_dependencies=max_dependencies
@@ -107,7 +161,7 @@ class Governor:
         The breaker of a cascading dependency opens at once, for every run,
         rather than after each run's own failures have added up.
         """
-        self.cascade.observe(successes, failures)
+        self.cascade.observe(successes, [f for f in failures if counts_for_breaker(f)])
         started = self.cascade.cascades()
         for found in started:
             if self.policy.limits.breakers_enabled:
@@ -116,7 +170,9 @@ class Governor:
 
     def _breaker_settings(self, dependency: str) -> BreakerSettings:
         spec = self.policy.limits.breaker_for(dependency)
-        return BreakerSettings(spec.fail_max, spec.reset_timeout_s, spec.success_threshold)
+        return BreakerSettings(
+            spec.fail_max, spec.reset_timeout_s, spec.success_threshold, spec.trials
+        )
 
     def _budget_settings(self, _dependency: str) -> BudgetSettings:
         spec = self.policy.limits.retry_budget
@@ -202,21 +258,25 @@ class Governor:
         dependency = failure.dependency
         action = decision.action
         state = self.breaker_state(dependency)
-        if state in _BLOCKED and action in _DIVERTED and failure.kind not in RUN_KINDS:
+        if state in _BLOCKED and _diverted(failure, action):
             decision = self._around_open(failure, decision, state)
         elif action is Action.FALLBACK:
             decision = self._next_open_alternative(failure, decision)
-        if decision.observe_only or decision.action not in _CORRECTIVE:
+        if decision.observe_only or not _corrective(decision):
             return decision
         limits = self.policy.limits
-        if limits.restart_intensity.enabled and not self.intensity.allow(failure.run_id):
+        if limits.restart_intensity.enabled and not self.intensity.allow(_step(failure)):
             spec = limits.restart_intensity
             return _revised(
                 decision,
                 Action.ESCALATE,
-                {"proposed_action": _command_for(decision.action), **decision.params},
-                f"more than {spec.max_actions} corrective actions in {spec.period_s:g}s"
-                " in this run: a person decides",
+                {
+                    "proposed_action": _command_for(decision),
+                    **decision.params,
+                    **pause_params(spec.timeout_s, spec.on_timeout),
+                },
+                f"more than {spec.max_actions} corrective actions for"
+                f" {dependency or 'this step'} in {spec.period_s:g}s in this run: a person decides",
             )
         if (
             decision.action is Action.RETRY
@@ -246,9 +306,37 @@ class Governor:
             return _revised(decision, Action.FALLBACK, params, why)
         params = {"breaker": state.value}
         info = self.board.info(dependency)
+        if failure.failure_class is FailureClass.PERMANENT:
+            # Waiting cannot help (a quota, a retry a policy asked for): never paused.
+            return _revised(decision, Action.FAIL_FAST, params, f"{why}, no alternative left")
         if state is BreakerState.OPEN and info.reopens_at is not None:
-            params["breaker_reopens_in_s"] = round(max(0.0, info.reopens_at - self._clock()), 3)
+            wait = self._resume_delay(failure.run_id, info)
+            params["breaker_reopens_in_s"] = wait
+            params.update(pause_params(wait, "resume"))
+            why += f": paused, resumed in {wait:g}s"
         return _revised(decision, Action.FAIL_FAST, params, why)
+
+    def _resume_delay(self, run_id: str, info: BreakerInfo) -> float:
+        """Seconds until ``run_id``, paused behind ``info``'s open breaker, resumes.
+
+        The first ``half_open_trials`` runs of this opening resume when it
+        half-opens; the others over ``resume_spread_s`` after that, from a
+        quarter of it on, each at a point fixed by its run id (module doc).
+        """
+        dependency = info.dependency
+        reopens_in = max(0.0, (info.reopens_at or 0.0) - self._clock())
+        spec = self.policy.limits.breaker_for(dependency)
+        paused = self._paused.get(dependency)
+        if paused is None or paused.opened_at != info.opened_at:
+            if paused is None and len(self._paused) >= self._max_dependencies:
+                del self._paused[next(iter(self._paused))]  # the oldest opening
+            paused = self._paused[dependency] = _Paused(info.opened_at)
+        if run_id in paused.first or len(paused.first) < spec.trials:
+            paused.first.add(run_id)
+            return round(reopens_in, 3)
+        place = jitter_fraction(run_id, dependency, "resume")
+        later = spec.resume_spread_s * (_SPREAD_FROM + (1 - _SPREAD_FROM) * place)
+        return round(reopens_in + later, 3)
 
     def _next_open_alternative(self, failure: Failure, decision: Decision) -> Decision:
         to = decision.params.get("to")
@@ -273,8 +361,33 @@ class Governor:
         return None
 
 
-def _command_for(action: Action) -> str:
-    return "switch_fallback" if action is Action.FALLBACK else "retry_step"
+def _diverted(failure: Failure, action: Action) -> bool:
+    """Whether an open breaker of the failure's dependency changes ``action`` (module, 1.)."""
+    if failure.kind in RUN_KINDS:
+        return False
+    return action in _CORRECTIVE or (action in _DIVERTED and counts_for_breaker(failure))
+
+
+def _corrective(decision: Decision) -> bool:
+    """A retry, a fallback, or a pause the run resumes from: restart intensity counts it."""
+    action = decision.action
+    return action in _CORRECTIVE or (
+        action is Action.FAIL_FAST and "breaker_reopens_in_s" in decision.params
+    )
+
+
+def _step(failure: Failure) -> str:
+    """Restart intensity's key: the run and the dependency that keeps failing in it."""
+    return f"{failure.run_id}\x1f{failure.dependency or failure.kind}"
+
+
+def _command_for(decision: Decision) -> str:
+    """The command an escalated corrective action proposes to a person."""
+    if decision.action is Action.FALLBACK:
+        return "switch_fallback"
+    if decision.action is Action.FAIL_FAST:
+        return "resume_run"
+    return "retry_step"
 
 
 def _revised(

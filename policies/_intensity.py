@@ -1,10 +1,15 @@
-"""Restart intensity per run, as Erlang's supervisors: at most MaxR actions in MaxT seconds.
+"""Restart intensity, as Erlang's supervisors: at most MaxR actions in MaxT seconds per key.
 
-Retries, fallbacks and remediations each look reasonable on their own; a run
-that needs one after another is not recovering, and the next corrective
-action should be an escalation. ``allow(run_id)`` is asked before each
-corrective action: it says no once the run has had ``max_actions`` of them
-within the last ``period_s`` seconds.
+Retries, fallbacks and pauses each look reasonable on their own; a step that
+needs one after another is not recovering, and the next corrective action
+should be an escalation. ``allow(key)`` is asked before each corrective
+action: it says no once the key has had ``max_actions`` of them within the
+last ``period_s`` seconds.
+
+The key is the caller's: the governor asks per run and dependency (the step
+that keeps failing), so independent faults spread over a long run's many calls
+never add up to an escalation; the remediation gateway asks per run before it
+restarts a worker.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class IntensitySettings:
     ``max_actions`` 0 escalates every action (Erlang's intensity 0).
     """
 
-    max_actions: int = 5
+    max_actions: int = 10
     period_s: float = 60.0
 
     def __post_init__(self) -> None:

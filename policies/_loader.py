@@ -107,6 +107,8 @@ def _read(path: Path, source: str) -> str:
 
 def _validate(doc: YamlDoc, *, user: bool) -> PolicyFile:
     """Validate the schema and what the schema cannot see; raise every issue at once."""
+    if user and _copies_builtin(doc.data):
+        raise PolicyError([PolicyIssue(doc.source, "", None, COPY_OF_BUILTIN)])
     issues = _semantic_issues(doc, user=user)
     try:
         spec = PolicyFile.model_validate(doc.data)
@@ -115,6 +117,37 @@ def _validate(doc: YamlDoc, *, user: bool) -> PolicyFile:
     if issues:
         raise PolicyError(_finish(issues, doc.source))
     return spec
+
+
+COPY_OF_BUILTIN = (
+    "this is a copy of the built-in policy (its rules and decisions are named 'builtin.*',"
+    " which only the built-in file may use). A policy file is layered on top of the"
+    " built-in one, so it holds only what differs: start from `spanvisor init`, which"
+    " writes the knobs worth changing, with comments"
+)
+
+
+#: Reserved names in a user file from which it is taken for a copy of the built-in one.
+_COPY_NAMES = 5
+
+
+def _copies_builtin(data: object) -> bool:
+    """A user file that holds the built-in policy's catch-alls, or many of its names.
+
+    Reported as one issue rather than one per reserved name: a copy layered
+    on the built-in policy would run every rule twice and hide later fixes to
+    the built-in ones, so the way out is a file that holds only the changes.
+    """
+    if not isinstance(data, dict):
+        return False
+    names = {
+        name
+        for section in ("rules", "policies")
+        for _, item in _items(data.get(section))
+        if isinstance(name := item.get("name"), str)
+    }
+    reserved = sum(1 for name in names if name.startswith(BUILTIN_PREFIX))
+    return (CATCH_ALL_RULE in names and CATCH_ALL_ENTRY in names) or reserved >= _COPY_NAMES
 
 
 def _finish(issues: list[PolicyIssue], source: str) -> list[PolicyIssue]:
@@ -173,6 +206,8 @@ def _message(err: ErrorDetails, loc: list[PathElem]) -> str:
         return f"unknown value {err.get('input')!r}; expected {ctx.get('expected')}"
     if kind == "value_error" and "error" in ctx:
         return str(ctx["error"])
+    if kind == "too_short" and ctx.get("min_length") == 1:
+        return "must not be empty"
     if kind == "finite_number":
         return "must be a finite number"
     if kind in ("model_type", "dict_type") and not loc:
@@ -223,6 +258,17 @@ def _semantic_issues(doc: YamlDoc, *, user: bool) -> list[PolicyIssue]:
             if isinstance(kind, str) and kind not in known:
                 path = where if position is None else [*where, position]
                 add(path, f"unknown kind {kind!r}: no rule produces it and it is not built in")
+    fallbacks = data.get("fallbacks")
+    if isinstance(fallbacks, dict):
+        for glob, alternatives in fallbacks.items():
+            if not isinstance(alternatives, list):
+                continue
+            for position, alternative in enumerate(alternatives):
+                where = ["fallbacks", glob, position]
+                if alternative == glob:
+                    add(where, f"{glob!r} is its own fallback: list only its alternatives")
+                elif alternative in alternatives[:position]:
+                    add(where, f"{alternative!r} is listed twice")
     defined = set(BUILTIN_REMEDIATORS)
     remediators = data.get("remediators")
     if isinstance(remediators, dict):
@@ -286,6 +332,7 @@ def _builtin_policy() -> Policy:
         BUILTIN_SOURCE,
         _limits(spec, None),
         remediators=spec.remediators,
+        fallbacks=spec.fallbacks,
         verifiers=compile_verifiers(spec.verifiers),
         detectors=compile_detectors(
             spec.detectors,
@@ -323,6 +370,7 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
         doc.source,
         _limits(spec, builtin_spec),
         remediators=remediators,
+        fallbacks={**spec.fallbacks, **builtin_spec.fallbacks, **spec.fallbacks},
         verifiers=compile_verifiers(
             [*spec.verifiers, *(builtin_spec.verifiers if spec.builtin else ())]
         ),

@@ -9,7 +9,7 @@ every failure gets a decision.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -53,6 +53,7 @@ class Policy:
     __slots__ = (
         "_chains",
         "_entries",
+        "_fallbacks",
         "_rules",
         "detectors",
         "limits",
@@ -74,6 +75,7 @@ class Policy:
         remediators: Mapping[str, RemediatorSpec] | None = None,
         detectors: CompiledDetectors | None = None,
         verifiers: VerifierSet | None = None,
+        fallbacks: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         if not rules or rules[-1].conditions:
             raise ValueError("the last classification rule must be a catch-all")
@@ -81,6 +83,11 @@ class Policy:
             raise ValueError("the last decision entry must be a catch-all")
         self._rules = rules
         self._entries = entries
+        #: The policy's ``fallbacks:`` map, as (glob, chain): a literal key heads its chain.
+        self._fallbacks: tuple[tuple[GlobSet, tuple[str, ...]], ...] = tuple(
+            (GlobSet([glob]), _declared_chain(glob, alternatives))
+            for glob, alternatives in (fallbacks or {}).items()
+        )
         for entry in entries:  # fallbacks without a chain follow the policy's chains
             _share_chains(entry.action, self.fallback_chain)
         #: Rule names, in the order they are tried.
@@ -148,7 +155,14 @@ class Policy:
         return found
 
     def fallback_chain(self, dependency: str) -> tuple[str, ...] | None:
-        """The first fallback chain, in entry order, that covers ``dependency``.
+        """The fallback chain that covers ``dependency``, or None when there is none.
+
+        The ``fallbacks:`` map first (its first glob that matches, else the
+        first chain that lists ``dependency`` as an alternative, so that the
+        alternative's own failure moves on along it), then, for policies that
+        give chains in their entries, the first such chain in entry order.
+        Every decision that wants a fallback asks here: fallback entries
+        without a chain, an open breaker, a spent retry budget.
 
         Remembered per dependency: the governor asks for each failure while a
         breaker is open, and the answer walks every entry's actions and globs.
@@ -156,11 +170,12 @@ class Policy:
         chains = self._chains
         if dependency in chains:
             return chains[dependency]
-        found: tuple[str, ...] | None = None
-        for entry in self._entries:
-            found = _chain_in(entry.action, dependency)
-            if found is not None:
-                break
+        found = _declared_for(self._fallbacks, dependency)
+        if found is None:
+            for entry in self._entries:
+                found = _chain_in(entry.action, dependency)
+                if found is not None:
+                    break
         if len(chains) >= _MAX_REMEMBERED_CHAINS:
             chains.clear()
         chains[dependency] = found
@@ -184,6 +199,24 @@ def _is_catch_all(entry: CompiledEntry) -> bool:
         and entry.service is None
         and entry.rule is None
     )
+
+
+def _declared_chain(glob: str, alternatives: Sequence[str]) -> tuple[str, ...]:
+    """A ``fallbacks:`` entry as a chain: a literal dependency first, then its alternatives."""
+    literal = not any(char in glob for char in "*?[")
+    return (glob, *alternatives) if literal else tuple(alternatives)
+
+
+def _declared_for(
+    declared: tuple[tuple[GlobSet, tuple[str, ...]], ...], dependency: str
+) -> tuple[str, ...] | None:
+    for globs, chain in declared:
+        if globs(dependency):
+            return chain
+    for _, chain in declared:
+        if dependency in chain:
+            return chain
+    return None
 
 
 def _chain_in(action: CompiledAction, dependency: str) -> tuple[str, ...] | None:

@@ -215,7 +215,7 @@ class FallbackSpec(_Strict):
         description="Dependency glob -> ordered alternatives; the first matching glob wins.",
     )
     on_exhausted: Exhausted = Field(
-        default_factory=lambda: SimpleSpec(action="escalate"),
+        default_factory=lambda: EscalateSpec(action="escalate"),
         description="What to do when there is no alternative left.",
     )
 
@@ -228,13 +228,39 @@ class RemediateSpec(_Strict):
 
 
 class SimpleSpec(_Strict):
-    """An action without parameters."""
+    """An action without parameters (``fail_fast``, ``none``)."""
 
     action: SimpleActionName
 
 
+#: How long an escalation's pause lasts when nobody answers, by default: an hour.
+DEFAULT_ESCALATION_TIMEOUT_S = 3600.0
+
+
+class EscalateSpec(_Strict):
+    """Pause the run and ask a person; the pause ends after ``timeout_s`` without an answer.
+
+    The decision carries ``pause_timeout_s`` and ``on_timeout``, which the
+    ``pause_run`` command passes on: every pause has a deadline and a stated
+    outcome (``abort``: the run is aborted; ``resume``: it goes on as if approved).
+    """
+
+    action: Literal["escalate"]
+    timeout_s: float = Field(
+        default=DEFAULT_ESCALATION_TIMEOUT_S,
+        gt=0,
+        le=7 * 86_400,
+        description="How long the run stays paused waiting for a person.",
+    )
+    on_timeout: Literal["abort", "resume"] = Field(
+        default="abort", description="What happens to the run when nobody answered in time."
+    )
+
+
 Exhausted = Annotated[
-    Annotated[FallbackSpec | RemediateSpec | SimpleSpec, Field(discriminator="action")],
+    Annotated[
+        FallbackSpec | RemediateSpec | EscalateSpec | SimpleSpec, Field(discriminator="action")
+    ],
     BeforeValidator(_action_shorthand),
 ]
 
@@ -252,7 +278,7 @@ class RetrySpec(_Strict):
     wait: Wait = Field(default_factory=lambda: ExponentialWait(type="exponential"))
     honour_retry_after: bool = True
     max_retry_after_s: float = Field(default=60.0, ge=0, le=MAX_RETRY_AFTER_S)
-    on_exhausted: Exhausted = Field(default_factory=lambda: SimpleSpec(action="escalate"))
+    on_exhausted: Exhausted = Field(default_factory=lambda: EscalateSpec(action="escalate"))
 
 
 class _EntryBase(_Strict):
@@ -276,24 +302,65 @@ class RemediateEntry(_EntryBase, RemediateSpec):
     """A decision entry whose action is ``remediate``."""
 
 
+class EscalateEntry(_EntryBase, EscalateSpec):
+    """A decision entry whose action is ``escalate``."""
+
+
 class SimpleEntry(_EntryBase, SimpleSpec):
-    """A decision entry whose action is ``fail_fast``, ``escalate`` or ``none``."""
+    """A decision entry whose action is ``fail_fast`` or ``none``."""
 
 
 Entry = Annotated[
-    RetryEntry | FallbackEntry | RemediateEntry | SimpleEntry, Field(discriminator="action")
+    RetryEntry | FallbackEntry | RemediateEntry | EscalateEntry | SimpleEntry,
+    Field(discriminator="action"),
 ]
-ActionSpec = RetrySpec | FallbackSpec | RemediateSpec | SimpleSpec
+ActionSpec = RetrySpec | FallbackSpec | RemediateSpec | EscalateSpec | SimpleSpec
 
 
 class BreakerSpec(_Strict):
-    """A circuit breaker: ``fail_max`` failures in a row open it for ``reset_timeout_s``."""
+    """A circuit breaker: ``fail_max`` transient failures in a row open it for ``reset_timeout_s``.
+
+    Only transient failures count (a 401 or a 404 says nothing of the
+    dependency's health). Half-open, it admits ``half_open_trials`` trial
+    calls: ``success_threshold`` successes close it, and it opens again only
+    once the failed trials make that threshold out of reach. Runs paused
+    behind it resume in turn: ``half_open_trials`` of them when it half-opens,
+    the rest spread over the ``resume_spread_s`` that follow.
+    """
 
     fail_max: int = Field(default=5, ge=1, le=10_000)
     reset_timeout_s: float = Field(default=30.0, gt=0, le=86_400)
     success_threshold: int = Field(
         default=2, ge=1, le=10_000, description="Trial successes that close a half-open breaker."
     )
+    half_open_trials: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000,
+        description="Trial calls a half-open breaker admits (and paused runs resumed first);"
+        " unset: success_threshold + 1.",
+    )
+    resume_spread_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=86_400,
+        description="Runs paused behind an open breaker beyond the first trials resume"
+        " spread over this many seconds after it half-opens.",
+    )
+
+    @property
+    def trials(self) -> int:
+        """``half_open_trials``, or one more than ``success_threshold`` when unset."""
+        return self.half_open_trials or self.success_threshold + 1
+
+    @model_validator(mode="after")
+    def _coherent(self) -> BreakerSpec:
+        if self.half_open_trials is not None and self.success_threshold > self.half_open_trials:
+            raise ValueError(
+                f"success_threshold ({self.success_threshold}) is above half_open_trials"
+                f" ({self.half_open_trials}): the breaker could never close"
+            )
+        return self
 
 
 class BreakersSpec(_Strict):
@@ -318,11 +385,31 @@ class RetryBudgetSpec(_Strict):
 
 
 class RestartIntensitySpec(_Strict):
-    """Erlang's restart intensity: more corrective actions than this in a run escalate."""
+    """Erlang's restart intensity, per step: more corrective actions than this escalate.
+
+    Counted per run and dependency (the step that keeps failing), not per run:
+    independent faults spread over a run's many calls are not a run that fails
+    to recover. Retries, fallbacks and pause/resume cycles behind an open
+    breaker count; the escalation pauses the run for ``escalation`` limits.
+    """
 
     enabled: bool = True
-    max_actions: int = Field(default=5, ge=1, le=10_000)
+    max_actions: int = Field(
+        default=10,
+        ge=1,
+        le=10_000,
+        description="Corrective actions for one dependency in one run within period_s.",
+    )
     period_s: float = Field(default=60.0, gt=0, le=86_400)
+    timeout_s: float = Field(
+        default=DEFAULT_ESCALATION_TIMEOUT_S,
+        gt=0,
+        le=7 * 86_400,
+        description="How long the escalation's pause waits for a person.",
+    )
+    on_timeout: Literal["abort", "resume"] = Field(
+        default="abort", description="What happens to the run when nobody answered in time."
+    )
 
 
 #: Remediators that ship with spanvisor (``remediators.builtin``).
@@ -464,6 +551,14 @@ class DetectorsSpec(ServiceDetectorsSpec):
     )
 
 
+Fallbacks = Annotated[
+    dict[Glob, Annotated[list[DependencyKey], Field(min_length=1, max_length=32)]],
+    Field(max_length=MAX_ITEMS),
+]
+"""``fallbacks:``: dependency glob -> ordered alternatives. A key that lists
+itself, or an alternative listed twice, is refused at load (with its path)."""
+
+
 class PolicyFile(_Strict):
     """A spanvisor policy file (``version: 1``)."""
 
@@ -478,6 +573,12 @@ class PolicyFile(_Strict):
     policies: Annotated[list[Entry], Field(max_length=1000)] = Field(default_factory=list)
     breakers: BreakersSpec | None = Field(
         default=None, description="Unset: the built-in policy's (or the defaults)."
+    )
+    fallbacks: Fallbacks = Field(
+        default_factory=dict,
+        description="Dependency glob -> ordered alternatives, declared once: every decision"
+        " that falls back (fallback entries without a chain, an open breaker, a spent retry"
+        " budget) follows it.",
     )
     retry_budget: RetryBudgetSpec | None = None
     restart_intensity: RestartIntensitySpec | None = None
@@ -521,6 +622,7 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         FallbackEntry,
         RemediateEntry,
         SimpleEntry,
+        EscalateEntry,
         FixedWait,
         ExponentialWait,
         BreakersSpec,

@@ -30,7 +30,7 @@ from supervisor.records import GRPC_CODES
 
 ClassName = Literal["transient", "model", "permanent", "semantic"]
 RoleName = Literal["llm", "tool", "agent", "chain", "http", "other"]
-SimpleActionName = Literal["fail_fast", "escalate", "none"]
+SimpleActionName = Literal["fail_fast", "none"]
 JitterName = Literal["none", "full", "equal"]
 
 

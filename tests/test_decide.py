@@ -195,7 +195,12 @@ _REMEDIATION = remediation_ids(
 @pytest.mark.parametrize(
     ("on_exhausted", "expected_action", "expected_params"),
     [
-        ("escalate", Action.ESCALATE, {}),
+        ("escalate", Action.ESCALATE, {"pause_timeout_s": 3600.0, "on_timeout": "abort"}),
+        (
+            "{action: escalate, timeout_s: 600, on_timeout: resume}",
+            Action.ESCALATE,
+            {"pause_timeout_s": 600.0, "on_timeout": "resume"},
+        ),
         ("fail_fast", Action.FAIL_FAST, {}),
         (
             "{action: remediate, remediator: fallback_switch}",
@@ -313,6 +318,8 @@ FALLBACK = """
         on_exhausted: escalate
 """
 CHAIN = ("openai:gpt-4o-mini", "anthropic:claude-3-5-haiku")
+#: An escalation's pause: its deadline and what follows it (the defaults).
+PAUSED = {"pause_timeout_s": 3600.0, "on_timeout": "abort"}
 
 
 @pytest.mark.parametrize(
@@ -324,8 +331,8 @@ CHAIN = ("openai:gpt-4o-mini", "anthropic:claude-3-5-haiku")
             (Action.FALLBACK, {"to": "anthropic:claude-3-5-haiku", "chain": CHAIN}),
         ),
         ("azure:gpt-4o", (Action.FALLBACK, {"to": "openai:gpt-4o", "chain": ("openai:gpt-4o",)})),
-        ("anthropic:claude-3-5-haiku", (Action.ESCALATE, {})),
-        ("", (Action.ESCALATE, {})),
+        ("anthropic:claude-3-5-haiku", (Action.ESCALATE, PAUSED)),
+        ("", (Action.ESCALATE, PAUSED)),
     ],
 )
 def test_fallback_moves_along_the_chain(
@@ -409,13 +416,14 @@ def test_the_same_failure_always_gets_the_same_decision() -> None:
 
 def test_jitter_is_pinned_by_a_stable_hash_not_the_process() -> None:
     # The fraction is blake2b(trace id / span id / entry name), the same in every
-    # process and release; 2.0 s is the schedule's ceiling at attempt 3.
+    # process and release; at attempt 3 the schedule's ceiling is 8 s and its floor
+    # 1 s (the built-in floor for timeouts), full jitter in between.
     key = b"4bf92f3577b34da6a3ce929d0e0e4736/00f067aa0ba902b7/builtin.transient_io"
     fraction = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2.0**64
 
     decision = BUILTIN.decide(failure(kind="timeout"), attempt=3)
 
-    assert (decision.params["delay_s"], round(2.0 * fraction, 3)) == (1.77, 1.77)
+    assert (decision.params["delay_s"], round(1.0 + 7.0 * fraction, 3)) == (7.195, 7.195)
 
 
 def test_an_observe_entry_is_reported_but_not_delivered() -> None:

@@ -638,6 +638,7 @@ def test_json_schema_describes_the_file() -> None:
         "observe",
         "rules",
         "policies",
+        "fallbacks",
         "breakers",
         "retry_budget",
         "restart_intensity",

@@ -32,6 +32,7 @@ def test_policies_exports() -> None:
         "SloTracker",
         "VerificationFailure",
         "VerifierSet",
+        "counts_for_breaker",
         "json_schema",
         "load_policy",
     ]
@@ -114,6 +115,7 @@ def test_cli_verbs() -> None:
     assert sorted(verbs.choices) == sorted(
         [
             "run",
+            "init",
             "validate",
             "replay",
             "explain",

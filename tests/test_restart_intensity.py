@@ -33,7 +33,7 @@ def intensity(
 
 
 def test_settings_defaults() -> None:
-    assert IntensitySettings() == IntensitySettings(max_actions=5, period_s=60.0)
+    assert IntensitySettings() == IntensitySettings(max_actions=10, period_s=60.0)
     assert RestartIntensity().settings == IntensitySettings()
 
 

@@ -210,7 +210,8 @@ policies:
       on_exhausted: escalate
 breakers:
   dependencies:
-    "openai:{PRIMARY}": {{fail_max: 3, reset_timeout_s: 2}}
+    # Two trials, both must succeed: the story's one failed trial re-opens it at once.
+    "openai:{PRIMARY}": {{fail_max: 3, reset_timeout_s: 2, half_open_trials: 2}}
 # A handful of retries in a few seconds is the demo's normal, not a retry storm.
 retry_budget: {{ratio: 0.5, min_retries: 10, window_s: 10}}
 detectors:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from supervisor import __version__
 from supervisor.addresses import DEFAULT_API_PORT, DEFAULT_API_URL, LOOPBACK
-from supervisor.cli import local_verbs, operator_verbs
+from supervisor.cli import init_verb, local_verbs, operator_verbs
 from supervisor.cli.operator_verbs import CLEAR_SCREEN
 from supervisor.errors import ConfigError, PolicyError, SupervisorError
 from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
@@ -33,6 +33,7 @@ examples:
   spanvisor demo                           see it work against a fake provider
   spanvisor run --policy policy.yaml       run next to an agent (OTLP on 4317/4318)
   spanvisor replay traces.jsonl --output jsonl
+  spanvisor init policy.yaml               a commented starting policy
   spanvisor validate policy.yaml
   spanvisor approvals approve apr_1234 --note "key rotated"
   spanvisor breakers isolate openai:gpt-4o
@@ -105,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute, log and trace decisions without delivering them",
     )
     run.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    init_verb.add_parser(verbs)
 
     validate = verbs.add_parser("validate", help="check a policy file; exit 1 with every error")
     validate.add_argument("path", type=Path)
@@ -335,6 +338,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     verb = args.verb
     if verb == "run":
         return local_verbs.run_sidecar(args)
+    if verb == "init":
+        return init_verb.init(args)
     if verb == "validate":
         return local_verbs.validate(args)
     if verb == "replay":

@@ -20,7 +20,7 @@ from typing import Any, Final, Protocol
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from policies import RUN_KINDS, Cascade, Policy
+from policies import Cascade, Policy, counts_for_breaker
 from supervisor.act.commands import plan_commands
 from supervisor.bounded import BoundedMap
 from supervisor.judge.attribution import Attribution, Candidate, signature
@@ -408,8 +408,9 @@ class Pipeline:
             self._failures += 1
             failure = self._with_slo(failure)
             decision = self.policy.decide(failure, attempt=attempt)
-            if failure.dependency and self.governor is not None and failure.kind not in RUN_KINDS:
-                # A run waiting for a person is no failed call: breakers do not count it.
+            if failure.dependency and self.governor is not None and counts_for_breaker(failure):
+                # Only a transient failure says the dependency is unhealthy: a 401, a bad
+                # answer or a run waiting for a person is no failed call to its breaker.
                 calls.append((cand.record.end_ns, failure.dependency, False))
             outcomes.append(Outcome(failure, decision))
             if self.runs is not None:
