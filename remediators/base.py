@@ -156,8 +156,10 @@ class ToolResult:
 class Verdict(str, enum.Enum):
     """What :meth:`Remediator.run` reports.
 
-    ``acted``: it changed something; the runner now watches the run for a
-    recovery (verification). The others are final: ``succeeded`` (already
+    ``acted``: it changed something; the runner verifies that the run
+    recovered: since the remediation started (the watch begins before the
+    first command), or within the verification window after its last step.
+    The others are final: ``succeeded`` (already
     verified), ``failed``, ``escalated`` (a person decides), ``refused`` (it
     would only have acted through refused calls).
     """
@@ -205,7 +207,10 @@ class RemediationContext(Protocol):
         ...
 
     async def wait_for_recovery(self, timeout_s: float) -> bool:
-        """Wait until the run's later spans show the failed step or dependency succeeding."""
+        """Wait until the run's spans show the failed dependency succeeding or the run ending OK.
+
+        A recovery seen since the remediation started answers at once.
+        """
         ...
 
     async def wait_for_approval(
