@@ -12,7 +12,8 @@ It acts only through :class:`RemediationContext`:
   a durable step: after a crash, calls already made return their recorded
   result and are not made again.
 * :meth:`RemediationContext.sleep`, :meth:`~RemediationContext.wait_for_recovery`
-  and :meth:`~RemediationContext.wait_for_approval` are durable waits (their
+  and :meth:`~RemediationContext.wait_for_approval` are durable waits
+  (:meth:`~RemediationContext.recovered` asks without waiting) (their
   deadlines survive a restart); no thread is held by a sleeping remediation
   beyond the runner's own (remediations are coroutines on the runner's loop).
 * :meth:`RemediationContext.step` records any other non-deterministic work
@@ -210,6 +211,14 @@ class RemediationContext(Protocol):
         """Wait until the run's spans show the failed dependency succeeding or the run ending OK.
 
         A recovery seen since the remediation started answers at once.
+        """
+        ...
+
+    async def recovered(self) -> bool:
+        """Whether the run recovered since the remediation started (no wait).
+
+        A remediator that goes on acting (a model's next turn) asks first: a
+        command to a run that recovered, or ended, is one too many.
         """
         ...
 

@@ -202,11 +202,15 @@ class DurableContext:
             return False  # no window: nothing to wait for, nothing to record
         return await self._recovery(self._last_at + float(timeout_s))
 
-    async def recovered_so_far(self) -> bool:
-        """Whether the run recovered since the remediation started, without waiting (recorded)."""
-        return await self._recovery(0.0)
+    async def recovered(self) -> bool:
+        """Whether the run recovered since the remediation started, at once (recorded).
 
-    async def _recovery(self, deadline: float) -> bool:
+        Like a wait's answer, a durable step: a replay takes the same branch.
+        Only a recovery is noted on the trace; a miss is not.
+        """
+        return await self._recovery(0.0, note_miss=False)
+
+    async def _recovery(self, deadline: float, *, note_miss: bool = True) -> bool:
         runner, root, trigger = self._runner, self._root, self._trigger
         rid = self.remediation_id
 
@@ -228,7 +232,8 @@ class DurableContext:
                     attributes["spanvisor.wait.recovered_before_s"] = round(
                         max(0.0, waited_from - float(seen)), 3
                     )
-            runner.spans.event(root, "spanvisor.wait recovery", attributes)
+            if evidence is not None or note_miss:
+                runner.spans.event(root, "spanvisor.wait recovery", attributes)
             return evidence is not None, time.time()
 
         recovered, self._last_at = await self._durable("waited:recovery", wait)

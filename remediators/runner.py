@@ -325,7 +325,10 @@ class DurableRunner:
             log.warning("remediation runner is not running; recovery of %s dropped", remediation_id)
             self.counts["errors"] += 1
             return
-        loop.call_soon_threadsafe(self._recovered, remediation_id, dict(evidence))
+        if _running_loop() is loop:  # from the watch itself: a recovery seen before it began
+            self._recovered(remediation_id, dict(evidence))
+        else:
+            loop.call_soon_threadsafe(self._recovered, remediation_id, dict(evidence))
 
     def _recovered(self, remediation_id: str, evidence: dict[str, Any]) -> None:
         waiter = self._recovery_waiters.get(remediation_id)
@@ -474,9 +477,11 @@ class DurableRunner:
             verdict = await remediator.run(ctx)
             if verdict is Verdict.ACTED:
                 verdict, reason = await self._verify(ctx, request)
+            elif verdict is Verdict.SUCCEEDED and ctx.recovery:
+                reason = _recovered_reason(ctx)  # it saw the recovery itself
         except BudgetSpent as spent:
             reason = f"budget spent: {spent.what}"
-            if await ctx.recovered_so_far():  # nothing left for a person to fix
+            if await ctx.recovered():  # nothing left for a person to fix
                 verdict, reason = Verdict.SUCCEEDED, f"{_recovered_reason(ctx)} ({reason})"
             else:
                 verdict = await self._escalate(ctx, reason)
@@ -511,7 +516,7 @@ class DurableRunner:
     async def _verify(self, ctx: DurableContext, request: Mapping[str, Any]) -> tuple[Verdict, str]:
         window = float(request["verify_window_s"])
         # No window still counts a recovery seen while the remediator worked.
-        if await (ctx.recovered_within(window) if window > 0 else ctx.recovered_so_far()):
+        if await (ctx.recovered_within(window) if window > 0 else ctx.recovered()):
             return Verdict.SUCCEEDED, _recovered_reason(ctx)
         reason = f"no recovery within {window:g} s"
         follow = str(request["on_unresolved"])
@@ -568,6 +573,13 @@ class DurableRunner:
                 self.spans.step(root, f"spanvisor.step {name}", 0, started, error)
 
         return await DBOS.run_step_async({"name": name}, run)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _recovered_reason(ctx: DurableContext) -> str:

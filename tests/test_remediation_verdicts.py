@@ -14,7 +14,7 @@ reach the sidecar while the model is still answering.
 * the agent's retry succeeds while the model writes its summary: recovered;
 * the agent's run ends OK while the model writes its summary: recovered;
 * the run ended OK in the same batch as its failure, before the remediation
-  started: recovered too, at once.
+  started: recovered too, at once, and the model is not asked to act on it.
 
 Before the fix each of these waited out the verification window after the
 model's last word, saw nothing, and escalated the healthy run to a person.
@@ -296,3 +296,5 @@ def test_a_run_that_ended_ok_before_its_remediation_started_has_recovered(rig: R
     view = rig.remediation("ended-first")
     assert (view["outcome"], view["reason"]) == ("succeeded", "the run ended OK")
     assert rig.approvals("ended-first") == []
+    # Nothing is sent to a run that had ended: the model was not even asked.
+    assert rig.sidecar.sidecar.store.commands(service="ended-first") == []
