@@ -340,7 +340,11 @@ class DurableRunner:
         """Watch the run for its recovery, on the runner's loop (see :class:`_RecoveryWait`)."""
         waiter = self._recovery_waiters[remediation_id] = _RecoveryWait()
         # After the waiter exists: the gateway may find the run recovered already.
-        self.gateway.watch_recovery(trigger, remediation_id)
+        try:
+            self.gateway.watch_recovery(trigger, remediation_id)
+        except Exception:  # the remediation goes on; its verification may wait in vain
+            self.counts["errors"] += 1
+            log.exception("could not watch a run's recovery", extra={"remediation": remediation_id})
         return waiter
 
     def _unwatch(self, remediation_id: str, waiter: _RecoveryWait) -> None:
