@@ -12,7 +12,8 @@ It acts only through :class:`RemediationContext`:
   a durable step: after a crash, calls already made return their recorded
   result and are not made again.
 * :meth:`RemediationContext.sleep`, :meth:`~RemediationContext.wait_for_recovery`
-  and :meth:`~RemediationContext.wait_for_approval` are durable waits (their
+  and :meth:`~RemediationContext.wait_for_approval` are durable waits
+  (:meth:`~RemediationContext.recovered` asks without waiting) (their
   deadlines survive a restart); no thread is held by a sleeping remediation
   beyond the runner's own (remediations are coroutines on the runner's loop).
 * :meth:`RemediationContext.step` records any other non-deterministic work
@@ -156,8 +157,10 @@ class ToolResult:
 class Verdict(str, enum.Enum):
     """What :meth:`Remediator.run` reports.
 
-    ``acted``: it changed something; the runner now watches the run for a
-    recovery (verification). The others are final: ``succeeded`` (already
+    ``acted``: it changed something; the runner verifies that the run
+    recovered: since the remediation started (the watch begins before the
+    first command), or within the verification window after its last step.
+    The others are final: ``succeeded`` (already
     verified), ``failed``, ``escalated`` (a person decides), ``refused`` (it
     would only have acted through refused calls).
     """
@@ -205,7 +208,18 @@ class RemediationContext(Protocol):
         ...
 
     async def wait_for_recovery(self, timeout_s: float) -> bool:
-        """Wait until the run's later spans show the failed step or dependency succeeding."""
+        """Wait until the run's spans show the failed dependency succeeding or the run ending OK.
+
+        A recovery seen since the remediation started answers at once.
+        """
+        ...
+
+    async def recovered(self) -> bool:
+        """Whether the run recovered since the remediation started (no wait).
+
+        A remediator that goes on acting (a model's next turn) asks first: a
+        command to a run that recovered, or ended, is one too many.
+        """
         ...
 
     async def wait_for_approval(

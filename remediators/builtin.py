@@ -82,10 +82,11 @@ class ResumeRun(Remediator):
 
 
 class Reanchor(Remediator):
-    """A long run, reminded of its objective: guidance carrying the run's first input.
+    """A long run, reminded of its objective: guidance carrying the run's task.
 
-    Long runs drift from what they were asked; the objective, captured when
-    the run's first input arrived, is sent back as guidance every few steps.
+    Long runs drift from what they were asked; the objective, the first user
+    message of the run's input (never the system prompt, which the agent
+    keeps anyway), is sent back as guidance every few steps.
     """
 
     name = "reanchor"

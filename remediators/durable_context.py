@@ -69,6 +69,9 @@ class DurableContext:
         self.tokens = 0
         self.refused = 0
         self.acted = 0
+        #: What showed the run recovering (the dependency, or that the run ended
+        #: OK), as the last wait saw it; ``""`` when none did, or on a replay.
+        self.recovery = ""
         self._last_at = float(request["dispatched_at"])
 
     @property
@@ -189,23 +192,48 @@ class DurableContext:
         One durable step that waits in memory and records what it saw, with the
         wait's span. Its deadline counts from the last recorded step, so a
         remediation resumed after a crash waits out the same window, and one
-        that had recorded its answer replays it without waiting. (DBOS's
-        ``recv`` with a timeout, and a step for the span, took 15 statements
-        and 7 commits a remediation; this is 4 and 2.)
+        that had recorded its answer replays it without waiting. What it waits
+        for was watched since the remediation started (the runner's
+        ``execute``), so a run that recovered while the remediator was still at
+        work answers at once. (DBOS's ``recv`` with a timeout, and a step for
+        the span, took 15 statements and 7 commits a remediation; this is 4 and 2.)
         """
         if timeout_s <= 0:
             return False  # no window: nothing to wait for, nothing to record
+        return await self._recovery(self._last_at + float(timeout_s))
+
+    async def recovered(self) -> bool:
+        """Whether the run recovered since the remediation started, at once (recorded).
+
+        Like a wait's answer, a durable step: a replay takes the same branch.
+        Only a recovery is noted on the trace; a miss is not.
+        """
+        return await self._recovery(0.0, note_miss=False)
+
+    async def _recovery(self, deadline: float, *, note_miss: bool = True) -> bool:
         runner, root, trigger = self._runner, self._root, self._trigger
         rid = self.remediation_id
-        deadline = self._last_at + float(timeout_s)
 
         async def wait() -> tuple[bool, float]:
+            waited_from = time.time()
             evidence = await runner.wait_for_recovery(trigger, rid, deadline)
             attributes: dict[str, Any] = {"spanvisor.wait.recovered": evidence is not None}
-            span_id = (evidence or {}).get("span_id")
-            if isinstance(span_id, str) and span_id:
-                attributes["spanvisor.wait.recovered_by"] = span_id[:32]  # the agent's span
-            runner.spans.event(root, "spanvisor.wait recovery", attributes)
+            if evidence is not None:
+                span_id = evidence.get("span_id")
+                if isinstance(span_id, str) and span_id:
+                    attributes["spanvisor.wait.recovered_by"] = span_id[:32]  # the agent's span
+                what = evidence.get("dependency")
+                if isinstance(what, str) and what:
+                    attributes["spanvisor.wait.recovery"] = what[:MAX_TEXT]
+                    self.recovery = what
+                seen = evidence.get("seen_at")
+                if isinstance(seen, (int, float)):
+                    # Seen while the remediator was still at work, before this wait.
+                    attributes["spanvisor.wait.recovered_before_s"] = round(
+                        max(0.0, waited_from - float(seen)), 3
+                    )
+            if evidence is not None or note_miss:
+                runner.spans.event(root, "spanvisor.wait recovery", attributes)
             return evidence is not None, time.time()
 
         recovered, self._last_at = await self._durable("waited:recovery", wait)

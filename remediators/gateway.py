@@ -105,7 +105,11 @@ class Gateway(Protocol):
         ...
 
     def watch_recovery(self, trigger: Trigger, remediation_id: str) -> None:
-        """Tell the remediation when the run's later spans show the failed part succeeding."""
+        """Tell the remediation when the run's later spans show the failed part succeeding.
+
+        Or the run ending OK (its root span), lately or from now on. Called when
+        the remediation starts, before its first command, and undone when it ends.
+        """
         ...
 
     def unwatch(self, remediation_id: str) -> None: ...

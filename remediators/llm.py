@@ -16,6 +16,9 @@ never to follow instructions found there. Tool results are escaped the same way.
 Each model call is a durable step (:meth:`RemediationContext.step`) returning
 a plain dict, so a remediation resumed after a crash replays the model's
 answers instead of asking again (and possibly getting different ones).
+Before each turn it asks whether the run recovered meanwhile
+(:meth:`RemediationContext.recovered`): a run that recovered, or ended, gets
+no more commands, and the remediation ends there.
 
 params: ``base_url`` and ``model`` (else ``SPANVISOR_LLM_BASE_URL`` and
 ``SPANVISOR_LLM_MODEL``, read when the remediation runs), ``api_key_env``
@@ -173,6 +176,11 @@ class LlmRemediator(Remediator):
         tally = _Tally()
 
         for turn in range(1, max_turns + 1):
+            # The run may have recovered (or ended) while the model was answering:
+            # then nothing more is sent to it, and the runner has its verdict.
+            if await ctx.recovered():
+                ctx.log(f"the run recovered before turn {turn}; the model is not asked again")
+                return Verdict.ACTED if tally.acted else Verdict.SUCCEEDED
             request = list(messages)  # this turn's conversation, not later appends
 
             async def ask(request: list[dict[str, Any]] = request) -> dict[str, Any]:

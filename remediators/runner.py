@@ -46,6 +46,7 @@ from remediators.gateway import Gateway
 from remediators.registry import resolve
 from remediators.remediation_spans import MAX_TEXT, RemediationSpans
 from supervisor.errors import ConfigError
+from supervisor.records import RUN_ENDED_OK
 
 __all__ = ["DurableRunner", "RunnerSettings", "build_request", "redact_url"]
 
@@ -59,7 +60,12 @@ _WORKFLOW: Final = "spanvisor.remediate"
 
 
 class _RecoveryWait:
-    """One remediation's wait for its run's recovery, on the runner's loop."""
+    """One remediation's watch for its run's recovery, on the runner's loop.
+
+    Made when the remediation starts, before it sends anything: a run that
+    recovers while the remediator is still at work (a model writing its
+    summary) has recovered all the same, and the verification finds it here.
+    """
 
     __slots__ = ("event", "evidence")
 
@@ -319,33 +325,55 @@ class DurableRunner:
             log.warning("remediation runner is not running; recovery of %s dropped", remediation_id)
             self.counts["errors"] += 1
             return
-        loop.call_soon_threadsafe(self._recovered, remediation_id, dict(evidence))
+        if _running_loop() is loop:  # from the watch itself: a recovery seen before it began
+            self._recovered(remediation_id, dict(evidence))
+        else:
+            loop.call_soon_threadsafe(self._recovered, remediation_id, dict(evidence))
 
     def _recovered(self, remediation_id: str, evidence: dict[str, Any]) -> None:
         waiter = self._recovery_waiters.get(remediation_id)
         if waiter is not None and not waiter.event.is_set():
-            waiter.evidence = evidence
+            waiter.evidence = {**evidence, "seen_at": time.time()}
             waiter.event.set()
+
+    def _watch(self, trigger: Trigger, remediation_id: str) -> _RecoveryWait:
+        """Watch the run for its recovery, on the runner's loop (see :class:`_RecoveryWait`)."""
+        waiter = self._recovery_waiters[remediation_id] = _RecoveryWait()
+        # After the waiter exists: the gateway may find the run recovered already.
+        try:
+            self.gateway.watch_recovery(trigger, remediation_id)
+        except Exception:  # the remediation goes on; its verification may wait in vain
+            self.counts["errors"] += 1
+            log.exception("could not watch a run's recovery", extra={"remediation": remediation_id})
+        return waiter
+
+    def _unwatch(self, remediation_id: str, waiter: _RecoveryWait) -> None:
+        self.gateway.unwatch(remediation_id)
+        if self._recovery_waiters.get(remediation_id) is waiter:
+            del self._recovery_waiters[remediation_id]
 
     async def wait_for_recovery(
         self, trigger: Trigger, remediation_id: str, deadline: float
     ) -> dict[str, Any] | None:
         """What showed the run recovering before ``deadline`` (unix s), or None.
 
-        Woken by :meth:`notify_recovery`; the evidence is what it was given.
+        Woken by :meth:`notify_recovery`; the evidence is what it was given,
+        with ``seen_at``. A recovery seen since the remediation started
+        answers at once: the watch began before its first command.
         """
-        waiter = self._recovery_waiters[remediation_id] = _RecoveryWait()
-        self.gateway.watch_recovery(trigger, remediation_id)
+        waiter = self._recovery_waiters.get(remediation_id)
+        own = waiter is None  # not inside execute(): watch for this wait only
+        if waiter is None:
+            waiter = self._watch(trigger, remediation_id)
         try:
             remaining = deadline - time.time()
-            if remaining > 0:
+            if remaining > 0 and not waiter.event.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiter.event.wait(), remaining)
             return waiter.evidence if waiter.event.is_set() else None
         finally:
-            self.gateway.unwatch(remediation_id)
-            if self._recovery_waiters.get(remediation_id) is waiter:
-                del self._recovery_waiters[remediation_id]
+            if own:
+                self._unwatch(remediation_id, waiter)
 
     def answer_approval(self, remediation_id: str, answer: Mapping[str, Any]) -> None:
         """A person answered the approval a remediation waits for."""
@@ -445,18 +473,28 @@ class DurableRunner:
         ctx = DurableContext(self, request, root)
         verdict = Verdict.FAILED
         reason = ""
+        # Watched from before the first command: the verification window covers
+        # everything the remediation did, not only what follows its last step.
+        watching = self._watch(ctx.trigger, rid)
         try:
             remediator = self._resolve(str(request["use"]))(request["params"])
             verdict = await remediator.run(ctx)
             if verdict is Verdict.ACTED:
                 verdict, reason = await self._verify(ctx, request)
+            elif verdict is Verdict.SUCCEEDED and ctx.recovery:
+                reason = _recovered_reason(ctx)  # it saw the recovery itself
         except BudgetSpent as spent:
             reason = f"budget spent: {spent.what}"
-            verdict = await self._escalate(ctx, reason)
+            if await ctx.recovered():  # nothing left for a person to fix
+                verdict, reason = Verdict.SUCCEEDED, f"{_recovered_reason(ctx)} ({reason})"
+            else:
+                verdict = await self._escalate(ctx, reason)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"[:MAX_TEXT]
             log.exception("remediation failed", extra={"remediation": rid})
             verdict = Verdict.FAILED
+        finally:
+            self._unwatch(rid, watching)
         if verdict is Verdict.FAILED and ctx.refused and not ctx.acted:
             verdict = Verdict.REFUSED
         outcome = verdict.value if verdict is not Verdict.ACTED else Verdict.FAILED.value
@@ -481,8 +519,9 @@ class DurableRunner:
 
     async def _verify(self, ctx: DurableContext, request: Mapping[str, Any]) -> tuple[Verdict, str]:
         window = float(request["verify_window_s"])
-        if await ctx.recovered_within(window):
-            return Verdict.SUCCEEDED, "the run recovered"
+        # No window still counts a recovery seen while the remediator worked.
+        if await (ctx.recovered_within(window) if window > 0 else ctx.recovered()):
+            return Verdict.SUCCEEDED, _recovered_reason(ctx)
         reason = f"no recovery within {window:g} s"
         follow = str(request["on_unresolved"])
         if follow == "escalate":
@@ -538,6 +577,19 @@ class DurableRunner:
                 self.spans.step(root, f"spanvisor.step {name}", 0, started, error)
 
         return await DBOS.run_step_async({"name": name}, run)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _recovered_reason(ctx: DurableContext) -> str:
+    if ctx.recovery == RUN_ENDED_OK:
+        return "the run ended OK"
+    return "the run recovered"
 
 
 def _summary(status: Any) -> dict[str, Any]:

@@ -115,6 +115,9 @@ class FakeContext:
         self.waited.append(("recovery", timeout_s))
         return self.recovers
 
+    async def recovered(self) -> bool:
+        return self.recovers
+
     async def wait_for_approval(
         self, approval_id: str, timeout_s: float
     ) -> Mapping[str, Any] | None:

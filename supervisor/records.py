@@ -370,6 +370,10 @@ REMEDIATION_READ_TOOLS: Final[frozenset[str]] = frozenset(
 REMEDIATION_TOOLS: Final[frozenset[str]] = REMEDIATION_AGENT_TOOLS | REMEDIATION_READ_TOOLS
 #: How a remediation ends (the ``spanvisor.remediation.outcome`` attribute).
 REMEDIATION_OUTCOMES: Final[tuple[str, ...]] = ("succeeded", "failed", "escalated", "refused")
+#: What a remediation takes for its run's recovery besides a success of the failed
+#: dependency: the run's root span ending OK. Watched beside dependencies, and spelled
+#: as none is (every dependency has a colon).
+RUN_ENDED_OK: Final = "run ended ok"
 #: The states of a remediation's durable workflow (DBOS's), which it can be listed by.
 #: How a run is listed (``GET /v1/runs``), as :func:`supervisor.runs.phase.status` says.
 RUN_STATUSES: Final[tuple[str, ...]] = (

@@ -408,3 +408,41 @@ def test_a_resumed_run_replays_the_model_and_sends_nothing_twice(
     assert len(chat_requests(provider)) == 2  # no new model call
     assert [(t, a) for t, a, _ in again.calls] == [(t, a) for t, a, _ in first.calls]
     assert len(gateway.commands) == 1  # same idempotency key: one command
+
+
+# -- a run that recovers while the model works ------------------------------------
+
+
+class RecoveringContext(FakeContext):
+    """The run recovers once ``after`` tool calls have been made."""
+
+    def __init__(self, after: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.after = after
+
+    async def recovered(self) -> bool:
+        return len(self.calls) >= self.after
+
+
+def test_a_run_that_recovered_gets_no_more_commands(provider: FakeProvider) -> None:
+    gateway = make_gateway()
+    ctx = RecoveringContext(1, make_trigger(), gateway, frozenset({"retry_step", "abort_run"}))
+    provider.script(
+        Reply.tool_call("retry_step", {"reason": "503"}),
+        Reply.tool_call("abort_run", {"reason": "still failing?"}),
+    )
+
+    assert run(remediator(provider), ctx) is Verdict.ACTED  # the runner verifies, at once
+
+    assert [c["command"] for c in gateway.commands.values()] == ["retry_step"]
+    assert len(chat_requests(provider)) == 1  # the model was not asked again
+    assert any("recovered before turn 2" in line for line in ctx.logs)
+
+
+def test_a_run_that_recovered_before_the_first_turn_is_left_alone(provider: FakeProvider) -> None:
+    gateway = make_gateway()
+    ctx = RecoveringContext(0, make_trigger(), gateway, frozenset({"retry_step"}))
+
+    assert run(remediator(provider), ctx) is Verdict.SUCCEEDED
+
+    assert gateway.commands == {} and chat_requests(provider) == []

@@ -365,9 +365,13 @@ class _Waits:
         self.dependencies = {dependency}
         self.waiting = {(run, dependency): {"remediation-1"}}
         self.told: list[tuple[str, str, str]] = []
+        self.ended_runs: list[str] = []
 
     def succeeded(self, run: str, dependency: str, span_id: str) -> None:
         self.told.append((run, dependency, span_id))
+
+    def ended(self, trace_id: str, run: str, span_id: str) -> None:
+        self.ended_runs.append(run)
 
 
 def test_successes_are_passed_on_only_for_the_runs_a_remediation_waits_for() -> None:
@@ -382,3 +386,19 @@ def test_successes_are_passed_on_only_for_the_runs_a_remediation_waits_for() -> 
     unwatched = span("execute_tool search", {"gen_ai.tool.name": "search"})
     pipeline.process_payload(payload(elsewhere, recovered, unwatched), received_ns=10**12)
     assert waits.told == [(watched_run, "openai:gpt-4o", recovered.span_id.hex())]
+    assert waits.ended_runs == []  # no root span ended
+
+
+def test_every_root_span_that_ended_ok_is_passed_on_as_its_runs_end() -> None:
+    from tests.test_runs import TRACE, payload, span
+
+    waits = _Waits(TRACE.hex(), "openai:gpt-4o")
+    pipeline = Pipeline(load_policy(), recovery=waits)
+    done = span("agent run", {}, parent=False)
+    failed = span("agent run", {}, trace=b"\x33" * 16, parent=False)
+    failed.status.code = failed.status.STATUS_CODE_ERROR
+    # An event but no failure: judged with the failures, then found OK.
+    noisy = span("agent run", {}, trace=b"\x44" * 16, parent=False)
+    noisy.events.add(name="checkpoint")
+    pipeline.process_payload(payload(done, failed, noisy), received_ns=10**12)
+    assert waits.ended_runs == [TRACE.hex(), noisy.trace_id.hex()]

@@ -20,6 +20,7 @@ from supervisor.act import signing
 from supervisor.act.actor import Actor
 from supervisor.act.store import Store
 from supervisor.errors import ConfigError
+from supervisor.records import RUN_ENDED_OK
 from supervisor.remediation.engine import RecoveryWatch, Remediations, SidecarGateway
 from supervisor.settings import AgentDelivery, PullChannel, load_settings
 from tests.test_dispatch import Answer, WebhookReceiver
@@ -164,6 +165,28 @@ def test_the_watch_tells_only_the_remediations_of_that_run_and_dependency() -> N
     watch.unwatch("rem_1")
     watch.unwatch("rem_2")
     assert watch.dependencies == set() and len(watch) == 0
+
+
+def test_a_run_that_ended_ok_is_a_recovery_before_or_after_the_watch_began() -> None:
+    told: list[tuple[str, Any]] = []
+    watch = RecoveryWatch(lambda rid, evidence: told.append((rid, evidence)))
+    # Ended in the batch that carried its failure, before the remediation watched.
+    watch.ended("a" * 32, "a" * 32, "1" * 16)
+    watch.watch(["a" * 32], "openai:gpt-4o", "rem_early")
+    # A session run: one of its traces ends while the remediation watches.
+    watch.watch(["session-1", "b" * 32], "openai:gpt-4o", "rem_late")
+    watch.ended("c" * 32, "other-run", "2" * 16)  # someone else's run
+    watch.ended("d" * 32, "session-1", "3" * 16)
+    assert [(rid, e["dependency"], e["span_id"]) for rid, e in told] == [
+        ("rem_early", RUN_ENDED_OK, "1" * 16),
+        ("rem_late", RUN_ENDED_OK, "3" * 16),
+    ]
+    assert len(watch) == 0 and watch.dependencies == set()
+    # Remembered ends are bounded: two generations of a few thousand traces.
+    for n in range(10_000):
+        watch.ended(f"{n:032x}", f"{n:032x}", "4" * 16)
+    watch.watch([f"{0:032x}"], "openai:gpt-4o", "rem_forgotten")
+    assert told[-1][0] == "rem_late" and len(watch) == 1
 
 
 def test_a_read_only_database_is_a_clear_error(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ cost most of a second); each test dispatches remediations with ids of its own.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -400,3 +401,52 @@ def test_the_sqlite_database_commits_without_syncing_but_keeps_dboss_connection_
         assert raw.execute("PRAGMA synchronous").fetchone() == (1,)  # NORMAL; FULL is 2
         assert raw.execute("PRAGMA busy_timeout").fetchone() == (30000,)  # DBOS's hook
         assert raw.isolation_level == "IMMEDIATE"
+
+
+#: Held by :class:`Summariser` until a test sets it: a model slow to write its summary.
+SUMMARY_WRITTEN = threading.Event()
+
+
+class Summariser(Remediator):
+    """Asks for a retry, then takes its time over a summary (a durable step) before it is done."""
+
+    name = "summariser"
+    tools = frozenset({"retry_step"})
+
+    async def run(self, ctx: RemediationContext) -> Verdict:
+        await ctx.call("retry_step")
+
+        async def summary() -> str:
+            await asyncio.get_running_loop().run_in_executor(None, SUMMARY_WRITTEN.wait, 10.0)
+            return "asked for a retry"
+
+        await ctx.step("summary", summary)
+        return Verdict.ACTED
+
+
+def test_a_recovery_while_the_remediator_is_still_at_work_counts(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    runner, exporter = rig
+    gateway: Any = runner.gateway
+    SUMMARY_WRITTEN.clear()
+    request = _request(f"{__name__}:Summariser", tools=Summariser.tools, verify_s=0.5)
+    rid = request["id"]
+    try:
+        runner.dispatch(request)
+        _until(lambda: any(k.startswith(rid) for k in gateway.commands))  # the retry went out
+        assert rid in gateway.watched  # watched from before the first command
+        runner.notify_recovery(rid, {"span_id": "ab" * 8, "dependency": "openai:gpt-4o"})
+    finally:
+        SUMMARY_WRITTEN.set()
+    view = _wait(runner, rid)
+    assert (view["outcome"], view["reason"]) == ("succeeded", "the run recovered")
+    assert not any(a["by"] == rid for a in gateway.approvals.values())
+    assert rid not in gateway.watched
+    (waited,) = [
+        s for s in _spans_of(exporter, request["trace_id"]) if s.name == "spanvisor.wait recovery"
+    ]
+    assert waited.attributes is not None
+    assert waited.attributes["spanvisor.wait.recovered_by"] == "ab" * 8
+    assert waited.attributes["spanvisor.wait.recovery"] == "openai:gpt-4o"
+    assert waited.attributes["spanvisor.wait.recovered_before_s"] >= 0

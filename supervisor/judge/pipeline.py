@@ -75,7 +75,9 @@ class RecoveryListener(Protocol):
     ``dependencies`` and ``waiting`` are looked up on the success path
     without a lock, so they must be a set and a dict (or alike); only a
     (run, dependency) pair in ``waiting`` is passed to ``succeeded``, which
-    runs on the pipeline's thread and must not block.
+    runs on the pipeline's thread and must not block. ``ended`` hears of
+    every root span that ended OK (a run that ended is a recovery too), on
+    the same thread, and must not block either.
     """
 
     @property
@@ -85,6 +87,8 @@ class RecoveryListener(Protocol):
     def waiting(self) -> Collection[tuple[str, str]]: ...
 
     def succeeded(self, run: str, dependency: str, span_id: str) -> None: ...
+
+    def ended(self, trace_id: str, run: str, span_id: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +268,8 @@ class Pipeline:
         for span in ok:
             if wants.verifying and wants.wanted(span):
                 verify.append(span)  # its output must pass a verifier: normalize it
+            if recovery is not None and span.is_root:
+                self._ended_ok(recovery, span)
             dependency = span.dependency
             if not dependency:
                 continue
@@ -311,6 +317,11 @@ class Pipeline:
         if recovering and recovery is not None:
             _recovered(recovery, trace_id, run_id, dependency, span.span_id)
 
+    def _ended_ok(self, recovery: RecoveryListener, span: Span) -> None:
+        """A root span that ended OK: its run may be what a remediation waits to recover."""
+        trace_id = span.trace_hex
+        recovery.ended(trace_id, self._run_of(trace_id, span.session_id), span.span_id.hex())
+
     def _judge_spans(
         self, spans: list[Span], received_ns: int, calls: list[tuple[int, str, bool]]
     ) -> list[Outcome]:
@@ -322,6 +333,8 @@ class Pipeline:
             if record.error is not None:
                 failing.append(record)
                 continue
+            if self.recovery is not None and span.is_root:
+                self._ended_ok(self.recovery, span)
             if record.dependency:
                 self._succeeded(span, record.dependency, calls)
             if not only_calls_tools(record):

@@ -22,6 +22,7 @@ from typing import Any, Final
 from supervisor.normalize.attributes import (
     MAX_NAME_CHARS,
     MAX_OUTPUT_CHARS,
+    AttributeSource,
     Draft,
     as_int,
     as_str,
@@ -34,15 +35,18 @@ from supervisor.records import Role
 __all__ = [
     "MARKERS",
     "applies",
+    "content_text",
     "extract",
     "finish_reasons",
     "identify",
+    "input_task",
     "message_output",
     "normalize_provider",
     "role_of",
     "tool_name_in",
     "tool_name_of",
     "tool_names",
+    "user_input",
 ]
 
 MARKERS: Final = frozenset(
@@ -77,7 +81,11 @@ OFFERED_TOOLS: Final = "gen_ai.tool.definitions"
 #: An LLM's answer; a tool's, an agent's or a workflow's result.
 ANSWER_KEYS: Final[tuple[str, ...]] = (OUTPUT_MESSAGES,)
 RESULT_KEYS: Final[tuple[str, ...]] = (*TOOL_RESULT_KEYS, OUTPUT_MESSAGES)
-OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("gen_ai.input.messages",)
+#: The request as a message list: where a run's task is read (:func:`input_task`).
+INPUT_MESSAGES: Final = "gen_ai.input.messages"
+OBJECTIVE_KEYS: Final[tuple[str, ...]] = (INPUT_MESSAGES,)
+#: The roles of a person's (or a calling program's) input, as conventions spell them.
+USER_ROLES: Final = frozenset({"user", "human"})
 #: Finish reasons in single attributes.
 FINISH_REASON_KEYS: Final[tuple[str, ...]] = (
     "gen_ai.response.finish_reasons",
@@ -279,6 +287,88 @@ def message_output(
                     calls.append((name, part.get("arguments")))
     text = "\n".join(texts) if len(texts) > 1 else (texts[0] if texts else "")
     return bounded(text, MAX_OUTPUT_CHARS), calls, tuple(reasons)
+
+
+def input_task(attrs: AttributeSource) -> str | None:
+    """The run's task in ``gen_ai.input.messages``: see :func:`user_input`."""
+    return user_input(attrs.full(INPUT_MESSAGES))
+
+
+def user_input(value: object) -> str | None:
+    """The task in an input: the text of its first message whose role is a user's.
+
+    ``value`` is a message list (GenAI's ``parts``, OpenAI's ``content``,
+    LangChain's ``type``/``data`` or ``[role, text]`` pairs, as JSON text or
+    structured, or an object whose ``messages`` is one) or plain text. Only
+    when no message records a role is the first one taken, and plain text is
+    the input itself. None when there is no task in it: a system prompt is
+    an instruction to the agent, not what it was asked.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if text[:1] not in ("[", "{"):
+            return text or None
+        parsed = parse_json(text)
+        if parsed is None:
+            return text  # not JSON after all: the input as written
+        value = parsed
+    if isinstance(value, _MAPS):
+        messages = value.get("messages")
+        if not isinstance(messages, (list, tuple)):
+            return None
+        value = messages
+    if not isinstance(value, (list, tuple)):
+        return None
+    # LangGraph's input: one conversation, or a batch of them (the first).
+    if value and isinstance(value[0], list) and value[0] and not isinstance(value[0][0], str):
+        value = value[0]
+    first: str | None = None
+    roles = False
+    for message in value[:64]:
+        role, text = _role_and_text(message)
+        roles = roles or bool(role)
+        if role in USER_ROLES and text:
+            return text
+        if first is None:
+            first = text or None
+    return None if roles else first
+
+
+def _role_and_text(message: object) -> tuple[str, str]:
+    """One input message's role (``""``: none recorded) and text."""
+    if isinstance(message, str):
+        return "", message
+    if isinstance(message, (list, tuple)) and len(message) == 2:  # ("user", "...")
+        role, content = message
+        return (role if isinstance(role, str) else ""), content_text(content)
+    if not isinstance(message, _MAPS):
+        return "", ""
+    data = message.get("data") or message.get("kwargs")  # LangChain, serialized
+    body = data if isinstance(data, _MAPS) else message
+    role = message.get("role") or message.get("type") or body.get("type")
+    if role == "constructor":  # LangChain's dumps(): the class names the role
+        ident = message.get("id")
+        name = ident[-1] if isinstance(ident, (list, tuple)) and ident else ""
+        role = "human" if name == "HumanMessage" else str(name).lower()
+    text = content_text(body.get("content") if "content" in body else body.get("parts"))
+    return (role if isinstance(role, str) else ""), text
+
+
+def content_text(content: object) -> str:
+    """A message's text: the string, or its text parts (GenAI ``content``, OpenAI ``text``)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        return ""
+    texts: list[str] = []
+    for part in content[:64]:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, _MAPS) and part.get("type") in ("text", "input_text", None):
+            body = part.get("content", part.get("text"))
+            if isinstance(body, str) and body:
+                texts.append(body)
+    return " ".join(texts)
 
 
 def tool_names(value: object) -> frozenset[str] | None:

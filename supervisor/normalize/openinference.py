@@ -29,10 +29,18 @@ from supervisor.normalize.attributes import (
     parse_json,
     text_value,
 )
-from supervisor.normalize.genai import normalize_provider, tool_name_in
+from supervisor.normalize.genai import USER_ROLES, normalize_provider, tool_name_in, user_input
 from supervisor.records import AttrValue, Role
 
-__all__ = ["MARKER", "extract", "identify", "kind_role", "offered_tools", "output_messages"]
+__all__ = [
+    "MARKER",
+    "extract",
+    "identify",
+    "input_task",
+    "kind_role",
+    "offered_tools",
+    "output_messages",
+]
 
 #: The attribute whose presence says the span follows OpenInference.
 MARKER: Final = "openinference.span.kind"
@@ -50,7 +58,14 @@ LLM_TEXT_KEYS: Final[tuple[str, ...]] = (
     "llm.output_messages.0.message.content",
     "llm.output_messages.0.message.contents.0.message_content.text",
 )
-OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("llm.input_messages.0.message.content", "input.value")
+#: Where a span keeps its input (:func:`input_task` reads it): the input messages
+#: (``llm.input_messages.N.message.role/content``), else ``input.value``.
+OBJECTIVE_KEYS: Final[tuple[str, ...]] = (
+    "llm.input_messages.0.message.role",
+    "llm.input_messages.0.message.content",
+    "llm.input_messages.0.message.contents.0.message_content.text",
+    "input.value",
+)
 FINISH_REASON_KEYS: Final[tuple[str, ...]] = ("llm.finish_reason",)
 #: The first output message's role: present when the response was recorded.
 OUTPUT_ROLE: Final = "llm.output_messages.0.message.role"
@@ -100,6 +115,17 @@ _MESSAGE_KEYS: Final[tuple[tuple[str, str, str, str], ...]] = tuple(
     )
     for n in range(_MAX_MESSAGES)
 )
+#: Per input message: its role, content and content-part prefix (a task is in the first few).
+_INPUT_KEYS: Final[tuple[tuple[str, str, str], ...]] = tuple(
+    (
+        f"llm.input_messages.{n}.message.role",
+        f"llm.input_messages.{n}.message.content",
+        f"llm.input_messages.{n}.message.contents.",
+    )
+    for n in range(16)
+)
+#: Kinds whose ``input.value`` is not what the run was asked (a tool's arguments, a query).
+_NOT_A_TASK: Final = frozenset({Role.TOOL})
 #: Per offered tool: its ``json_schema`` and ``name`` keys.
 _TOOL_KEYS: Final[tuple[tuple[str, str], ...]] = tuple(
     (f"llm.tools.{n}.tool.json_schema", f"llm.tools.{n}.tool.name") for n in range(_MAX_TOOLS)
@@ -203,6 +229,54 @@ def output_messages(attrs: AttributeSource) -> tuple[str, list[tuple[str, object
                 if name:
                     calls.append((name, attrs.full(item + "tool_call.function.arguments")))
     return (bounded("\n".join(texts), MAX_OUTPUT_CHARS) if texts else ""), calls
+
+
+def input_task(attrs: AttributeSource) -> str | None:
+    """The run's task in a span's input: the first input message whose role is ``user``.
+
+    OpenInference puts the system prompt first in ``llm.input_messages``: it
+    is an instruction to the agent, not its task. Only when no input message
+    records a role is the first one taken; with no input messages,
+    ``input.value`` (read as :func:`~supervisor.normalize.genai.user_input`
+    reads a message list), except a tool's, whose input is its arguments.
+    None when the span names no task.
+    """
+    a = attrs.values
+    first: str | None = None
+    roles = False
+    for role_key, content_key, contents_prefix in _INPUT_KEYS:
+        role = a.get(role_key)
+        text = _input_text(attrs, content_key, contents_prefix)
+        if role is None and text is None:
+            break
+        roles = roles or (isinstance(role, str) and bool(role))
+        if isinstance(role, str) and role.lower() in USER_ROLES and text:
+            return text
+        if first is None:
+            first = text or None
+    if roles or first is not None:
+        return None if roles else first
+    if kind_role(a.get(MARKER)) in _NOT_A_TASK:
+        return None
+    return user_input(attrs.full("input.value"))
+
+
+def _input_text(attrs: AttributeSource, content_key: str, contents_prefix: str) -> str | None:
+    """An input message's text: its content, or its text parts; None when it has neither."""
+    content = attrs.full(content_key)
+    if isinstance(content, str):
+        return content
+    a = attrs.values
+    texts: list[str] = []
+    for k in range(_MAX_CONTENTS):
+        item = f"{contents_prefix}{k}.message_content."
+        kind = a.get(item + "type")
+        if kind is None:
+            break
+        text = attrs.full(item + "text") if kind == "text" else None
+        if isinstance(text, str) and text:
+            texts.append(text)
+    return " ".join(texts) if texts else (None if content is None else "")
 
 
 def _calls(attrs: AttributeSource, prefix: str, out: list[tuple[str, object]]) -> bool:

@@ -25,8 +25,10 @@ from supervisor.normalize.attributes import (
     Draft,
     as_str,
     bounded,
+    parse_json,
     text_value,
 )
+from supervisor.normalize.genai import USER_ROLES, content_text
 from supervisor.records import Role
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "extract",
     "has_completions",
     "identify",
+    "input_task",
     "kind_role",
     "offered_functions",
     "role_of",
@@ -73,7 +76,12 @@ SESSION_KEYS: Final[tuple[str, ...]] = (
 TOOL_ARGUMENT_KEYS: Final[tuple[str, ...]] = ("traceloop.entity.input",)
 TOOL_RESULT_KEYS: Final[tuple[str, ...]] = ("traceloop.entity.output",)
 LLM_TEXT_KEYS: Final[tuple[str, ...]] = ("gen_ai.completion.0.content",)
-OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("gen_ai.prompt.0.content",)
+#: Where a span keeps its input messages, before 0.5x (:func:`input_task` reads them).
+OBJECTIVE_KEYS: Final[tuple[str, ...]] = ("gen_ai.prompt.0.role", "gen_ai.prompt.0.content")
+#: Per prompt message: its role and content keys (a task is in the first few).
+_PROMPT_KEYS: Final[tuple[tuple[str, str], ...]] = tuple(
+    (f"gen_ai.prompt.{n}.role", f"gen_ai.prompt.{n}.content") for n in range(16)
+)
 FINISH_REASON_KEYS: Final[tuple[str, ...]] = ("gen_ai.completion.0.finish_reason",)
 #: Where a span's output is, when recorded (``TRACELOOP_TRACE_CONTENT=false`` leaves
 #: them out; a finish reason alone says nothing of the content).
@@ -86,6 +94,38 @@ QUIET_KEYS: Final = frozenset(
 _MAX_COMPLETIONS: Final = 8
 _MAX_CALLS: Final = 64
 _MAX_FUNCTIONS: Final = 128
+
+
+def input_task(attrs: AttributeSource) -> str | None:
+    """The run's task in ``gen_ai.prompt.N``: the first prompt message whose role is ``user``.
+
+    Only when no prompt message records a role is the first one taken; a
+    content written as a JSON list of parts is read for its text. None when
+    the span names no task (a system prompt alone).
+    """
+    a = attrs.values
+    first: str | None = None
+    roles = False
+    for role_key, content_key in _PROMPT_KEYS:
+        role = a.get(role_key)
+        content = attrs.full(content_key)
+        if role is None and content is None:
+            break
+        text = _prompt_text(content)
+        roles = roles or (isinstance(role, str) and bool(role))
+        if isinstance(role, str) and role.lower() in USER_ROLES and text:
+            return text
+        if first is None:
+            first = text or None
+    return None if roles else first
+
+
+def _prompt_text(content: object) -> str:
+    if isinstance(content, str) and content[:1] == "[":  # multi-part content, as JSON
+        parts = parse_json(content)
+        if isinstance(parts, list):
+            return content_text(parts)
+    return content_text(content)
 
 
 def applies(keys: Collection[str]) -> bool:

@@ -19,13 +19,12 @@ which order the conventions are asked.
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from supervisor.normalize import genai, http_rpc, openinference, openllmetry
-from supervisor.normalize.attributes import as_int
+from supervisor.normalize.attributes import AttributeSource, as_int
 from supervisor.normalize.identity import RUN_ORDER, SESSION_KEYS, dependency_of, session_of
 from supervisor.normalize.record import ANSWER_KEYS, MAX_SPAN_NAME, RESULT_KEYS, record_of
 from supervisor.normalize.wire import (
@@ -55,7 +54,12 @@ _TOOL_ARGUMENT_KEYS: Final = tuple(k for a in RUN_ORDER for k in a.TOOL_ARGUMENT
 #: An answer's own text where a convention keeps it apart from the message list
 #: (cheaper to compare than the whole list, which is the fallback).
 _LLM_TEXT_KEYS: Final = openinference.LLM_TEXT_KEYS + openllmetry.LLM_TEXT_KEYS
-_OBJECTIVE_KEYS: Final = tuple(k for a in RUN_ORDER for k in a.OBJECTIVE_KEYS)
+#: Where each convention keeps a span's input, with its reader of the run's task:
+#: the first key present (in the conventions' order) names the reader.
+_TASK_READERS: Final[Mapping[str, Callable[[AttributeSource], str | None]]] = {
+    key: adapter.input_task for adapter in RUN_ORDER for key in adapter.OBJECTIVE_KEYS
+}
+_OBJECTIVE_KEYS: Final = tuple(_TASK_READERS)
 #: An LLM span whose response may ask for tool calls.
 _REQUEST_MARKERS: Final = frozenset({openinference.FIRST_TOOL_CALL, genai.OUTPUT_MESSAGES})
 #: Every key a run reads from a span: the reader notes which of them each span carries.
@@ -317,13 +321,27 @@ class Span:
 
     @property
     def has_objective(self) -> bool:
-        return self._shape.objective_key is not None
+        """Whether the span's input names the run's task (see :meth:`objective`)."""
+        return self._shape.objective_key is not None and bool(self._task())
 
     def objective(self) -> str:
-        """The first user message of the span's input, as text (bounded); ``""`` if none."""
+        """The run's task in the span's input, as text (bounded); ``""`` if none.
+
+        The first input message whose role is the user's, in whichever
+        convention the span keeps its input: not the system prompt, which
+        instrumentations put first. The first input only when no message
+        records a role. Each adapter's ``input_task`` reads its own keys.
+        """
+        return (self._task() or "").strip()[:_MAX_OBJECTIVE]
+
+    def _task(self) -> str | None:
         key = self._shape.objective_key
-        value = self.attributes.full(key) if key is not None else None
-        return _objective_text(value)
+        if key is None:
+            return None
+        try:
+            return _TASK_READERS[key](LazyConverted(self.attributes))
+        except Exception:  # boundary: an input that cannot be read names no task
+            return None
 
     def requested(self) -> dict[str, bytes] | None:
         """What names the tool calls the response asked for, as encoded; None when none.
@@ -399,37 +417,6 @@ def _count(encoded: Any, key: str | None) -> int:
         return value if end == len(raw) and value < 1 << 40 else 0
     count = as_int(value_of(raw))  # a double or a decimal string: the long way
     return count if count is not None and 0 <= count < 1 << 40 else 0
-
-
-def _objective_text(value: object) -> str:
-    if not isinstance(value, str):
-        return ""
-    text = value.strip()
-    if text.startswith("["):  # a message list (gen_ai.input.messages, or OpenAI's JSON)
-        try:
-            messages = json.loads(text)
-        except ValueError:
-            messages = None
-        if isinstance(messages, list):
-            text = _first_user_text(messages) or text
-    return text[:_MAX_OBJECTIVE]
-
-
-def _first_user_text(messages: list[Any]) -> str:
-    for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ("user", "human"):
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            return content
-        parts = message.get("parts") or (content if isinstance(content, list) else [])
-        texts = [
-            str(p.get("content") or p.get("text") or "")
-            for p in parts
-            if isinstance(p, dict) and p.get("type") in ("text", None)
-        ]
-        return " ".join(t for t in texts if t)
-    return ""
 
 
 def requested_calls(kept: Mapping[str, bytes]) -> list[str]:
