@@ -78,8 +78,10 @@ restart_intensity:
   on_timeout: abort
 
 detectors:
-  # An open run with no new span for this long is a stall (resume_run).
-  stalls: {idle_seconds: 600}
+  # A run silent for idle_multiple times the longest silence seen between its
+  # (or its service's) spans, within min_idle_s..max_idle_s, is a stall
+  # (resume_run). idle_seconds: N fixes the limit instead.
+  stalls: {idle_multiple: 4, min_idle_s: 30, max_idle_s: 600}
   # The same tool call 3 times within the run's last 20 calls is a loop.
   loops: {repeats: 3, window: 20}
 """

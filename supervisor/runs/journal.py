@@ -22,7 +22,7 @@ import logging
 import sqlite3
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
 
@@ -63,27 +63,10 @@ class SavedRun:
     unverified: tuple[str, ...]
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "service": self.service,
-                "trace_id": self.trace_id,
-                "started": self.started,
-                "last_seen": self.last_seen,
-                "last_span": self.last_span,
-                "last_dependency": self.last_dependency,
-                "step": self.step,
-                "counts": list(self.counts),
-                "phase": self.phase,
-                "go_on_at": self.go_on_at,
-                "paused_until": self.paused_until,
-                "on_timeout": self.on_timeout,
-                "paused_for": self.paused_for,
-                "stalled": self.stalled,
-                "gap": self.gap,
-                "unverified": list(self.unverified),
-            },
-            separators=(",", ":"),
-        )
+        """The row's body: every field but the run id (the row's key)."""
+        body = asdict(self)
+        del body["run_id"]
+        return json.dumps(body, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, run_id: str, text: str) -> SavedRun:
