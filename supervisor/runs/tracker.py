@@ -316,12 +316,15 @@ class RunTracker:
         """Where the run is now that ``span`` arrived (:mod:`.phase`), and its objective."""
         if phase.span_seen(run, span.trace_id, root=span.is_root, failed=failed, now=now):
             self._ended(run)
-        if run.objective is None and span.has_objective:
-            # Kept only where it can be used (re-anchoring is off by default), and as
-            # bounded text: a first input can be a whole document.
+        if run.objective is None:
+            # Looked for only where it can be used (re-anchoring is off by default): finding
+            # the first user message means reading the input messages. Kept as bounded
+            # text: a first input can be a whole document.
             settings = self.settings_for(run.service)
-            anchoring = settings.reanchor_after is not None or settings.reanchor_after_s is not None
-            run.objective = span.objective() if anchoring else ""
+            if settings.reanchor_after is None and settings.reanchor_after_s is None:
+                run.objective = ""
+            elif span.has_objective:
+                run.objective = span.objective()
 
     def _ended(self, run: RunState) -> None:
         """The run ended: its SLO counts it once it stays ended (see ``_ending``)."""
