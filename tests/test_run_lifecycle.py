@@ -259,3 +259,27 @@ def test_a_journal_row_that_cannot_be_read_is_skipped_and_counted(tmp_path: Path
     assert journal.load(10) == []
     assert journal.unreadable == 1
     journal.close()
+
+
+def test_the_journal_is_written_when_a_run_changes_not_at_every_span() -> None:
+    tracker = RunTracker(settings=lambda s: FIXED)
+    feed(tracker, payload(llm("a")), now=1000.0)
+    tracker.settle(1000.0)
+    written, gone = tracker.journal_changes()
+    assert [w.run_id for w in written] == [TRACE.hex()] and gone == []
+
+    feed(tracker, payload(llm("b")), now=1002.0)  # busy, within the slack: not again
+    tracker.settle(1002.0)
+    assert tracker.journal_changes() == ([], [])
+    tracker.commanded(TRACE.hex(), "retry_step", 1010.0, {})  # a new phase: at once
+    (waiting,) = tracker.journal_changes()[0]
+    assert (waiting.phase, waiting.go_on_at) == ("waiting", 1010.0)
+
+    feed(tracker, payload(root()), now=1020.0)  # it ended: deleted from the journal
+    tracker.settle(1020.0)
+    assert tracker.journal_changes() == ([], [TRACE.hex()])
+
+    short = b"\x05" * 16  # a run that began and ended between two saves: never written
+    feed(tracker, payload(span("x", {}, trace=short), root(trace=short)), now=1030.0)
+    tracker.settle(1030.0)
+    assert tracker.journal_changes() == ([], [])

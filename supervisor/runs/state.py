@@ -69,6 +69,7 @@ class RunState:
         "go_on_at",
         "gone",
         "input_tokens",
+        "journaled",
         "last_dependency",
         "last_llm",
         "last_seen",
@@ -135,6 +136,9 @@ class RunState:
         self.gap = 0.0
         #: The unverified work a sidecar before a restart had listed (None: not restored).
         self.unverified: tuple[str, ...] | None = None
+        #: What the journal holds of it: (phase, go_on_at, paused_until, stalled) and its
+        #: last span's time; None: not in the journal.
+        self.journaled: tuple[tuple[str, float, float, bool], float] | None = None
         #: Left the tracker (evicted, expired, or folded into its session's run).
         self.gone = False
         self.stalled = False

@@ -67,6 +67,8 @@ _MAX_NOTICES: Final = 100_000
 #: A run's end counts in its SLO once it stayed ended this long: the decision on
 #: the failure that ended it may still tell it to go on.
 SLO_GRACE_S: Final = 5.0
+#: How stale a journaled run's last span may be (see :meth:`RunTracker.journal_changes`).
+JOURNAL_SLACK_S: Final = 5.0
 _SAME_CALL: Final = "the same tool call"
 _SAME_OUTPUT: Final = "the same LLM output"
 #: What a loop compares of a call: its encoded value, what tells its instances
@@ -368,7 +370,8 @@ class RunTracker:
             while len(runs) >= self.max_runs:
                 left = runs.popitem(last=False)[1]
                 left.gone = True
-                self._left.add(left.run_id)
+                if left.journaled is not None:
+                    self._left.add(left.run_id)
                 self.evicted += 1
             run = runs[run_id] = RunState(run_id, span.service, span.trace_id, now)
         else:
@@ -376,7 +379,8 @@ class RunTracker:
         if early is not None:
             run.fold(early)
             early.gone = True
-            self._left.add(trace)
+            if early.journaled is not None:
+                self._left.add(trace)
         run.by_trace = run_id == trace
         run.trace = span.trace_id
         return run
@@ -581,7 +585,8 @@ class RunTracker:
         for run in expired:
             del self._runs[run.run_id]
             run.gone = True
-            self._left.add(run.run_id)
+            if run.journaled is not None:
+                self._left.add(run.run_id)
             self.expired += 1
         return found
 
@@ -602,21 +607,35 @@ class RunTracker:
     # -- the journal: what a restart must not forget --------------------------
 
     def journal_changes(self) -> tuple[list[SavedRun], list[str]]:
-        """Runs changed since the last call that are not over, and runs that are.
+        """Runs to write to the journal since the last call, and runs to delete from it.
 
-        A run that ended (or left the tracker) is removed from the journal: a
-        restart only needs the runs that may still stall or be resumed.
+        A run that ended (or left the tracker) is deleted: a restart only needs
+        the runs that may still stall or be resumed. A run is written when it
+        is new to the journal, when its phase, deadlines or stall changed, or
+        when its last span is ``JOURNAL_SLACK_S`` newer than the journal's:
+        after a restart its silence may count from up to that much too early,
+        and a busy run is not written every second.
         """
         saved: list[SavedRun] = []
         gone = set(self._left)
         self._left.clear()
         for run_id in self._dirty:
             run = self._runs.get(run_id)
-            if run is None or run.phase == phase.ENDED:
+            if run is None:
                 gone.add(run_id)
-            else:
-                saved.append(_saved(run))
-                gone.discard(run_id)
+                continue
+            if run.phase == phase.ENDED:
+                if run.journaled is not None:
+                    run.journaled = None
+                    gone.add(run_id)
+                continue
+            state = _journal_state(run)
+            kept = run.journaled
+            if kept is not None and kept[0] == state and run.last_seen - kept[1] < JOURNAL_SLACK_S:
+                continue
+            run.journaled = (state, run.last_seen)
+            saved.append(_saved(run))
+            gone.discard(run_id)
         self._dirty.clear()
         return saved, sorted(gone)
 
@@ -649,6 +668,10 @@ class RunTracker:
             run.gap = item.gap
             run.unverified = item.unverified
             run.by_trace = item.run_id == item.trace_id
+            run.journaled = (
+                (run.phase, run.go_on_at, run.paused_until, run.stalled),
+                run.last_seen,
+            )
             if not run.by_trace:
                 self._remember_session(item.trace_id, item.run_id)
             self._runs[item.run_id] = run
@@ -681,6 +704,11 @@ def _loop(run: RunState, dependency: str, first: Repeat, *, repeats: int, what: 
         + (f" (still looping, report {occurrence})" if occurrence > 1 else ""),
         details={"repeats": repeats, "repeated_call": name[:256], "occurrence": occurrence},
     )
+
+
+def _journal_state(run: RunState) -> tuple[str, float, float, bool]:
+    """What of a run the journal must hold at once when it changes."""
+    return (run.phase, run.go_on_at, run.paused_until, run.stalled)
 
 
 def _saved(run: RunState) -> SavedRun:
