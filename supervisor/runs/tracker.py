@@ -199,7 +199,7 @@ class RunTracker:
         run.spans += 1
         run.stalled = False
         run.last_span = span_id
-        self._turn(run, span, now, failed=span.failed)
+        self._turn(run, span, now)
         dependency = span.dependency
         if not dependency or dependency.startswith("http:"):
             return
@@ -314,9 +314,13 @@ class RunTracker:
             )
         )
 
-    def _turn(self, run: RunState, span: Span, now: float, *, failed: bool) -> None:
+    def _turn(self, run: RunState, span: Span, now: float) -> None:
         """Where the run is now that ``span`` arrived (:mod:`.phase`), and its objective."""
-        if phase.span_seen(run, span.trace_id, root=span.is_root, failed=failed, now=now):
+        root = span.is_root
+        # Most spans are a child in an open run, which changes nothing of its phase.
+        if (root or run.phase != phase.OPEN) and phase.span_seen(
+            run, span.trace_id, root=root, failed=root and span.failed, now=now
+        ):
             self._ended(run)
         if run.objective is None:
             # Looked for only where it can be used (re-anchoring is off by default): finding
