@@ -119,6 +119,8 @@ class Sidecar:
     **Start** (:meth:`start`), in this order; a failure undoes what it can and
     raises:
 
+    0. the open runs a sidecar before this one journaled are taken back
+       (:mod:`supervisor.runs.journal`), so their stalls are still found;
     1. the OTLP/gRPC receiver binds (gRPC's core runs its own threads), then
        the OTLP/HTTP server (a uvicorn task); spans queue from now on;
     2. the forwarder's task (``spanvisor-forwarder``), when there is a downstream;
