@@ -519,11 +519,18 @@ class DurableRunner:
 
     async def _verify(self, ctx: DurableContext, request: Mapping[str, Any]) -> tuple[Verdict, str]:
         window = float(request["verify_window_s"])
-        # No window still counts a recovery seen while the remediator worked.
-        if await (ctx.recovered_within(window) if window > 0 else ctx.recovered()):
+        follow = str(request["on_unresolved"])
+        # No window still counts a recovery seen while the remediator worked. It is
+        # recorded (a durable step) only where the branch leads to more steps.
+        if window > 0:
+            recovered = await ctx.recovered_within(window)
+        elif follow == "none":
+            recovered = await ctx.recovered_now()
+        else:
+            recovered = await ctx.recovered()
+        if recovered:
             return Verdict.SUCCEEDED, _recovered_reason(ctx)
         reason = f"no recovery within {window:g} s"
-        follow = str(request["on_unresolved"])
         if follow == "escalate":
             return await self._escalate(ctx, reason), reason
         if follow == "abort_run":
