@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -41,8 +42,10 @@ from supervisor.forward.downstream import Downstream
 from supervisor.forward.metrics import SidecarMetrics
 from supervisor.forward.relay import Forwarder
 from supervisor.forward.telemetry import DecisionTracer
+from supervisor.ingest import codec
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.queue import Batch, IngestQueue
+from supervisor.ingest.wal import IngestLog, LoggedBatch, NoLog
 from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
@@ -80,6 +83,8 @@ class SidecarParts:
     policy: PolicyInForce
     downstream: Downstream | None
     queue: IngestQueue
+    #: Acknowledged requests until their outcomes are stored (NoLog: state in memory).
+    ingest_log: IngestLog | NoLog
     grpc: GrpcReceiver
     #: The OTLP/HTTP receiver's ASGI app (the sidecar serves it).
     otlp_http: Starlette
@@ -120,7 +125,8 @@ class Sidecar:
     raises:
 
     0. the open runs a sidecar before this one journaled are taken back
-       (:mod:`supervisor.runs.journal`), so their stalls are still found;
+       (:mod:`supervisor.runs.journal`), so their stalls are still found; the
+       ingest log's committer thread starts (``spanvisor-ingest-log``);
     1. the OTLP/gRPC receiver binds (gRPC's core runs its own threads), then
        the OTLP/HTTP server (a uvicorn task); spans queue from now on;
     2. the forwarder's task (``spanvisor-forwarder``), when there is a downstream;
@@ -133,7 +139,9 @@ class Sidecar:
        ``remediate`` decision launches it, on the store writer's thread;
     5. the store writer's thread (``spanvisor-store``): it stores each batch's
        outcomes and hands the remediations their decisions;
-    6. the pipeline worker's task (``spanvisor-pipeline``) and three timers:
+    6. the pipeline worker's task (``spanvisor-pipeline``), which first replays
+       the requests acknowledged before a stop and not judged and stored (the
+       ingest log's), then takes new ones; and three timers:
        ``spanvisor-gc`` (garbage collection, every second), ``spanvisor-house``
        (policy file polling, pruning the store) and ``spanvisor-runs`` (stalled
        runs, every second);
@@ -157,6 +165,7 @@ class Sidecar:
     (stores what it holds); close the remediations (pending ones resume at the
     next start); stop the dispatcher, then close the actuators; flush the
     forwarder, the own-span exporter and the metrics; stop the control API;
+    close the ingest log (what was not stored is replayed at the next start);
     close the store.
     """
 
@@ -165,6 +174,7 @@ class Sidecar:
         self.policy_in_force = parts.policy
         self.downstream = parts.downstream
         self.queue = parts.queue
+        self.ingest_log = parts.ingest_log
         self._grpc = parts.grpc
         self._otlp_http = parts.otlp_http
         self.pipeline = parts.pipeline
@@ -239,6 +249,7 @@ class Sidecar:
                 if task is not None:
                     task.cancel()
             with contextlib.suppress(Exception):
+                self.ingest_log.close()
                 if self.journal is not None:
                     self.journal.close()
                 self.store.close()
@@ -250,6 +261,7 @@ class Sidecar:
             restored = self.runs.restore(saved)
             if restored:
                 log.info("open runs taken back from before the restart", extra={"runs": restored})
+        self.ingest_log.start()
         grpc_port = await self._grpc.start()
         self._http, http_port = await self._serve(
             self._otlp_http, self.settings.host, self.settings.otlp_http_port
@@ -351,6 +363,7 @@ class Sidecar:
         if self.journal is not None:
             await self._journal_runs()
             self.journal.close()
+        await asyncio.to_thread(self.ingest_log.close)
         self.store.close()
 
     async def _drain(self, deadline: float) -> bool:
@@ -429,11 +442,12 @@ class Sidecar:
     # -- the pipeline worker ------------------------------------------------
 
     async def _work(self) -> None:
+        await self._replay()
         while True:
             batch = await self.queue.get()
             self._busy = True
             try:
-                self.handle(batch)
+                self.handle(batch, self.ingest_log.take(batch))
             except Exception:  # a bug in judging must not stop ingest
                 self._errors += 1
                 log.exception("pipeline failed on a batch; continuing")
@@ -443,26 +457,50 @@ class Sidecar:
             self.collector.between_batches()  # its decisions are out: a pause delays none
             await asyncio.sleep(0)  # let the receivers answer between batches
 
-    def handle(self, batch: Batch) -> None:
+    async def _replay(self) -> None:
+        """Judge the requests acknowledged before the last stop and not stored, oldest first.
+
+        They were forwarded (or lost with the process) then, so they are not
+        forwarded again; their decisions' latency is not counted.
+        """
+        entries = self.ingest_log.recovered()
+        for entry in entries:
+            try:
+                self.handle(_replayed_batch(entry), entry.seq, replay=True)
+            except Exception:  # a bug in judging must not stop the replay
+                self._errors += 1
+                log.exception("pipeline failed on a replayed request; continuing")
+                self.ingest_log.release(entry.seq)
+            await asyncio.sleep(0)  # new requests are answered meanwhile
+        if entries:
+            self.ingest_log.replayed(len(entries))
+            log.info("acknowledged requests replayed", extra={"entries": len(entries)})
+
+    def handle(self, batch: Batch, logged: int | None = None, *, replay: bool = False) -> None:
         """Forward, judge and report one batch (synchronous).
 
         The spans that show signs of failure are judged and their decisions
-        emitted before the rest of the batch is normalized.
+        emitted before the rest of the batch is normalized. ``logged``: the
+        batch's ingest log entry, released once its outcomes are stored.
         """
-        if self.forwarder is not None:
+        if self.forwarder is not None and not replay:
             self.forwarder.offer(batch.raw_protobuf, batch.span_count)
         outcomes, rest = self.pipeline.first_pass(batch.request, batch.received_ns)
-        self._report(outcomes, batch)
+        self._report(outcomes, batch, replay)
         later = self.pipeline.rest_pass(rest)
-        self._report(later, batch)
-        self._act(outcomes + later)
+        self._report(later, batch, replay)
+        if logged is None:
+            self._act(outcomes + later)
+        else:
+            self.writer.put(outcomes + later, functools.partial(self.ingest_log.release, logged))
 
-    def _report(self, outcomes: list[Outcome], batch: Batch) -> None:
+    def _report(self, outcomes: list[Outcome], batch: Batch, replay: bool = False) -> None:
         for outcome in outcomes:
             self.failures.add(outcome)
             self.tracer.emit(outcome.failure, outcome.decision)
             self._decisions += 1
-            self.latency.add((time.time_ns() - batch.received_ns) / 1e6)
+            if not replay:
+                self.latency.add((time.time_ns() - batch.received_ns) / 1e6)
 
     def _act(self, outcomes: list[Outcome]) -> None:
         """Hand a batch's outcomes to the store writer (one transaction per batch)."""
@@ -573,6 +611,7 @@ class Sidecar:
         p50, p99 = self.latency.percentile(0.5), self.latency.percentile(0.99)
         return {
             "ingest": asdict(self.queue.stats()),
+            "ingest_log": asdict(self.ingest_log.stats()),
             "pipeline": {**asdict(self.pipeline.stats()), "errors": self._errors},
             "decisions": {
                 "emitted": self._decisions,
@@ -605,6 +644,19 @@ class Sidecar:
             "policy": {"source": self.policy.source, "reloads": dict(self.reloads)},
             "gc": asdict(self.collector.stats()),
         }
+
+
+def _replayed_batch(entry: LoggedBatch) -> Batch:
+    """A logged request as the worker takes it (it was valid when acknowledged)."""
+    request = codec.decode_spans(entry.payload)
+    spans = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+    return Batch(
+        request=request,
+        raw_protobuf=entry.payload,
+        received_ns=entry.received_ns,
+        transport=entry.transport,
+        span_count=spans,
+    )
 
 
 def _stamp(path: object) -> tuple[int, int] | None:

@@ -146,6 +146,14 @@ class Settings(BaseSettings):
     ingest_queue_batches: int = Field(default=2048, ge=1, le=1_000_000)
     ingest_queue_spans: int = Field(default=500_000, ge=1, le=50_000_000)
     retry_after_s: float = Field(default=1.0, gt=0, le=60)
+    ingest_log_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=0,
+        le=64 * 1024**3,
+        description="Most bytes of acknowledged requests kept on disk (beside state_path) until"
+        " their failures are stored; past it ingest throttles. 0: no log (a 200 is then"
+        " not durable across a crash).",
+    )
 
     recent_failures: int = Field(default=1000, ge=1, le=1_000_000)
     tracked_runs: int = Field(default=10_000, ge=1, le=10_000_000)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import pybreaker
 from opentelemetry.sdk.metrics.export import MetricReader
@@ -42,6 +43,7 @@ from supervisor.forward.telemetry import DecisionTracer
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import IngestQueue
+from supervisor.ingest.wal import IngestLog, NoLog
 from supervisor.judge.pipeline import Pipeline
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
@@ -74,6 +76,12 @@ def build_sidecar(
 
     in_force = PolicyInForce(policy)
     queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
+    # What OTLP acknowledged, on disk until judged and stored (replayed at start).
+    ingest_log = (
+        IngestLog(_ingest_log_dir(settings.state_path), max_bytes=settings.ingest_log_bytes)
+        if _on_disk(settings.state_path) and settings.ingest_log_bytes
+        else NoLog()
+    )
     tracer = tracer if tracer is not None else DecisionTracer(downstream)
     metrics = SidecarMetrics(downstream, reader=metric_reader)
     breakers = BreakerReport(tracer, metrics)
@@ -146,17 +154,20 @@ def build_sidecar(
             policy=in_force,
             downstream=downstream,
             queue=queue,
+            ingest_log=ingest_log,
             grpc=GrpcReceiver(
                 queue,
                 host=settings.host,
                 port=settings.otlp_grpc_port,
                 max_body_bytes=settings.max_body_bytes,
                 retry_after_s=settings.retry_after_s,
+                ingest_log=ingest_log,
             ),
             otlp_http=build_otlp_http_app(
                 queue,
                 max_body_bytes=settings.max_body_bytes,
                 retry_after_s=settings.retry_after_s,
+                ingest_log=ingest_log,
             ),
             pipeline=pipeline,
             runs=runs,
@@ -216,6 +227,11 @@ def _check_remediators(policy: Policy) -> None:
 
 def _on_disk(path: object) -> bool:
     return str(path) != ":memory:"
+
+
+def _ingest_log_dir(state_path: object) -> Path:
+    """The ingest log's directory, beside the state database: ``<state_path>.ingest-log``."""
+    return Path(f"{state_path}.ingest-log")
 
 
 def _tell_runs(runs: RunTracker, created: Sequence[StoredCommand]) -> None:

@@ -108,3 +108,42 @@ def test_a_negative_commit_interval_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="min_commit_interval_s"):
         StoreWriter(Actor(store, {}), min_commit_interval_s=-1.0)
     store.close()
+
+
+def test_stored_callbacks_run_only_after_their_outcomes_are_committed(tmp_path: Path) -> None:
+    """The ingest log releases a batch's entry in these: never before the commit, never
+    when the commit failed (so the batch is replayed at the next start)."""
+    fail = threading.Event()
+
+    class FailingStore(Store):
+        def record(self, incidents: Iterable[NewIncident], now: float) -> list[StoredCommand]:
+            if fail.is_set():
+                raise OSError("disk full")
+            return super().record(incidents, now)
+
+    store = FailingStore.open(tmp_path / "state.db")
+    writer = StoreWriter(Actor(store, {}), capacity=8, min_commit_interval_s=0)
+    called: list[str] = []
+
+    async def scenario() -> None:
+        writer.start(asyncio.get_running_loop())
+        writer.put([], lambda: called.append("empty"))  # nothing to store: at once
+        writer.put([_outcome(Action.RETRY, span=f"{1:016x}")], lambda: called.append("stored"))
+        await asyncio.to_thread(writer.close, 5.0)
+
+    asyncio.run(scenario())
+    assert called == ["empty", "stored"]
+    assert len(store.incidents()) == 1
+
+    called.clear()
+    fail.set()
+    writer = StoreWriter(Actor(store, {}), capacity=8, min_commit_interval_s=0)
+
+    async def failing() -> None:
+        writer.start(asyncio.get_running_loop())
+        writer.put([_outcome(Action.RETRY, span=f"{2:016x}")], lambda: called.append("lost"))
+        await asyncio.to_thread(writer.close, 5.0)
+
+    asyncio.run(failing())
+    assert (called, writer.errors) == ([], 1)
+    store.close()

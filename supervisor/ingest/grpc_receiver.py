@@ -14,7 +14,7 @@ act on:
 * ``RESOURCE_EXHAUSTED`` for a message over the limit. gRPC itself refuses
   messages past ``grpc.max_receive_message_length`` (set just above
   ``max_body_bytes``) before they reach us, with the same code;
-* ``UNAVAILABLE`` when the queue is full, with a ``google.rpc.RetryInfo``
+* ``UNAVAILABLE`` when the queue or the ingest log is full, with a ``google.rpc.RetryInfo``
   both inside the ``grpc-status-details-bin`` trailer (the standard rich
   status) and as the ``google.rpc.retryinfo-bin`` trailer, which is the key
   the OpenTelemetry Python exporter reads for its next delay.
@@ -33,6 +33,7 @@ from google.rpc import status_pb2
 from supervisor.errors import ConfigError, IngestError, PayloadTooLarge
 from supervisor.ingest import codec
 from supervisor.ingest.queue import Batch, IngestQueue
+from supervisor.ingest.wal import NoLog, SpanLog
 
 __all__ = ["GrpcReceiver"]
 
@@ -55,8 +56,11 @@ class GrpcReceiver:
         port: int,
         max_body_bytes: int,
         retry_after_s: float = 1.0,
+        ingest_log: SpanLog | None = None,
     ) -> None:
         self._queue = queue
+        #: OK is answered once the request is durable here (see supervisor.ingest.wal).
+        self.ingest_log: SpanLog = ingest_log if ingest_log is not None else NoLog()
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._max_body_bytes = max_body_bytes
         self._retry_after_s = retry_after_s
@@ -142,7 +146,7 @@ class GrpcReceiver:
                 transport="grpc",
                 span_count=validation.accepted,
             )
-            if not self._queue.offer(batch):
+            if not self._queue.offer(batch) or not await self.ingest_log.logged(batch):
                 return self._throttled()
         self._queue.record_rejected(validation.rejected)
         return codec.encode_response(validation.rejected, validation.message, json=False)

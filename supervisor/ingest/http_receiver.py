@@ -5,7 +5,10 @@ right thing without being told about us: 200 with an
 ``ExportTraceServiceResponse`` (and ``partial_success`` when spans were
 rejected), 400/413/415 with a ``google.rpc.Status`` body for requests that
 must not be retried, and 503 with ``Retry-After`` when the queue is full, which
-exporters retry. Every answer uses the encoding the request came in.
+exporters retry. Every answer uses the encoding the request came in. A 200
+is sent only once the request is in the ingest log
+(:mod:`supervisor.ingest.wal`), so it is judged even after a crash; when the
+log is full the answer is 503 too.
 
 The body is read with a bound: a Content-Length or a stream far over the limit
 is refused without reading it all; one modestly over is drained first, so the
@@ -30,6 +33,7 @@ from supervisor.errors import IngestError, PayloadTooLarge
 from supervisor.ingest import codec
 from supervisor.ingest.codec import UnsupportedContentType
 from supervisor.ingest.queue import Batch, IngestQueue
+from supervisor.ingest.wal import NoLog, SpanLog
 
 __all__ = ["build_otlp_http_app"]
 
@@ -47,14 +51,20 @@ T = TypeVar("T")
 
 
 def build_otlp_http_app(
-    queue: IngestQueue, *, max_body_bytes: int, retry_after_s: float = 1.0
+    queue: IngestQueue,
+    *,
+    max_body_bytes: int,
+    retry_after_s: float = 1.0,
+    ingest_log: SpanLog | None = None,
 ) -> Starlette:
     """An ASGI app serving ``POST /v1/traces`` into ``queue``.
 
     ``max_body_bytes`` bounds the decompressed payload; ``retry_after_s`` is
-    what a throttled client is told to wait (sent as whole seconds, at least 1).
+    what a throttled client is told to wait (sent as whole seconds, at least 1);
+    ``ingest_log`` is where an accepted request is made durable before the 200.
     """
     receiver = _HttpReceiver(queue, max_body_bytes=max_body_bytes, retry_after_s=retry_after_s)
+    receiver.ingest_log = ingest_log if ingest_log is not None else NoLog()
     return Starlette(routes=[Route("/v1/traces", receiver.export, methods=["POST"])])
 
 
@@ -68,6 +78,7 @@ class _HttpReceiver:
         self._max_body_bytes = max_body_bytes
         self._retry_after = str(max(1, math.ceil(retry_after_s)))
         self._logged_internal = False
+        self.ingest_log: SpanLog = NoLog()
 
     async def export(self, request: Request) -> Response:
         """The route handler; never raises (a bug of ours becomes a 500)."""
@@ -119,7 +130,8 @@ class _HttpReceiver:
                 transport="http/json" if as_json else "http/protobuf",
                 span_count=validation.accepted,
             )
-            if not self._queue.offer(batch):
+            # Acknowledged only once durable (the log, when full, throttles too).
+            if not self._queue.offer(batch) or not await self.ingest_log.logged(batch):
                 return _status(
                     503,
                     codec.UNAVAILABLE,
