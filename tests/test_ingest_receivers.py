@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -53,6 +54,7 @@ from supervisor.ingest import (
     build_otlp_http_app,
     codec,
 )
+from supervisor.ingest.wal import IngestLog, SpanLog
 
 T = TypeVar("T")
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -74,6 +76,7 @@ class Receivers:
         max_spans: int = 1_000_000,
         max_body_bytes: int = 8 * 1024 * 1024,
         retry_after_s: float = 1.0,
+        ingest_log: SpanLog | None = None,
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -86,10 +89,14 @@ class Receivers:
             port=0,
             max_body_bytes=max_body_bytes,
             retry_after_s=retry_after_s,
+            ingest_log=ingest_log,
         )
         self.grpc_port = self.run(self.grpc.start())
         app = build_otlp_http_app(
-            self.queue, max_body_bytes=max_body_bytes, retry_after_s=retry_after_s
+            self.queue,
+            max_body_bytes=max_body_bytes,
+            retry_after_s=retry_after_s,
+            ingest_log=ingest_log,
         )
         config = uvicorn.Config(
             app,
@@ -916,3 +923,48 @@ def test_queue_cancelled_getter_does_not_lose_a_batch() -> None:
         return decoded(got).resource_spans[0].scope_spans[0].spans[0].name
 
     assert asyncio.run(scenario()) == "only"
+
+
+# ------------------------------------------------------------ the ingest log
+
+
+def test_a_200_or_ok_is_answered_once_the_request_is_on_disk(tmp_path: Path) -> None:
+    wal = IngestLog(tmp_path / "log", max_bytes=1 << 20)
+    wal.start()
+    receivers = Receivers(ingest_log=wal)
+    try:
+        body = good_request("logged-http").SerializeToString()
+        response = httpx.post(receivers.url, content=body, headers={"Content-Type": PB})
+        assert response.status_code == 200
+        receivers.export(good_request("logged-grpc").SerializeToString(), timeout=10)
+        # Read back by another reader at once, as after kill -9: both are there.
+        found = IngestLog(tmp_path / "log", max_bytes=1 << 20).recovered()
+        assert [e.transport for e in found] == ["http/protobuf", "grpc"]
+        names = [ExportTraceServiceRequest.FromString(e.payload) for e in found]
+        assert [r.resource_spans[0].scope_spans[0].spans[0].name for r in names] == [
+            "logged-http",
+            "logged-grpc",
+        ]
+    finally:
+        receivers.close()
+        wal.close()
+
+
+def test_a_full_ingest_log_throttles_both_receivers(tmp_path: Path) -> None:
+    wal = IngestLog(tmp_path / "log", max_bytes=1)
+    wal.start()
+    receivers = Receivers(ingest_log=wal)
+    try:
+        first = good_request("fills-the-log").SerializeToString()
+        assert (
+            httpx.post(receivers.url, content=first, headers={"Content-Type": PB}).status_code
+            == 200
+        )
+        body = good_request("refused").SerializeToString()
+        response = httpx.post(receivers.url, content=body, headers={"Content-Type": PB})
+        assert (response.status_code, response.headers["retry-after"]) == (503, "1")
+        assert grpc_error(receivers, body).code() == grpc.StatusCode.UNAVAILABLE
+        assert wal.stats().refused_full == 2
+    finally:
+        receivers.close()
+        wal.close()
