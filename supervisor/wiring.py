@@ -77,11 +77,7 @@ def build_sidecar(
     in_force = PolicyInForce(policy)
     queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
     # What OTLP acknowledged, on disk until judged and stored (replayed at start).
-    ingest_log = (
-        IngestLog(_ingest_log_dir(settings.state_path), max_bytes=settings.ingest_log_bytes)
-        if _on_disk(settings.state_path) and settings.ingest_log_bytes
-        else NoLog()
-    )
+    ingest_log = _ingest_log(settings)
     tracer = tracer if tracer is not None else DecisionTracer(downstream)
     metrics = SidecarMetrics(downstream, reader=metric_reader)
     breakers = BreakerReport(tracer, metrics)
@@ -229,9 +225,18 @@ def _on_disk(path: object) -> bool:
     return str(path) != ":memory:"
 
 
-def _ingest_log_dir(state_path: object) -> Path:
-    """The ingest log's directory, beside the state database: ``<state_path>.ingest-log``."""
-    return Path(f"{state_path}.ingest-log")
+def _ingest_log(settings: Settings) -> IngestLog | NoLog:
+    """The ingest log in ``<state_path>.ingest-log``, beside the state database.
+
+    None (NoLog) when the state is in memory or ``ingest_log_bytes`` is 0.
+    """
+    if not _on_disk(settings.state_path) or not settings.ingest_log_bytes:
+        return NoLog()
+    directory = Path(f"{settings.state_path}.ingest-log")
+    try:
+        return IngestLog(directory, max_bytes=settings.ingest_log_bytes)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the ingest log in {directory}: {exc}") from exc
 
 
 def _tell_runs(runs: RunTracker, created: Sequence[StoredCommand]) -> None:

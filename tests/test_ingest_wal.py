@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from policies import load_policy
+from supervisor.errors import ConfigError
 from supervisor.ingest import wal as wal_module
 from supervisor.ingest.queue import Batch
 from supervisor.ingest.wal import MAGIC, IngestLog, NoLog, read_segment
+from supervisor.settings import Settings
+from supervisor.wiring import build_sidecar
 
 
 def batch(payload: bytes, received_ns: int = 1) -> Batch:
@@ -245,3 +249,11 @@ def test_release_marks_keep_released_entries_from_being_replayed(tmp_path: Path)
     third = IngestLog(tmp_path, max_bytes=1 << 20)
     assert [e.seq for e in third.recovered()] == [seqs[1], seqs[3], seqs[3] + 1]
     wal.close()
+
+
+def test_an_unusable_log_directory_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "state.db.ingest-log").write_text("a file where the directory goes")
+    policy = load_policy()
+    settings = Settings(state_path=tmp_path / "state.db", token_file=tmp_path / "token")
+    with pytest.raises(ConfigError, match="cannot open the ingest log"):
+        build_sidecar(settings, policy)
