@@ -159,7 +159,10 @@ def test_a_foreign_file_is_left_alone_and_counted(tmp_path: Path) -> None:
     wal = IngestLog(tmp_path, max_bytes=1 << 20)
     assert wal.recovered() == []
     assert wal.stats().bad_segments == 1
-    assert (tmp_path / "00000000000000000001.log").exists()
+    wal.start()
+    assert asyncio.run(log_all(wal, [batch(b"new")])) == [True]  # in a segment of its own
+    wal.close()
+    assert (tmp_path / "00000000000000000001.log").read_bytes() == b"not a log file at all"
 
 
 def test_new_entries_go_to_a_new_segment_after_recovery(tmp_path: Path) -> None:

@@ -238,7 +238,8 @@ class IngestLog:
                 continue  # not ours
             entries, marks, torn = read_segment(path)
             released.update(marks)
-            self._next_seq = max([self._next_seq, *(m + 1 for m in marks)])
+            # Past every name too: a new segment never opens an existing file.
+            self._next_seq = max([self._next_seq, first + 1, *(m + 1 for m in marks)])
             found.append((first, path, entries, torn))
         for first, path, all_entries, torn in found:
             self._next_seq = max([self._next_seq, *(e.seq + 1 for e in all_entries)])
