@@ -146,7 +146,7 @@ class GrpcReceiver:
                 transport="grpc",
                 span_count=validation.accepted,
             )
-            if not self._queue.offer(batch) or not await self.ingest_log.logged(batch):
+            if not await self.ingest_log.admit(batch, self._queue.offer):
                 return self._throttled()
         self._queue.record_rejected(validation.rejected)
         return codec.encode_response(validation.rejected, validation.message, json=False)

@@ -131,7 +131,7 @@ class _HttpReceiver:
                 span_count=validation.accepted,
             )
             # Acknowledged only once durable (the log, when full, throttles too).
-            if not self._queue.offer(batch) or not await self.ingest_log.logged(batch):
+            if not await self.ingest_log.admit(batch, self._queue.offer):
                 return _status(
                     503,
                     codec.UNAVAILABLE,

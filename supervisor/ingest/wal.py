@@ -1,11 +1,14 @@
 """The ingest log: what OTLP acknowledged survives ``kill -9`` until it is judged and stored.
 
-A receiver answers 200 (gRPC: OK) only once the request is on disk: after
-:meth:`IngestLog.offer` queued the batch, it awaits :meth:`IngestLog.logged`,
-which appends the request's protobuf bytes to the log and returns once a
-committer thread has ``fdatasync``-ed them. Requests that arrive while one
-sync runs share the next (group commit), so the cost is one sync per round,
-not per request, and the event loop never blocks on the disk.
+A receiver answers 200 (gRPC: OK) only once the request is on disk: it
+awaits :meth:`IngestLog.admit`, which appends the request's protobuf bytes to
+the log, waits until a committer thread has ``fdatasync``-ed them, and only
+then queues the batch for the pipeline. Requests that arrive while one sync
+runs share the next (group commit), so the cost is one sync per round, not
+per request, and the event loop never blocks on the disk. Logging before
+queueing, not after, keeps the answer from waiting for the pipeline: the
+sync's completion is handed to the loop, which may be busy judging the very
+batch just queued.
 
 An entry is released once the batch's outcomes are committed to the store
 (:class:`~supervisor.act.store_writer.StoreWriter` calls back), or at once
@@ -52,7 +55,7 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
@@ -123,7 +126,7 @@ class LogStats:
 class SpanLog(Protocol):
     """What the receivers and the pipeline worker need of a log (:class:`NoLog`: none)."""
 
-    async def logged(self, batch: Batch) -> bool: ...
+    async def admit(self, batch: Batch, offer: Callable[[Batch], bool]) -> bool: ...
 
     def take(self, batch: Batch) -> int | None: ...
 
@@ -132,6 +135,9 @@ class SpanLog(Protocol):
 
 class NoLog:
     """No log (the state is in memory): every batch counts as logged, nothing is kept."""
+
+    async def admit(self, batch: Batch, offer: Callable[[Batch], bool]) -> bool:
+        return offer(batch)
 
     async def logged(self, batch: Batch) -> bool:
         return True
@@ -304,6 +310,21 @@ class IngestLog:
             self._close_file()
 
     # ------------------------------------------------------------ the event loop's side
+
+    async def admit(self, batch: Batch, offer: Callable[[Batch], bool]) -> bool:
+        """Log ``batch`` durably, then hand it on with ``offer`` (the ingest queue's).
+
+        False when the log or ``offer`` refuses it (nothing is then kept): the
+        receiver must throttle. True: the batch is durable and queued.
+        """
+        if not await self.logged(batch):
+            return False
+        if offer(batch):
+            return True
+        seq = self.take(batch)  # the queue is full: the client will send it again
+        if seq is not None:
+            self.release(seq)
+        return False
 
     async def logged(self, batch: Batch) -> bool:
         """Append ``batch`` and wait for its sync: True once it is durable.
