@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import socket
@@ -45,7 +44,7 @@ from supervisor.forward.telemetry import DecisionTracer
 from supervisor.ingest import codec
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.queue import Batch, IngestQueue
-from supervisor.ingest.wal import IngestLog, LoggedBatch, NoLog
+from supervisor.ingest.wal import IngestLog, LoggedBatch, NoLog, Releases
 from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
@@ -85,6 +84,8 @@ class SidecarParts:
     queue: IngestQueue
     #: Acknowledged requests until their outcomes are stored (NoLog: state in memory).
     ingest_log: IngestLog | NoLog
+    #: Releases a logged batch's entry once its outcomes are stored (the writer tells it).
+    releases: Releases
     grpc: GrpcReceiver
     #: The OTLP/HTTP receiver's ASGI app (the sidecar serves it).
     otlp_http: Starlette
@@ -175,6 +176,7 @@ class Sidecar:
         self.downstream = parts.downstream
         self.queue = parts.queue
         self.ingest_log = parts.ingest_log
+        self.releases = parts.releases
         self._grpc = parts.grpc
         self._otlp_http = parts.otlp_http
         self.pipeline = parts.pipeline
@@ -489,10 +491,10 @@ class Sidecar:
         self._report(outcomes, batch, replay)
         later = self.pipeline.rest_pass(rest)
         self._report(later, batch, replay)
-        if logged is None:
-            self._act(outcomes + later)
-        else:
-            self.writer.put(outcomes + later, functools.partial(self.ingest_log.release, logged))
+        found = outcomes + later
+        if logged is not None:  # told before the writer can have stored them
+            self.releases.expect(logged, found)
+        self._act(found)
 
     def _report(self, outcomes: list[Outcome], batch: Batch, replay: bool = False) -> None:
         for outcome in outcomes:

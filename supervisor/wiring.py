@@ -43,8 +43,8 @@ from supervisor.forward.telemetry import DecisionTracer
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import IngestQueue
-from supervisor.ingest.wal import IngestLog, NoLog
-from supervisor.judge.pipeline import Pipeline
+from supervisor.ingest.wal import IngestLog, NoLog, Releases
+from supervisor.judge.pipeline import Outcome, Pipeline
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
@@ -129,9 +129,10 @@ def build_sidecar(
         runs=runs if settings.track_runs else None,
         recovery=remediations.watch,
     )
+    releases = Releases(ingest_log)
     writer = StoreWriter(
         actor,
-        after_store=remediations.dispatch,
+        after_store=functools.partial(_after_store, releases, remediations),
         min_commit_interval_s=settings.store_commit_interval_s,
     )
     forwarder = (
@@ -151,6 +152,7 @@ def build_sidecar(
             downstream=downstream,
             queue=queue,
             ingest_log=ingest_log,
+            releases=releases,
             grpc=GrpcReceiver(
                 queue,
                 host=settings.host,
@@ -237,6 +239,14 @@ def _ingest_log(settings: Settings) -> IngestLog | NoLog:
         return IngestLog(directory, max_bytes=settings.ingest_log_bytes)
     except OSError as exc:
         raise ConfigError(f"cannot open the ingest log in {directory}: {exc}") from exc
+
+
+def _after_store(
+    releases: Releases, remediations: Remediations, outcomes: Sequence[Outcome]
+) -> None:
+    """Stored: the ingest log may let their requests go; remediations may start."""
+    releases.stored(outcomes)
+    remediations.dispatch(outcomes)
 
 
 def _tell_runs(runs: RunTracker, created: Sequence[StoredCommand]) -> None:

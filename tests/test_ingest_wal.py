@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from policies import load_policy
 from supervisor.errors import ConfigError
 from supervisor.ingest import wal as wal_module
 from supervisor.ingest.queue import Batch
-from supervisor.ingest.wal import MAGIC, IngestLog, NoLog, read_segment
+from supervisor.ingest.wal import MAGIC, IngestLog, NoLog, Releases, read_segment
 from supervisor.settings import Settings
 from supervisor.wiring import build_sidecar
 
@@ -260,3 +261,41 @@ def test_an_unusable_log_directory_is_a_clear_error(tmp_path: Path) -> None:
     settings = Settings(state_path=tmp_path / "state.db", token_file=tmp_path / "token")
     with pytest.raises(ConfigError, match="cannot open the ingest log"):
         build_sidecar(settings, policy)
+
+
+class Recorded:
+    """A log that records what is released."""
+
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    async def admit(self, batch: Batch, offer: Callable[[Batch], bool]) -> bool:
+        return offer(batch)
+
+    def take(self, batch: Batch) -> int | None:
+        return None
+
+    def release(self, seq: int) -> None:
+        self.released.append(seq)
+
+
+def test_an_entry_is_released_once_every_outcome_of_it_is_stored() -> None:
+    log = Recorded()
+    releases = Releases(log)
+    a, b, c, stall = object(), object(), object(), object()
+    releases.expect(1, [a, b])
+    releases.expect(2, [c])
+    releases.expect(3, [])  # no failures: released at once
+    assert log.released == [3]
+    releases.stored([a, stall])  # a stall's outcome is no entry's
+    assert log.released == [3]
+    releases.stored([c, b])  # batches stored together
+    assert sorted(log.released) == [1, 2, 3]
+    assert releases.pending == 0
+
+
+def test_outcomes_never_stored_keep_their_entry() -> None:
+    log = Recorded()
+    releases = Releases(log)
+    releases.expect(7, [object()])  # dropped by the writer: never stored
+    assert (log.released, releases.pending) == ([], 1)

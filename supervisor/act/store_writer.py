@@ -14,9 +14,7 @@ for ~27 failures; batches committed together share the table and index pages
 they both touch. At a rate below one batch per interval nothing waits.
 
 Lifecycle: :meth:`StoreWriter.start` once with the running loop; :meth:`put`
-from the pipeline's thread, with an optional ``stored`` callback run on this
-thread once the outcomes are committed (the ingest log releases the batch's
-entry then) (it blocks when ``capacity`` batches wait: the
+from the pipeline's thread (it blocks when ``capacity`` batches wait: the
 backlog then reaches ingest, which throttles, and nothing is dropped);
 :meth:`close` once: stores what is queued, bounded by a timeout, and stops.
 """
@@ -64,8 +62,6 @@ class StoreWriter:
         #: Called with each stored batch (remediations start once their incident is stored).
         self._after_store = after_store
         self._queue: queue.Queue[object] = queue.Queue(maxsize=capacity)
-        #: The ``stored`` callbacks of the batches in the transaction being built.
-        self._callbacks: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name="spanvisor-store", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Batches that could not be stored (logged); their failures stay listed in memory.
@@ -76,15 +72,9 @@ class StoreWriter:
         self._loop = loop
         self._thread.start()
 
-    def put(self, outcomes: Sequence[Outcome], stored: Callable[[], None] | None = None) -> None:
-        """Queue a batch's outcomes; ``stored`` is called once they are committed.
-
-        With no outcomes nothing is queued and ``stored`` is called at once.
-        """
+    def put(self, outcomes: Sequence[Outcome]) -> None:
         if outcomes:
-            self._queue.put((list(outcomes), stored))
-        elif stored is not None:
-            _call(stored)
+            self._queue.put(list(outcomes))
 
     @property
     def backlog(self) -> int:
@@ -109,12 +99,10 @@ class StoreWriter:
         stopping = False
         last_commit = -math.inf
         while not stopping:
-            item = self._queue.get()
-            if item is _STOP:
+            outcomes = self._queue.get()
+            if outcomes is _STOP:
                 return
-            assert isinstance(item, tuple)
-            outcomes, stored = item
-            self._callbacks = [stored] if stored is not None else []
+            assert isinstance(outcomes, list)
             self._held = 1
             # Batches that queue meanwhile, or arrive before the interval since the
             # last commit is over, share one transaction (see the module docstring).
@@ -128,10 +116,8 @@ class StoreWriter:
                 if more is _STOP:
                     stopping = True
                     break
-                assert isinstance(more, tuple)
-                outcomes.extend(more[0])
-                if more[1] is not None:
-                    self._callbacks.append(more[1])
+                assert isinstance(more, list)
+                outcomes.extend(more)
                 self._held += 1
             last_commit = self._clock()
             self._store(outcomes)
@@ -146,8 +132,6 @@ class StoreWriter:
             return
         self.stored += len(outcomes)
         self._held = 0
-        for stored in self._callbacks:
-            _call(stored)
         if self._after_store is not None:
             try:
                 self._after_store(outcomes)
@@ -159,11 +143,3 @@ class StoreWriter:
             # The loop may close meanwhile: the commands are stored; the next start delivers.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._actor.announce, created)
-
-
-def _call(stored: Callable[[], None]) -> None:
-    """Run a ``stored`` callback; its failure is logged, never raised into the writer."""
-    try:
-        stored()
-    except Exception:
-        log.exception("a stored-outcomes callback failed")

@@ -11,8 +11,8 @@ sync's completion is handed to the loop, which may be busy judging the very
 batch just queued.
 
 An entry is released once the batch's outcomes are committed to the store
-(:class:`~supervisor.act.store_writer.StoreWriter` calls back), or at once
-when the batch had none: a small release mark is written with the next round
+(:class:`Releases`, which the store writer's ``after_store`` tells), or at
+once when the batch had none: a small release mark is written with the next round
 (never synced on its own: a lost mark only means the entry is judged again).
 At the next start the entries not released are replayed through the pipeline
 before new spans; the store's idempotency keys make a failure judged twice
@@ -55,7 +55,7 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
@@ -69,6 +69,7 @@ __all__ = [
     "LogStats",
     "LoggedBatch",
     "NoLog",
+    "Releases",
     "SpanLog",
     "read_segment",
 ]
@@ -567,3 +568,54 @@ def _sync_directory(directory: Path) -> None:
 def _settle(future: asyncio.Future[bool], ok: bool) -> None:
     if not future.done():
         future.set_result(ok)
+
+
+class Releases:
+    """Which ingest log entry each judged outcome came from, until the store has it.
+
+    The store writer calls :meth:`stored` with every batch of outcomes it has
+    committed (its ``after_store``); an entry is released once all of its
+    outcomes are stored, at once when it had none. Outcomes are told apart by
+    identity, which is unique while the writer holds them. Those the writer
+    drops (its bound, a failing store) keep their entry: it is replayed at the
+    next start. Thread-safety: :meth:`expect` on the loop, :meth:`stored` on the
+    writer's thread.
+    """
+
+    def __init__(self, log: SpanLog) -> None:
+        self._log = log
+        self._lock = threading.Lock()
+        self._entry_of: dict[int, int] = {}  # id(outcome) -> entry
+        self._waiting: dict[int, int] = {}  # entry -> outcomes not stored yet
+
+    def expect(self, seq: int, outcomes: Sequence[object]) -> None:
+        """Entry ``seq`` is released once these outcomes are stored (now, if none)."""
+        if not outcomes:
+            self._log.release(seq)
+            return
+        with self._lock:
+            for outcome in outcomes:
+                self._entry_of[id(outcome)] = seq
+            self._waiting[seq] = self._waiting.get(seq, 0) + len(outcomes)
+
+    def stored(self, outcomes: Sequence[object]) -> None:
+        """These outcomes are committed: release the entries now complete."""
+        done: list[int] = []
+        with self._lock:
+            for outcome in outcomes:
+                seq = self._entry_of.pop(id(outcome), None)
+                if seq is None:
+                    continue  # not from a logged batch (a stall, a replay's duplicate)
+                left = self._waiting[seq] - 1
+                if left:
+                    self._waiting[seq] = left
+                else:
+                    del self._waiting[seq]
+                    done.append(seq)
+        for seq in done:
+            self._log.release(seq)
+
+    @property
+    def pending(self) -> int:
+        """Entries waiting for their outcomes to be stored."""
+        return len(self._waiting)
