@@ -43,7 +43,7 @@ from supervisor.forward.relay import Forwarder
 from supervisor.forward.telemetry import DecisionTracer
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.queue import Batch, IngestQueue
-from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
+from supervisor.judge.pipeline import Outcome, Pipeline, Remainder, detected_failure
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
@@ -51,6 +51,9 @@ from supervisor.runs.journal import RunJournal
 from supervisor.settings import Settings
 
 log = logging.getLogger("spanvisor.app")
+
+#: Longest the pipeline worker reads a batch before letting the loop answer others.
+_SLICE_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +205,9 @@ class Sidecar:
         self._errors = 0
         self._ready = False
         self._busy = False
+        # Clear while the worker is suspended in the middle of a batch.
+        self._between_batches = asyncio.Event()
+        self._between_batches.set()
 
     @property
     def policy(self) -> Policy:
@@ -433,7 +439,7 @@ class Sidecar:
             batch = await self.queue.get()
             self._busy = True
             try:
-                self.handle(batch)
+                await self._handle_in_slices(batch)
             except Exception:  # a bug in judging must not stop ingest
                 self._errors += 1
                 log.exception("pipeline failed on a batch; continuing")
@@ -452,6 +458,36 @@ class Sidecar:
         if self.forwarder is not None:
             self.forwarder.offer(batch.raw_protobuf, batch.span_count)
         outcomes, rest = self.pipeline.first_pass(batch.request, batch.received_ns)
+        self._settle(batch, outcomes, rest)
+
+    async def _handle_in_slices(self, batch: Batch) -> None:
+        """:meth:`handle`, giving the loop back every :data:`_SLICE_S` of reading.
+
+        A 100,000-span batch takes seconds to read; in slices, ``/healthz``,
+        the receivers and the control API answer meanwhile. Nothing else
+        judges while a batch is between slices (the stall check waits for
+        ``_between_batches``), so its decisions are those of one go.
+        """
+        if self.forwarder is not None:
+            self.forwarder.offer(batch.raw_protobuf, batch.span_count)
+        steps = self.pipeline.first_pass_steps(batch.request, batch.received_ns)
+        slice_ends = time.monotonic() + _SLICE_S
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                outcomes, rest = done.value
+                break
+            if time.monotonic() >= slice_ends:
+                self._between_batches.clear()
+                try:
+                    await asyncio.sleep(0)
+                finally:
+                    self._between_batches.set()
+                slice_ends = time.monotonic() + _SLICE_S
+        self._settle(batch, outcomes, rest)
+
+    def _settle(self, batch: Batch, outcomes: list[Outcome], rest: Remainder) -> None:
         self._report(outcomes, batch)
         later = self.pipeline.rest_pass(rest)
         self._report(later, batch)
@@ -508,6 +544,7 @@ class Sidecar:
         while True:
             await asyncio.sleep(1.0)
             try:
+                await self._between_batches.wait()  # never judge inside another batch
                 self.check_stalls()
                 await self._journal_runs()
             except Exception:  # the watch must never end

@@ -145,7 +145,20 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     ingest_queue_batches: int = Field(default=2048, ge=1, le=1_000_000)
     ingest_queue_spans: int = Field(default=500_000, ge=1, le=50_000_000)
+    ingest_queue_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024,
+        le=64 * 1024**3,
+        description="Most bytes ingest holds (encoded batches queued or being judged, plus"
+        " bodies being decoded); past it, OTLP throttling. Memory is a small multiple of it.",
+    )
     retry_after_s: float = Field(default=1.0, gt=0, le=60)
+    http_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Most seconds to receive one OTLP/HTTP request body (then 408).",
+    )
 
     recent_failures: int = Field(default=1000, ge=1, le=1_000_000)
     tracked_runs: int = Field(default=10_000, ge=1, le=10_000_000)

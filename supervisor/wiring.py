@@ -73,7 +73,11 @@ def build_sidecar(
     actuators = _actuators(settings.agents)
 
     in_force = PolicyInForce(policy)
-    queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
+    queue = IngestQueue(
+        settings.ingest_queue_batches,
+        settings.ingest_queue_spans,
+        settings.ingest_queue_bytes,
+    )
     tracer = tracer if tracer is not None else DecisionTracer(downstream)
     metrics = SidecarMetrics(downstream, reader=metric_reader)
     breakers = BreakerReport(tracer, metrics)
@@ -157,6 +161,7 @@ def build_sidecar(
                 queue,
                 max_body_bytes=settings.max_body_bytes,
                 retry_after_s=settings.retry_after_s,
+                read_timeout_s=settings.http_read_timeout_s,
             ),
             pipeline=pipeline,
             runs=runs,

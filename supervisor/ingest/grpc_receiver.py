@@ -40,8 +40,9 @@ _log = logging.getLogger(__name__)
 
 _SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
-#: Messages larger than this are decoded in a worker thread.
-_INLINE_DECODE_BYTES = 4 * 1024 * 1024
+#: Messages larger than this are decoded in a worker thread (big ones in
+#: slices, :mod:`.slices`, so the thread lets the event loop run).
+_INLINE_DECODE_BYTES = 64 * 1024
 
 
 class GrpcReceiver:
@@ -120,8 +121,10 @@ class GrpcReceiver:
         self, raw: bytes
     ) -> bytes | tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
         received_ns = time.time_ns()
+        if not self._queue.reserve(len(raw)):
+            return self._throttled()
         try:
-            if len(raw) > _INLINE_DECODE_BYTES:  # protobuf decodes in C: only huge ones
+            if len(raw) > _INLINE_DECODE_BYTES:
                 # Decoding is pure CPU; a big message must not stall the loop.
                 request, validation = await asyncio.to_thread(self._decode, raw)
             else:
@@ -134,6 +137,8 @@ class GrpcReceiver:
             self._queue.record_decode_error()
             _log.debug("OTLP/gRPC request undecodable: %s", exc)
             return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
+        finally:
+            self._queue.release(len(raw))
         if validation.accepted:
             batch = Batch(
                 request=request,
