@@ -225,6 +225,7 @@ class Pipeline:
             maybe: list[Span] = []
             for span in spans:
                 if shows_failure_signal(span):
+                    span.record()  # made (once) here, a chunk at a time, not all at the end
                     first.append(span)
                 elif may_fail_quietly(span):
                     maybe.append(span)
