@@ -74,11 +74,13 @@ class Receivers:
         max_spans: int = 1_000_000,
         max_body_bytes: int = 8 * 1024 * 1024,
         retry_after_s: float = 1.0,
+        max_bytes: int = 256 * 1024 * 1024,
+        read_timeout_s: float = 30.0,
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.queue: IngestQueue = self.call(lambda: IngestQueue(max_batches, max_spans))
+        self.queue: IngestQueue = self.call(lambda: IngestQueue(max_batches, max_spans, max_bytes))
         self.baseline = self.call(self.queue.stats)
         self.grpc = GrpcReceiver(
             self.queue,
@@ -89,7 +91,10 @@ class Receivers:
         )
         self.grpc_port = self.run(self.grpc.start())
         app = build_otlp_http_app(
-            self.queue, max_body_bytes=max_body_bytes, retry_after_s=retry_after_s
+            self.queue,
+            max_body_bytes=max_body_bytes,
+            retry_after_s=retry_after_s,
+            read_timeout_s=read_timeout_s,
         )
         config = uvicorn.Config(
             app,
