@@ -2,7 +2,8 @@
 
 Starts ``spanvisor run`` and, for each named attack in :data:`ATTACKS`, runs
 the attack for ``--seconds`` while another thread polls ``GET /healthz`` on the
-control API (the same event loop that serves ingest) every 10 ms. It prints,
+control API (the same event loop that serves ingest) every 10 ms, until the
+attack stopped and what it got accepted is judged. It prints,
 per attack, the poll latency's p50, p99 and max, and what the attack's
 requests were answered. The max is the loop's longest stall seen: a stall
 holds exactly one poll, so the p99 understates a rare long one.
@@ -233,14 +234,20 @@ def poll_healthz(sidecar: Sidecar, stop: threading.Event, out: list[float]) -> N
 def measure(sidecar: Sidecar, attack: Attack, seconds: float) -> tuple[list[float], str]:
     stop = threading.Event()
     latencies: list[float] = []
-    poller = threading.Thread(target=poll_healthz, args=(sidecar, stop, latencies), daemon=True)
     summary: list[str] = []
     runner = threading.Thread(target=lambda: summary.append(attack.run(sidecar, stop)), daemon=True)
+    done = threading.Event()
+    poller = threading.Thread(target=poll_healthz, args=(sidecar, done, latencies), daemon=True)
     poller.start()
     runner.start()
     runner.join(seconds)
     stop.set()
     runner.join(600)
+    # Keep polling until what was accepted is judged: that is when a big batch stalls.
+    deadline = time.monotonic() + 120
+    while sidecar.stats()["ingest"]["queued_spans"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done.set()
     poller.join(600)
     return latencies, summary[0] if summary else "(the attack did not finish)"
 
