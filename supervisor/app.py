@@ -41,6 +41,7 @@ from supervisor.forward.downstream import Downstream
 from supervisor.forward.metrics import SidecarMetrics
 from supervisor.forward.relay import Forwarder
 from supervisor.forward.telemetry import DecisionTracer
+from supervisor.http_deadline import with_header_deadline
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.judge.pipeline import Outcome, Pipeline, Remainder, detected_failure
@@ -387,6 +388,8 @@ class Sidecar:
             access_log=False,
             lifespan="off",
             proxy_headers=False,
+            # A request's head must arrive within the read timeout (bodies: the receiver).
+            http=with_header_deadline(self.settings.http_read_timeout_s),
         )
         server = _EmbeddedServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn-{host}:{port}")

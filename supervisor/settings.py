@@ -157,7 +157,8 @@ class Settings(BaseSettings):
         default=30.0,
         gt=0,
         le=3600,
-        description="Most seconds to receive one OTLP/HTTP request body (then 408).",
+        description="Most seconds to receive a request's headers (then the connection is"
+        " closed) and an OTLP/HTTP request's body (then 408).",
     )
 
     recent_failures: int = Field(default=1000, ge=1, le=1_000_000)

@@ -298,3 +298,63 @@ def test_the_worker_gives_the_loop_back_while_reading_a_big_batch(tmp_path: Path
         sidecar.store.close()
     assert ticks > 5  # 20,000 spans take far more than one 10 ms slice
     assert settled
+
+
+# ------------------------------------------------------------ slow headers
+
+
+def _closed_while_trickling(port: int, head: bytes, within_s: float) -> bool:
+    """Send ``head`` a byte every 20 ms; True when the server closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.settimeout(0.02)
+        deadline = time.monotonic() + within_s
+        sent = 0
+        while time.monotonic() < deadline:
+            try:
+                if sock.recv(4096) == b"":
+                    return True
+            except TimeoutError:
+                pass
+            except ConnectionError:
+                return True
+            try:
+                sock.sendall(head[sent % len(head) : sent % len(head) + 1])
+            except OSError:
+                return True
+            sent += 1
+    return False
+
+
+def test_headers_trickled_in_close_the_connection(tmp_path: Path) -> None:
+    from policies import load_policy
+    from supervisor.app import BackgroundSidecar
+    from supervisor.settings import load_settings
+    from supervisor.wiring import build_sidecar
+
+    settings = load_settings(
+        overrides={
+            "otlp_grpc_port": 0,
+            "otlp_http_port": 0,
+            "api_port": 0,
+            "api_token": "tok",
+            "token_file": str(tmp_path / "token"),
+            "state_path": str(tmp_path / "state.db"),
+            "http_read_timeout_s": 0.5,
+        }
+    )
+    background = BackgroundSidecar(build_sidecar(settings, load_policy()))
+    ports = background.start()
+    try:
+        head = b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 10_000
+        assert _closed_while_trickling(ports.otlp_http, head, within_s=10)
+        assert _closed_while_trickling(
+            ports.api, b"GET /healthz HTTP/1.1\r\nX: " + b"b" * 10_000, 10
+        )
+        # A client that is not slow is served as before, on both.
+        healthz = httpx.get(f"http://127.0.0.1:{ports.api}/healthz", timeout=10)
+        assert healthz.status_code == 200
+        body = good_request("ok").SerializeToString()
+        url = f"http://127.0.0.1:{ports.otlp_http}/v1/traces"
+        assert httpx.post(url, content=body, headers={"Content-Type": PB}).status_code == 200
+    finally:
+        background.stop()
