@@ -4,8 +4,8 @@ Starts ``spanvisor run`` and, for each named attack in :data:`ATTACKS`, runs
 the attack for ``--seconds`` while another thread polls ``GET /healthz`` on the
 control API (the same event loop that serves ingest) every 10 ms, until the
 attack stopped and what it got accepted is judged. It prints,
-per attack, the poll latency's p50, p99 and max, and what the attack's
-requests were answered. The max is the loop's longest stall seen: a stall
+per attack, the poll latency's p50, p99 and max, the sidecar's RSS after it,
+and what the attack's requests were answered. The max is the loop's longest stall seen: a stall
 holds exactly one poll, so the p99 understates a rare long one.
 
 Goal (issue: no single request makes any other wait): ``/healthz`` p99 <= 100 ms
@@ -46,6 +46,7 @@ from bench.harness import (
     add_sidecar_arguments,
     command_line,
     percentile,
+    rss_bytes,
     running_sidecar,
     sidecar_env,
     table,
@@ -183,21 +184,20 @@ def json_100k(sidecar: Sidecar, stop: threading.Event) -> str:
     )
 
 
-def slow_clients(sidecar: Sidecar, stop: threading.Event, count: int = 50) -> str:
-    """``count`` connections that send headers, then one body byte every 0.2 s."""
+def _trickle(
+    sidecar: Sidecar, stop: threading.Event, count: int, head: bytes, byte: bytes
+) -> tuple[int, int]:
+    """``count`` connections that send ``head``, then ``byte`` every 0.2 s; (count, still open)."""
     socks: list[socket.socket] = []
     for _ in range(count):
         sock = socket.create_connection((LOOPBACK, sidecar.http_port), timeout=5)
-        sock.sendall(
-            b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
-            b"Content-Length: 100000\r\n\r\n"
-        )
+        sock.sendall(head)
         sock.setblocking(False)
         socks.append(sock)
     while not stop.wait(0.2):
         for sock in socks:
             with contextlib.suppress(OSError):
-                sock.send(b"\x0a")
+                sock.send(byte)
     open_at_end = 0
     for sock in socks:
         try:
@@ -207,7 +207,22 @@ def slow_clients(sidecar: Sidecar, stop: threading.Event, count: int = 50) -> st
         except OSError:
             pass
         sock.close()
-    return f"{count} trickling connections; {open_at_end} still open at the end"
+    return count, open_at_end
+
+
+def slow_clients(sidecar: Sidecar, stop: threading.Event) -> str:
+    head = (
+        b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+        b"Content-Length: 100000\r\n\r\n"
+    )
+    count, still_open = _trickle(sidecar, stop, 50, head, b"\x0a")
+    return f"{count} connections trickling a body; {still_open} still open at the end"
+
+
+def slow_headers(sidecar: Sidecar, stop: threading.Event) -> str:
+    head = b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    count, still_open = _trickle(sidecar, stop, 50, head, b"a")
+    return f"{count} connections trickling headers; {still_open} still open at the end"
 
 
 ATTACKS: list[Attack] = [
@@ -216,6 +231,7 @@ ATTACKS: list[Attack] = [
     Attack("protobuf-100k", "100,000 spans in one OTLP/HTTP protobuf request", protobuf_100k),
     Attack("json-100k", "the same 100,000 spans as OTLP/JSON", json_100k),
     Attack("slow-clients", "50 connections trickling a body, a byte per 0.2 s", slow_clients),
+    Attack("slow-headers", "50 connections trickling headers, a byte per 0.2 s", slow_headers),
 ]
 
 
@@ -280,13 +296,21 @@ def main(argv: list[str] | None = None) -> int:
             p99 = percentile(latencies, 0.99) * 1000
             top = max(latencies) * 1000
             worst = max(worst, p99)
+            rss = rss_bytes(sidecar.pid) / 2**20
             rows.append(
-                [attack.name, str(len(latencies)), f"{p50:.1f}", f"{p99:.1f}", f"{top:.0f}"]
+                [
+                    attack.name,
+                    str(len(latencies)),
+                    f"{p50:.1f}",
+                    f"{p99:.1f}",
+                    f"{top:.0f}",
+                    f"{rss:.0f}",
+                ]
             )
             print(f"{attack.name}: {attack.what}\n    {summary}", flush=True)
         ingest = sidecar.stats()["ingest"]
     print()
-    print(table(["attack", "polls", "p50 ms", "p99 ms", "max ms"], rows))
+    print(table(["attack", "polls", "p50 ms", "p99 ms", "max ms", "RSS MiB after"], rows))
     print(f"ingest counters: {json.dumps(ingest)}")
     verdict = "met" if worst <= GOAL_P99_MS else "NOT met"
     print(f"goal /healthz p99 <= {GOAL_P99_MS:.0f} ms under every attack: {verdict}")
