@@ -41,6 +41,7 @@ from supervisor.forward.downstream import Downstream
 from supervisor.forward.metrics import SidecarMetrics
 from supervisor.forward.relay import Forwarder
 from supervisor.forward.telemetry import DecisionTracer
+from supervisor.ingest.auth import ReceiverAuth
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
@@ -107,6 +108,8 @@ class SidecarParts:
     collector: Collector
     #: The control API's bearer token.
     token: str
+    #: The OTLP receivers' token check (None: they take spans without one).
+    otlp_auth: ReceiverAuth | None = None
 
 
 class Sidecar:
@@ -184,6 +187,7 @@ class Sidecar:
         self.failures = parts.failures
         self.collector = parts.collector
         self.token = parts.token
+        self._otlp_auth = parts.otlp_auth
         # Its own state: what it serves, what runs, what it counted.
         self.ports: Ports | None = None
         self.reloads = {"ok": 0, "rejected": 0}
@@ -604,6 +608,10 @@ class Sidecar:
             "restart_intensity": {"escalated": self.governor.intensity.denied},
             "policy": {"source": self.policy.source, "reloads": dict(self.reloads)},
             "gc": asdict(self.collector.stats()),
+            "otlp_auth": {
+                "required": self._otlp_auth is not None,
+                "refused": self._otlp_auth.refused if self._otlp_auth is not None else 0,
+            },
         }
 
 

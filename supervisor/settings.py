@@ -126,6 +126,17 @@ class Settings(BaseSettings):
     )
 
     host: str = Field(default=LOOPBACK, description="Address the OTLP receivers bind to.")
+    otlp_token: str | None = Field(
+        default=None,
+        description="Bearer token the OTLP receivers require (HTTP `Authorization` header,"
+        " gRPC `authorization` metadata). Needed when `host` is beyond loopback, unless"
+        " otlp_unauthenticated is set.",
+    )
+    otlp_unauthenticated: bool = Field(
+        default=False,
+        description="Let the OTLP receivers listen beyond loopback without a token (logged"
+        " at start): only behind a network that authenticates senders itself.",
+    )
     otlp_grpc_port: int = Field(default=4317, ge=0, le=65535)
     otlp_http_port: int = Field(default=4318, ge=0, le=65535)
     api_host: str = Field(default=LOOPBACK, description="Address the control API binds to.")
