@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -323,6 +324,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if args.verb == "validate" else 2
     except (ConfigError, SupervisorError) as exc:
         print(f"spanvisor: {exc}", file=sys.stderr)
+        return 2
+    except sqlite3.DatabaseError as exc:  # damage found after the store's check at open
+        print(
+            f"spanvisor: a database failed: {exc}. If it is damaged: stop spanvisor, check"
+            " it with sqlite3 FILE 'PRAGMA integrity_check', move it aside and rebuild it"
+            " with sqlite3 FILE.damaged .recover | sqlite3 FILE (see 'A damaged state"
+            " database' in docs/operations.md)",
+            file=sys.stderr,
+        )
         return 2
     except BrokenPipeError:  # `spanvisor replay ... | head`: the reader has what it wanted
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silences the flush at exit
