@@ -94,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = verbs.add_parser("run", help="run the sidecar (OTLP receivers and control API)")
     run.add_argument("--config", type=Path, help="settings file (YAML); see config/spanvisor.yaml")
     run.add_argument("--policy", type=Path, help="policy file (YAML); default: the built-in policy")
-    run.add_argument("--host", help="address for the OTLP receivers (default 127.0.0.1)")
+    run.add_argument(
+        "--host",
+        help="address for the OTLP receivers (default 127.0.0.1; beyond loopback needs otlp_token)",
+    )
     run.add_argument("--grpc-port", type=int, dest="otlp_grpc_port", help="OTLP gRPC port (4317)")
     run.add_argument("--http-port", type=int, dest="otlp_http_port", help="OTLP HTTP port (4318)")
     run.add_argument("--api-host", help=f"address for the control API (default {LOOPBACK})")
