@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
-from policies import Governor, Policy, load_policy
+from policies import Governor, Policy, load_policy, regex_timeouts
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
@@ -606,7 +606,12 @@ class Sidecar:
             },
             "retry_budget": {"denied": self.governor.budget.denied},
             "restart_intensity": {"escalated": self.governor.intensity.denied},
-            "policy": {"source": self.policy.source, "reloads": dict(self.reloads)},
+            "policy": {
+                "source": self.policy.source,
+                "reloads": dict(self.reloads),
+                # Rule regexes stopped at their time limit (each counted as no match).
+                "regex_timeouts": regex_timeouts(),
+            },
             "gc": asdict(self.collector.stats()),
             "otlp_auth": {
                 "required": self._otlp_auth is not None,
