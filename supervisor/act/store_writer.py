@@ -65,7 +65,7 @@ _DROP_LOG_INTERVAL_S = 10.0
 class Backoff:
     """Delays between tries of a failing store: doubling from ``first_s`` up to ``max_s``."""
 
-    def __init__(self, first_s: float = 0.1, max_s: float = 30.0) -> None:
+    def __init__(self, first_s: float = 0.1, max_s: float = 5.0) -> None:
         if not 0 < first_s <= max_s:
             raise ValueError("backoff needs 0 < first_s <= max_s")
         self.first_s = first_s
