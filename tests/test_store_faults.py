@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from google.rpc import error_details_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
@@ -33,6 +35,7 @@ from supervisor.settings import AgentDelivery, PullChannel
 from supervisor.wiring import build_sidecar
 from tests.test_api import _outcome
 from tests.test_app import settings
+from tests.test_ingest_receivers import EXPORT_METHOD
 
 FULL_ERROR = "database or disk is full"
 
@@ -92,7 +95,8 @@ def test_failures_judged_while_the_disk_is_full_are_kept_and_stored_once_when_it
         _until(lambda: writer.health().waiting_failures == 3000)
         health = writer.health()
         assert health.failing_since is not None and FULL_ERROR in health.last_error
-        assert health.failed_attempts >= 3000  # per failure, not per batch
+        # Per failure, not per batch: each refused try counts its 100-failure batches.
+        assert health.failed_attempts >= 100 and health.failed_attempts % 100 == 0
         assert health.dropped_failures == 0
         reason = writer.degraded()
         assert reason is not None and reason.startswith("store failing since ")
@@ -224,6 +228,16 @@ def test_a_sidecar_on_a_full_disk_is_degraded_throttles_ingest_and_stores_everyt
             _until(lambda n=n: sidecar.writer.health().waiting_failures >= (n + 1) * 50)
         assert throttled is not None and throttled.headers["Retry-After"] == "1"
         assert accepted == 200
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{ports.otlp_grpc}") as channel,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            channel.unary_unary(EXPORT_METHOD)(_failing_request(5_000, 1), timeout=5)
+        error = refused.value
+        assert isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.UNAVAILABLE
+        trailers = dict(error.trailing_metadata() or ())
+        info = error_details_pb2.RetryInfo.FromString(trailers["google.rpc.retryinfo-bin"])
+        assert info.retry_delay.seconds == 1
         ready = httpx.get(f"{api}/readyz")
         assert ready.status_code == 503 and ready.json()["status"] == "degraded"
         assert ready.json()["degraded"][0].startswith("store failing since ")
@@ -284,3 +298,35 @@ def test_a_real_full_file_system_then_room_again(tmp_path: Path) -> None:
             _until(lambda: writer.health().waiting_failures == 0)
         assert _stored_spans(store) == [o.failure.span_id for b in batches for o in b]
         store.close()
+
+
+def test_the_delay_between_tries_doubles_up_to_its_bound_and_starts_again_after_success() -> None:
+    backoff = Backoff(0.1, 0.5)
+    assert [backoff.next_delay() for _ in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
+    backoff.reset()
+    assert backoff.next_delay() == 0.1
+
+
+def test_retries_wait_for_the_delay_on_the_injected_clock(tmp_path: Path) -> None:
+    now = [0.0]
+    store = Store.open(tmp_path / "state.db")
+    writer = StoreWriter(
+        Actor(store, {}),
+        clock=lambda: now[0],
+        backoff=Backoff(1000.0, 1000.0),
+        min_commit_interval_s=0,
+    )
+    _disk(store, full=True)
+    with _Running(writer):
+        writer.put(_batches(1, 10)[0])
+        _until(lambda: writer.health().waiting_failures == 10)
+        tried = writer.errors
+        _disk(store, full=False)
+        writer.put([_outcome(Action.RETRY, span="ee" * 8)])  # wakes the writer: kept, not tried
+        _until(lambda: writer.health().waiting_failures == 11)
+        assert writer.errors == tried and _stored_spans(store) == []
+        now[0] = 1000.0  # the delay is over on the writer's clock
+        writer.put([_outcome(Action.RETRY, span="ef" * 8)])
+        _until(lambda: writer.health().waiting_failures == 0)
+    assert len(_stored_spans(store)) == 12
+    store.close()
