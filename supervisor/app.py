@@ -30,7 +30,7 @@ from supervisor.act.actuators import Actuator
 from supervisor.act.dispatch import Dispatcher
 from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
-from supervisor.act.store_writer import StoreWriter
+from supervisor.act.store_writer import StoreHealth, StoreWriter
 from supervisor.api.control import Control
 from supervisor.api.server import build_control_app
 from supervisor.bounded import LatencyWindow
@@ -221,6 +221,15 @@ class Sidecar:
         """Whether it serves: started, and not shutting down (the control API's readiness)."""
         return self._ready
 
+    def degraded(self) -> list[str]:
+        """What keeps it from doing all its work while it serves (empty: nothing).
+
+        A failing store: decisions are still made and delivered from memory, and
+        the failures are kept to be stored later (:mod:`supervisor.act.store_writer`).
+        """
+        reason = self.writer.degraded()
+        return [reason] if reason is not None else []
+
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> Ports:
@@ -285,6 +294,7 @@ class Sidecar:
             failures=self.failures.latest,
             stats=self.stats,
             ready=self.ready,
+            degraded=self.degraded,
             reload=self.reload_policy,
             remediations=self.remediations,
             runs=self.runs,
@@ -593,6 +603,7 @@ class Sidecar:
                 **self.actor.describe(),
                 "store_errors": self.writer.errors,
                 "store_backlog": self.writer.backlog,
+                "store": _store_health(self.writer.health()),
                 "latency_ms": _percentiles(self.dispatcher.latency),
             },
             "remediations": self.remediations.describe(),
@@ -629,6 +640,21 @@ def _stamp(path: object) -> tuple[int, int] | None:
     except OSError:
         return None
     return (info.st_mtime_ns, info.st_size)
+
+
+def _store_health(health: StoreHealth) -> dict[str, Any]:
+    since = health.failing_since_unix
+    return {
+        "failing": since is not None,
+        "failing_since": None
+        if since is None
+        else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)),
+        "waiting_failures": health.waiting_failures,
+        "waiting_bytes": health.waiting_bytes,
+        "dropped_failures": health.dropped_failures,
+        "failed_attempts": health.failed_attempts,
+        "last_error": health.last_error or None,
+    }
 
 
 def _percentiles(window: LatencyWindow) -> dict[str, float | None]:

@@ -221,6 +221,20 @@ class Settings(BaseSettings):
         description="Least time between two store commits under load: failures judged"
         " meanwhile share one transaction (0: each batch commits at once).",
     )
+    store_retain_failures: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="Judged failures kept in memory while the store refuses writes (a full"
+        " disk), to be stored when it takes them; ingest throttles from half of it, and"
+        " beyond it failures are dropped, counted.",
+    )
+    store_retain_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024,
+        le=16 * 1024**3,
+        description="The same bound in bytes (the failures' incidents as JSON).",
+    )
     policy_poll_s: float = Field(
         default=2.0,
         ge=0,

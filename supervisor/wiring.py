@@ -142,7 +142,11 @@ def build_sidecar(
         actor,
         after_store=remediations.dispatch,
         min_commit_interval_s=settings.store_commit_interval_s,
+        max_retained_failures=settings.store_retain_failures,
+        max_retained_bytes=settings.store_retain_bytes,
     )
+    # A failing store keeps judged failures; before they reach its bound, ingest throttles.
+    queue.hold_while(writer.pressure)
     forwarder = (
         Forwarder(
             downstream,

@@ -1,6 +1,6 @@
 """The control API on port 4320 (FastAPI, so ``/openapi.json`` describes every route).
 
-Every route but ``/healthz`` and ``/openapi.json`` needs
+Every route but ``/healthz``, ``/readyz`` and ``/openapi.json`` needs
 ``Authorization: Bearer <token>``; the token comes from the settings or is
 generated at start and written to a file only the user can read, and the
 sidecar refuses to listen beyond loopback without one configured. Errors are
@@ -144,7 +144,7 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         version="1",
         description="Incidents, commands, approvals, breakers, remediations, runs and inline"
         " decisions of a running spanvisor sidecar. Bearer-token authentication on every"
-        " route but /healthz and /openapi.json.",
+        " route but /healthz, /readyz and /openapi.json.",
         docs_url=None,
         redoc_url=None,
     )
@@ -172,10 +172,24 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         )
         return JSONResponse({"error": problems or "invalid request"}, status_code=400)
 
-    @app.get("/healthz", summary="Liveness and readiness")
+    @app.get("/healthz", summary="Liveness: 200 while it serves, even degraded")
     async def healthz() -> JSONResponse:
-        ok = control.ready()
-        return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
+        # A full disk is not cured by a restart: liveness stays 200 and says degraded.
+        if not control.ready():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        degraded = control.degraded()
+        if degraded:
+            return JSONResponse({"status": "degraded", "degraded": degraded})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz", summary="Readiness: 503 while starting, stopping or degraded")
+    async def readyz() -> JSONResponse:
+        if not control.ready():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        degraded = control.degraded()
+        if degraded:
+            return JSONResponse({"status": "degraded", "degraded": degraded}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/stats", dependencies=auth, summary="Counters of every stage")
     async def stats() -> dict[str, Any]:

@@ -14,6 +14,10 @@ Two bounds apply. ``max_batches`` bounds the batches waiting to be taken;
 single batch larger than ``max_spans`` is admitted only when nothing else is
 outstanding; otherwise a big request would be throttled forever, and memory
 stays bounded by ``max_spans`` plus one request.
+
+A stage downstream may also ask ingest to hold back (:meth:`IngestQueue.hold_while`):
+the store writer does while a failing store keeps judged failures near its bound,
+so that what ingest acknowledges is not what gets dropped.
 """
 
 from __future__ import annotations
@@ -21,12 +25,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from supervisor.errors import ConfigError, SupervisorError
 
-__all__ = ["Batch", "IngestQueue", "IngestStats", "QueueClosed", "Transport"]
+__all__ = ["Batch", "HoldBack", "IngestQueue", "IngestStats", "QueueClosed", "Transport"]
+
+#: Why ingest should throttle now (said in the log), or None to accept; called on
+#: every offer, so it must be cheap and never block.
+HoldBack = Callable[[], "str | None"]
 
 _log = logging.getLogger(__name__)
 
@@ -90,6 +99,7 @@ class IngestQueue:
         self._outstanding: dict[int, Batch] = {}
         self._spans = 0
         self._closed = False
+        self._hold_back: list[HoldBack] = []
         self._throttling = False
         self._episode_throttled = 0
         self._accepted_batches = 0
@@ -109,7 +119,8 @@ class IngestQueue:
         Returns False (and counts the batch as throttled) when the queue is
         full or closed.
         """
-        if self._closed or not self._has_room(batch.span_count):
+        held = self._held_back()
+        if self._closed or held is not None or not self._has_room(batch.span_count):
             self._throttled_batches += 1
             self._throttled_spans += batch.span_count
             self._episode_throttled += 1
@@ -118,7 +129,7 @@ class IngestQueue:
                 _log.warning(
                     "ingest queue %s, throttling (%d batches, %d spans queued; "
                     "bounds %d batches, %d spans)",
-                    "closed" if self._closed else "full",
+                    "closed" if self._closed else held or "full",
                     len(self._items),
                     self._spans,
                     self._max_batches,
@@ -139,6 +150,17 @@ class IngestQueue:
         self._accepted_spans += batch.span_count
         self._wake_one()
         return True
+
+    def hold_while(self, hold_back: HoldBack) -> None:
+        """Throttle every offer while ``hold_back`` gives a reason (see the module)."""
+        self._hold_back.append(hold_back)
+
+    def _held_back(self) -> str | None:
+        for hold_back in self._hold_back:
+            reason = hold_back()
+            if reason is not None:
+                return f"held back: {reason}"
+        return None
 
     def _has_room(self, span_count: int) -> bool:
         if len(self._items) >= self._max_batches:
