@@ -23,14 +23,14 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
-from policies import Governor, Policy, load_policy
+from policies import Governor, Policy, load_policy, regex_timeouts
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
 from supervisor.act.dispatch import Dispatcher
 from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
-from supervisor.act.store_writer import StoreWriter
+from supervisor.act.store_writer import StoreHealth, StoreWriter
 from supervisor.api.control import Control
 from supervisor.api.server import build_control_app
 from supervisor.bounded import LatencyWindow
@@ -42,6 +42,7 @@ from supervisor.forward.metrics import SidecarMetrics
 from supervisor.forward.relay import Forwarder
 from supervisor.forward.telemetry import DecisionTracer
 from supervisor.http_deadline import with_header_deadline
+from supervisor.ingest.auth import ReceiverAuth
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.judge.pipeline import Outcome, Pipeline, Remainder, detected_failure
@@ -111,6 +112,8 @@ class SidecarParts:
     collector: Collector
     #: The control API's bearer token.
     token: str
+    #: The OTLP receivers' token check (None: they take spans without one).
+    otlp_auth: ReceiverAuth | None = None
 
 
 class Sidecar:
@@ -188,6 +191,7 @@ class Sidecar:
         self.failures = parts.failures
         self.collector = parts.collector
         self.token = parts.token
+        self._otlp_auth = parts.otlp_auth
         # Its own state: what it serves, what runs, what it counted.
         self.ports: Ports | None = None
         self.reloads = {"ok": 0, "rejected": 0}
@@ -223,6 +227,15 @@ class Sidecar:
     def ready(self) -> bool:
         """Whether it serves: started, and not shutting down (the control API's readiness)."""
         return self._ready
+
+    def degraded(self) -> list[str]:
+        """What keeps it from doing all its work while it serves (empty: nothing).
+
+        A failing store: decisions are still made and delivered from memory, and
+        the failures are kept to be stored later (:mod:`supervisor.act.store_writer`).
+        """
+        reason = self.writer.degraded()
+        return [reason] if reason is not None else []
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -288,6 +301,7 @@ class Sidecar:
             failures=self.failures.latest,
             stats=self.stats,
             ready=self.ready,
+            degraded=self.degraded,
             reload=self.reload_policy,
             remediations=self.remediations,
             runs=self.runs,
@@ -629,6 +643,7 @@ class Sidecar:
                 **self.actor.describe(),
                 "store_errors": self.writer.errors,
                 "store_backlog": self.writer.backlog,
+                "store": _store_health(self.writer.health()),
                 "latency_ms": _percentiles(self.dispatcher.latency),
             },
             "remediations": self.remediations.describe(),
@@ -642,8 +657,17 @@ class Sidecar:
             },
             "retry_budget": {"denied": self.governor.budget.denied},
             "restart_intensity": {"escalated": self.governor.intensity.denied},
-            "policy": {"source": self.policy.source, "reloads": dict(self.reloads)},
+            "policy": {
+                "source": self.policy.source,
+                "reloads": dict(self.reloads),
+                # Rule regexes stopped at their time limit (each counted as no match).
+                "regex_timeouts": regex_timeouts(),
+            },
             "gc": asdict(self.collector.stats()),
+            "otlp_auth": {
+                "required": self._otlp_auth is not None,
+                "refused": self._otlp_auth.refused if self._otlp_auth is not None else 0,
+            },
         }
 
 
@@ -656,6 +680,21 @@ def _stamp(path: object) -> tuple[int, int] | None:
     except OSError:
         return None
     return (info.st_mtime_ns, info.st_size)
+
+
+def _store_health(health: StoreHealth) -> dict[str, Any]:
+    since = health.failing_since_unix
+    return {
+        "failing": since is not None,
+        "failing_since": None
+        if since is None
+        else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)),
+        "waiting_failures": health.waiting_failures,
+        "waiting_bytes": health.waiting_bytes,
+        "dropped_failures": health.dropped_failures,
+        "failed_attempts": health.failed_attempts,
+        "last_error": health.last_error or None,
+    }
 
 
 def _percentiles(window: LatencyWindow) -> dict[str, float | None]:

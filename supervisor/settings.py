@@ -126,6 +126,17 @@ class Settings(BaseSettings):
     )
 
     host: str = Field(default=LOOPBACK, description="Address the OTLP receivers bind to.")
+    otlp_token: str | None = Field(
+        default=None,
+        description="Bearer token the OTLP receivers require (HTTP `Authorization` header,"
+        " gRPC `authorization` metadata). Needed when `host` is beyond loopback, unless"
+        " otlp_unauthenticated is set.",
+    )
+    otlp_unauthenticated: bool = Field(
+        default=False,
+        description="Let the OTLP receivers listen beyond loopback without a token (logged"
+        " at start): only behind a network that authenticates senders itself.",
+    )
     otlp_grpc_port: int = Field(default=4317, ge=0, le=65535)
     otlp_http_port: int = Field(default=4318, ge=0, le=65535)
     api_host: str = Field(default=LOOPBACK, description="Address the control API binds to.")
@@ -223,6 +234,20 @@ class Settings(BaseSettings):
         le=1.0,
         description="Least time between two store commits under load: failures judged"
         " meanwhile share one transaction (0: each batch commits at once).",
+    )
+    store_retain_failures: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="Judged failures kept in memory while the store refuses writes (a full"
+        " disk), to be stored when it takes them; ingest throttles from half of it, and"
+        " beyond it failures are dropped, counted.",
+    )
+    store_retain_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024,
+        le=16 * 1024**3,
+        description="The same bound in bytes (the failures' incidents as JSON).",
     )
     policy_poll_s: float = Field(
         default=2.0,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -56,8 +57,10 @@ class GrpcReceiver:
         port: int,
         max_body_bytes: int,
         retry_after_s: float = 1.0,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         self._queue = queue
+        self._interceptors = tuple(interceptors)  # e.g. the token check of ingest.auth
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._max_body_bytes = max_body_bytes
         self._retry_after_s = retry_after_s
@@ -69,6 +72,7 @@ class GrpcReceiver:
         if self._server is not None:
             raise RuntimeError("GrpcReceiver already started")
         server = grpc.aio.server(
+            interceptors=self._interceptors,
             options=[
                 # One byte over the limit still reaches us and gets our own
                 # message; anything larger is refused by gRPC itself.
@@ -76,7 +80,7 @@ class GrpcReceiver:
                 # gRPC turns SO_REUSEPORT on by default, so a second sidecar on
                 # the same port would bind silently and split the traffic.
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         handler = grpc.unary_unary_rpc_method_handler(
             self._export, request_deserializer=None, response_serializer=None

@@ -10,6 +10,8 @@ and is not thread-safe; call it only from that loop.
 
 Three bounds apply. ``max_batches`` bounds the batches waiting to be taken;
 ``max_spans`` bounds the spans offered and not yet released with
+Three bounds apply. ``max_batches`` bounds the batches waiting to be taken;
+``max_spans`` bounds the spans offered and not yet released with
 :meth:`IngestQueue.task_done`, so it also covers batches being processed;
 ``max_bytes`` bounds the bytes ingest holds: the encoded size of those
 batches plus the bodies being decoded (:meth:`IngestQueue.reserve`), which is
@@ -17,6 +19,10 @@ what memory grows with. A single batch larger than ``max_spans`` or
 ``max_bytes`` is admitted only when nothing else is outstanding; otherwise a
 big request would be throttled forever, and memory stays bounded by the
 bounds plus one request.
+
+A stage downstream may also ask ingest to hold back (:meth:`IngestQueue.hold_while`):
+the store writer does while a failing store keeps judged failures near its bound,
+so that what ingest acknowledges is not what gets dropped.
 """
 
 from __future__ import annotations
@@ -24,12 +30,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from supervisor.errors import ConfigError, SupervisorError
 
-__all__ = ["Batch", "IngestQueue", "IngestStats", "QueueClosed", "Transport"]
+__all__ = ["Batch", "HoldBack", "IngestQueue", "IngestStats", "QueueClosed", "Transport"]
+
+#: Why ingest should throttle now (said in the log), or None to accept; called on
+#: every offer, so it must be cheap and never block.
+HoldBack = Callable[[], "str | None"]
 
 _log = logging.getLogger(__name__)
 
@@ -104,6 +115,7 @@ class IngestQueue:
         self._outstanding: dict[int, Batch] = {}
         self._spans = 0
         self._closed = False
+        self._hold_back: list[HoldBack] = []
         self._throttling = False
         self._episode_throttled = 0
         self._accepted_batches = 0
@@ -125,8 +137,9 @@ class IngestQueue:
         full or closed.
         """
         size = len(batch.raw_protobuf)
-        if self._closed or not self._has_room(batch.span_count, size):
-            self._throttle(batch.span_count)
+        held = self._held_back()
+        if self._closed or held is not None or not self._has_room(batch.span_count, size):
+            self._throttle(batch.span_count, held)
             return False
         if self._throttling:
             _log.info(
@@ -151,8 +164,9 @@ class IngestQueue:
         but its read; False counts it as throttled. Release with :meth:`release`
         once the batch is offered (or refused): :meth:`offer` counts its own bytes.
         """
-        if self._closed or not self._bytes_room(nbytes):
-            self._throttle(0)
+        held = self._held_back()
+        if self._closed or held is not None or not self._bytes_room(nbytes):
+            self._throttle(0, held)
             return False
         self._reserved += nbytes
         return True
@@ -160,6 +174,17 @@ class IngestQueue:
     def release(self, nbytes: int) -> None:
         """Give back what :meth:`reserve` held."""
         self._reserved -= nbytes
+
+    def hold_while(self, hold_back: HoldBack) -> None:
+        """Throttle every offer while ``hold_back`` gives a reason (see the module)."""
+        self._hold_back.append(hold_back)
+
+    def _held_back(self) -> str | None:
+        for hold_back in self._hold_back:
+            reason = hold_back()
+            if reason is not None:
+                return f"held back: {reason}"
+        return None
 
     def _has_room(self, span_count: int, nbytes: int) -> bool:
         if len(self._items) >= self._max_batches:
@@ -175,7 +200,7 @@ class IngestQueue:
             return False
         return True
 
-    def _throttle(self, span_count: int) -> None:
+    def _throttle(self, span_count: int, held: str | None = None) -> None:
         self._throttled_batches += 1
         self._throttled_spans += span_count
         self._episode_throttled += 1
@@ -184,7 +209,7 @@ class IngestQueue:
             _log.warning(
                 "ingest queue %s, throttling (%d batches, %d spans, %d bytes held; "
                 "bounds %d batches, %d spans, %d bytes)",
-                "closed" if self._closed else "full",
+                "closed" if self._closed else held or "full",
                 len(self._items),
                 self._spans,
                 self._bytes + self._reserved,
