@@ -22,6 +22,7 @@ from policies._governor import RUN_KINDS, Governor, counts_for_breaker
 from policies._loader import json_schema, load_policy
 from policies._model_table import ModelTable
 from policies._policy import Policy
+from policies._regex import regex_timeouts
 from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, RemediatorSpec
 from policies._schema_budgets import SloSpec
 from policies._slo import SloTracker
@@ -49,4 +50,5 @@ __all__ = [
     "counts_for_breaker",
     "json_schema",
     "load_policy",
+    "regex_timeouts",
 ]

@@ -25,14 +25,15 @@ threads that cost far more than the matching.
 
 What a timeout means is the caller's to say: :meth:`PolicyRegex.search`
 raises ``TimeoutError``; :meth:`PolicyRegex.matches` counts it as no match,
-counts it in ``timeouts`` and logs the first one.
+counts it in ``timeouts`` (and in the process-wide ``total_timeouts``) and
+logs the first one.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any, Final, Literal
+from typing import Any, ClassVar, Final, Literal
 
 import regex
 
@@ -44,6 +45,7 @@ __all__ = [
     "PolicyRegex",
     "RegexFlag",
     "check_regex",
+    "regex_timeouts",
 ]
 
 log = logging.getLogger("spanvisor.policies")
@@ -93,6 +95,10 @@ class PolicyRegex:
 
     __slots__ = ("_compiled", "label", "pattern", "shown", "timeouts")
 
+    #: Timeouts of :meth:`matches` over every pattern of the process, reloaded
+    #: policies' included (the sidecar's ``/v1/stats`` shows it).
+    total_timeouts: ClassVar[int] = 0
+
     def __init__(
         self,
         pattern: str,
@@ -119,6 +125,7 @@ class PolicyRegex:
             )
         except TimeoutError:
             self.timeouts += 1
+            PolicyRegex.total_timeouts += 1
             if self.timeouts == 1:
                 log.warning(
                     "%s regex /%s/ timed out after %.0f ms on a %d-character text and counts"
@@ -132,3 +139,8 @@ class PolicyRegex:
 
     def __repr__(self) -> str:
         return f"PolicyRegex({self.pattern!r})"
+
+
+def regex_timeouts() -> int:
+    """Searches of rule regexes stopped at the time limit so far, in this process."""
+    return PolicyRegex.total_timeouts

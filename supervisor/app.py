@@ -23,14 +23,14 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
-from policies import Governor, Policy, load_policy
+from policies import Governor, Policy, load_policy, regex_timeouts
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
 from supervisor.act.dispatch import Dispatcher
 from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
-from supervisor.act.store_writer import StoreWriter
+from supervisor.act.store_writer import StoreHealth, StoreWriter
 from supervisor.api.control import Control
 from supervisor.api.server import build_control_app
 from supervisor.bounded import LatencyWindow
@@ -41,11 +41,13 @@ from supervisor.forward.downstream import Downstream
 from supervisor.forward.metrics import SidecarMetrics
 from supervisor.forward.relay import Forwarder
 from supervisor.forward.telemetry import DecisionTracer
+from supervisor.http_deadline import with_header_deadline
 from supervisor.ingest import codec
+from supervisor.ingest.auth import ReceiverAuth
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.ingest.wal import IngestLog, LoggedBatch, NoLog, Releases
-from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
+from supervisor.judge.pipeline import Outcome, Pipeline, Remainder, detected_failure
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
@@ -53,6 +55,9 @@ from supervisor.runs.journal import RunJournal
 from supervisor.settings import Settings
 
 log = logging.getLogger("spanvisor.app")
+
+#: Longest the pipeline worker reads a batch before letting the loop answer others.
+_SLICE_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +118,8 @@ class SidecarParts:
     collector: Collector
     #: The control API's bearer token.
     token: str
+    #: The OTLP receivers' token check (None: they take spans without one).
+    otlp_auth: ReceiverAuth | None = None
 
 
 class Sidecar:
@@ -196,6 +203,7 @@ class Sidecar:
         self.failures = parts.failures
         self.collector = parts.collector
         self.token = parts.token
+        self._otlp_auth = parts.otlp_auth
         # Its own state: what it serves, what runs, what it counted.
         self.ports: Ports | None = None
         self.reloads = {"ok": 0, "rejected": 0}
@@ -214,6 +222,9 @@ class Sidecar:
         self._errors = 0
         self._ready = False
         self._busy = False
+        # Clear while the worker is suspended in the middle of a batch.
+        self._between_batches = asyncio.Event()
+        self._between_batches.set()
 
     @property
     def policy(self) -> Policy:
@@ -228,6 +239,15 @@ class Sidecar:
     def ready(self) -> bool:
         """Whether it serves: started, and not shutting down (the control API's readiness)."""
         return self._ready
+
+    def degraded(self) -> list[str]:
+        """What keeps it from doing all its work while it serves (empty: nothing).
+
+        A failing store: decisions are still made and delivered from memory, and
+        the failures are kept to be stored later (:mod:`supervisor.act.store_writer`).
+        """
+        reason = self.writer.degraded()
+        return [reason] if reason is not None else []
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -295,6 +315,7 @@ class Sidecar:
             failures=self.failures.latest,
             stats=self.stats,
             ready=self.ready,
+            degraded=self.degraded,
             reload=self.reload_policy,
             remediations=self.remediations,
             runs=self.runs,
@@ -396,6 +417,8 @@ class Sidecar:
             access_log=False,
             lifespan="off",
             proxy_headers=False,
+            # A request's head must arrive within the read timeout (bodies: the receiver).
+            http=with_header_deadline(self.settings.http_read_timeout_s),
         )
         server = _EmbeddedServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn-{host}:{port}")
@@ -449,7 +472,7 @@ class Sidecar:
             batch = await self.queue.get()
             self._busy = True
             try:
-                self.handle(batch, self.ingest_log.take(batch))
+                await self._handle_in_slices(batch, self.ingest_log.take(batch))
             except Exception:  # a bug in judging must not stop ingest
                 self._errors += 1
                 log.exception("pipeline failed on a batch; continuing")
@@ -468,7 +491,7 @@ class Sidecar:
         entries = self.ingest_log.recovered()
         for entry in entries:
             try:
-                self.handle(_replayed_batch(entry), entry.seq, replay=True)
+                await self._handle_in_slices(_replayed_batch(entry), entry.seq, replay=True)
             except Exception:  # a bug in judging must not stop the replay
                 self._errors += 1
                 log.exception("pipeline failed on a replayed request; continuing")
@@ -478,16 +501,56 @@ class Sidecar:
             self.ingest_log.replayed(len(entries))
             log.info("acknowledged requests replayed", extra={"entries": len(entries)})
 
-    def handle(self, batch: Batch, logged: int | None = None, *, replay: bool = False) -> None:
+    def handle(self, batch: Batch) -> None:
         """Forward, judge and report one batch (synchronous).
 
         The spans that show signs of failure are judged and their decisions
-        emitted before the rest of the batch is normalized. ``logged``: the
-        batch's ingest log entry, released once its outcomes are stored.
+        emitted before the rest of the batch is normalized.
+        """
+        if self.forwarder is not None:
+            self.forwarder.offer(batch.raw_protobuf, batch.span_count)
+        outcomes, rest = self.pipeline.first_pass(batch.request, batch.received_ns)
+        self._settle(batch, outcomes, rest)
+
+    async def _handle_in_slices(
+        self, batch: Batch, logged: int | None = None, *, replay: bool = False
+    ) -> None:
+        """:meth:`handle`, giving the loop back every :data:`_SLICE_S` of reading.
+
+        A 100,000-span batch takes seconds to read; in slices, ``/healthz``,
+        the receivers and the control API answer meanwhile. Nothing else
+        judges while a batch is between slices (the stall check waits for
+        ``_between_batches``), so its decisions are those of one go.
+        ``logged``: the batch's ingest log entry, released once its outcomes
+        are stored; a ``replay`` is not forwarded again.
         """
         if self.forwarder is not None and not replay:
             self.forwarder.offer(batch.raw_protobuf, batch.span_count)
-        outcomes, rest = self.pipeline.first_pass(batch.request, batch.received_ns)
+        steps = self.pipeline.first_pass_steps(batch.request, batch.received_ns)
+        slice_ends = time.monotonic() + _SLICE_S
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                outcomes, rest = done.value
+                break
+            if time.monotonic() >= slice_ends:
+                self._between_batches.clear()
+                try:
+                    await asyncio.sleep(0)
+                finally:
+                    self._between_batches.set()
+                slice_ends = time.monotonic() + _SLICE_S
+        self._settle(batch, outcomes, rest, logged, replay)
+
+    def _settle(
+        self,
+        batch: Batch,
+        outcomes: list[Outcome],
+        rest: Remainder,
+        logged: int | None = None,
+        replay: bool = False,
+    ) -> None:
         self._report(outcomes, batch, replay)
         later = self.pipeline.rest_pass(rest)
         self._report(later, batch, replay)
@@ -548,6 +611,7 @@ class Sidecar:
         while True:
             await asyncio.sleep(1.0)
             try:
+                await self._between_batches.wait()  # never judge inside another batch
                 self.check_stalls()
                 await self._journal_runs()
             except Exception:  # the watch must never end
@@ -630,6 +694,7 @@ class Sidecar:
                 **self.actor.describe(),
                 "store_errors": self.writer.errors,
                 "store_backlog": self.writer.backlog,
+                "store": _store_health(self.writer.health()),
                 "latency_ms": _percentiles(self.dispatcher.latency),
             },
             "remediations": self.remediations.describe(),
@@ -643,8 +708,17 @@ class Sidecar:
             },
             "retry_budget": {"denied": self.governor.budget.denied},
             "restart_intensity": {"escalated": self.governor.intensity.denied},
-            "policy": {"source": self.policy.source, "reloads": dict(self.reloads)},
+            "policy": {
+                "source": self.policy.source,
+                "reloads": dict(self.reloads),
+                # Rule regexes stopped at their time limit (each counted as no match).
+                "regex_timeouts": regex_timeouts(),
+            },
             "gc": asdict(self.collector.stats()),
+            "otlp_auth": {
+                "required": self._otlp_auth is not None,
+                "refused": self._otlp_auth.refused if self._otlp_auth is not None else 0,
+            },
         }
 
 
@@ -670,6 +744,21 @@ def _stamp(path: object) -> tuple[int, int] | None:
     except OSError:
         return None
     return (info.st_mtime_ns, info.st_size)
+
+
+def _store_health(health: StoreHealth) -> dict[str, Any]:
+    since = health.failing_since_unix
+    return {
+        "failing": since is not None,
+        "failing_since": None
+        if since is None
+        else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)),
+        "waiting_failures": health.waiting_failures,
+        "waiting_bytes": health.waiting_bytes,
+        "dropped_failures": health.dropped_failures,
+        "failed_attempts": health.failed_attempts,
+        "last_error": health.last_error or None,
+    }
 
 
 def _percentiles(window: LatencyWindow) -> dict[str, float | None]:

@@ -126,6 +126,17 @@ class Settings(BaseSettings):
     )
 
     host: str = Field(default=LOOPBACK, description="Address the OTLP receivers bind to.")
+    otlp_token: str | None = Field(
+        default=None,
+        description="Bearer token the OTLP receivers require (HTTP `Authorization` header,"
+        " gRPC `authorization` metadata). Needed when `host` is beyond loopback, unless"
+        " otlp_unauthenticated is set.",
+    )
+    otlp_unauthenticated: bool = Field(
+        default=False,
+        description="Let the OTLP receivers listen beyond loopback without a token (logged"
+        " at start): only behind a network that authenticates senders itself.",
+    )
     otlp_grpc_port: int = Field(default=4317, ge=0, le=65535)
     otlp_http_port: int = Field(default=4318, ge=0, le=65535)
     api_host: str = Field(default=LOOPBACK, description="Address the control API binds to.")
@@ -145,6 +156,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
     ingest_queue_batches: int = Field(default=2048, ge=1, le=1_000_000)
     ingest_queue_spans: int = Field(default=500_000, ge=1, le=50_000_000)
+    ingest_queue_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024,
+        le=64 * 1024**3,
+        description="Most bytes ingest holds (encoded batches queued or being judged, plus"
+        " bodies being decoded); past it, OTLP throttling. Memory is a small multiple of it.",
+    )
     retry_after_s: float = Field(default=1.0, gt=0, le=60)
     ingest_log_bytes: int = Field(
         default=256 * 1024 * 1024,
@@ -153,6 +171,13 @@ class Settings(BaseSettings):
         description="Most bytes of acknowledged requests kept on disk (beside state_path) until"
         " their failures are stored; past it ingest throttles. 0: no log (a 200 is then"
         " not durable across a crash).",
+    )
+    http_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Most seconds to receive a request's headers (then the connection is"
+        " closed) and an OTLP/HTTP request's body (then 408).",
     )
 
     recent_failures: int = Field(default=1000, ge=1, le=1_000_000)
@@ -217,6 +242,20 @@ class Settings(BaseSettings):
         le=1.0,
         description="Least time between two store commits under load: failures judged"
         " meanwhile share one transaction (0: each batch commits at once).",
+    )
+    store_retain_failures: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="Judged failures kept in memory while the store refuses writes (a full"
+        " disk), to be stored when it takes them; ingest throttles from half of it, and"
+        " beyond it failures are dropped, counted.",
+    )
+    store_retain_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024,
+        le=16 * 1024**3,
+        description="The same bound in bytes (the failures' incidents as JSON).",
     )
     policy_poll_s: float = Field(
         default=2.0,

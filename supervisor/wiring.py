@@ -14,6 +14,7 @@ The parts that follow a policy reload read it through one
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -40,6 +41,7 @@ from supervisor.forward.downstream import Downstream, downstream_from_env
 from supervisor.forward.metrics import SidecarMetrics
 from supervisor.forward.relay import Forwarder
 from supervisor.forward.telemetry import DecisionTracer
+from supervisor.ingest.auth import BearerMiddleware, GrpcBearerInterceptor, ReceiverAuth
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.http_receiver import build_otlp_http_app
 from supervisor.ingest.queue import IngestQueue
@@ -50,6 +52,8 @@ from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
 from supervisor.runs.journal import RunJournal
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
+
+_log = logging.getLogger("spanvisor.wiring")
 
 
 def build_sidecar(
@@ -70,12 +74,17 @@ def build_sidecar(
     """
     # Refused before anything is opened or written.
     _check_api_exposure(settings)
+    _check_otlp_exposure(settings)
     _check_remediators(policy)
     breaker_storage = _shared_breakers(settings.breaker_redis_url)
     actuators = _actuators(settings.agents)
 
     in_force = PolicyInForce(policy)
-    queue = IngestQueue(settings.ingest_queue_batches, settings.ingest_queue_spans)
+    queue = IngestQueue(
+        settings.ingest_queue_batches,
+        settings.ingest_queue_spans,
+        settings.ingest_queue_bytes,
+    )
     # What OTLP acknowledged, on disk until judged and stored (replayed at start).
     ingest_log = _ingest_log(settings)
     tracer = tracer if tracer is not None else DecisionTracer(downstream)
@@ -95,6 +104,16 @@ def build_sidecar(
     )
     runs.stall_horizon_s = policy.detectors.shortest_idle_s  # as a reload sets it
     token = ensure_token(settings.api_token, settings.token_file)
+    otlp_auth = ReceiverAuth(settings.otlp_token) if settings.otlp_token else None
+    otlp_http = build_otlp_http_app(
+        queue,
+        max_body_bytes=settings.max_body_bytes,
+        retry_after_s=settings.retry_after_s,
+        read_timeout_s=settings.http_read_timeout_s,
+        ingest_log=ingest_log,
+    )
+    if otlp_auth is not None:
+        otlp_http.add_middleware(BearerMiddleware, auth=otlp_auth)
 
     store = Store.open(
         settings.state_path,
@@ -134,7 +153,11 @@ def build_sidecar(
         actor,
         after_store=functools.partial(_after_store, releases, remediations),
         min_commit_interval_s=settings.store_commit_interval_s,
+        max_retained_failures=settings.store_retain_failures,
+        max_retained_bytes=settings.store_retain_bytes,
     )
+    # A failing store keeps judged failures; before they reach its bound, ingest throttles.
+    queue.hold_while(writer.pressure)
     forwarder = (
         Forwarder(
             downstream,
@@ -159,14 +182,11 @@ def build_sidecar(
                 port=settings.otlp_grpc_port,
                 max_body_bytes=settings.max_body_bytes,
                 retry_after_s=settings.retry_after_s,
+                interceptors=[GrpcBearerInterceptor(otlp_auth)] if otlp_auth is not None else (),
                 ingest_log=ingest_log,
             ),
-            otlp_http=build_otlp_http_app(
-                queue,
-                max_body_bytes=settings.max_body_bytes,
-                retry_after_s=settings.retry_after_s,
-                ingest_log=ingest_log,
-            ),
+            otlp_http=otlp_http,
+            otlp_auth=otlp_auth,
             pipeline=pipeline,
             runs=runs,
             journal=journal,
@@ -203,12 +223,53 @@ def resolve_downstream(settings: Settings) -> Downstream | None:
     )
 
 
+#: Shortest token accepted where a network, not just this host, can try it: 16
+#: random characters are beyond guessing at any rate a server answers.
+MIN_TOKEN_CHARS = 16
+
+
 def _check_api_exposure(settings: Settings) -> None:
-    if not _is_loopback(settings.api_host) and not settings.api_token:
+    if _is_loopback(settings.api_host):
+        return
+    if not settings.api_token:
         raise ConfigError(
             f"the control API would listen on {settings.api_host}, beyond loopback, without"
             " a token: set SPANVISOR_API_TOKEN (or api_token in the settings file)"
         )
+    if len(settings.api_token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"the control API would listen on {settings.api_host}, beyond loopback, with a"
+            f" {len(settings.api_token)}-character token: use at least {MIN_TOKEN_CHARS}"
+            " random characters (e.g. python -c 'import secrets;"
+            " print(secrets.token_urlsafe(32))')"
+        )
+
+
+def _check_otlp_exposure(settings: Settings) -> None:
+    """OTLP drives commands to agents: beyond loopback only with a token, or by explicit choice."""
+    token = settings.otlp_token
+    if token is not None and len(token) < MIN_TOKEN_CHARS and not _is_loopback(settings.host):
+        raise ConfigError(
+            f"the OTLP receivers would listen on {settings.host}, beyond loopback, with a"
+            f" {len(token)}-character otlp_token: use at least {MIN_TOKEN_CHARS} random"
+            " characters"
+        )
+    if token or _is_loopback(settings.host):
+        return
+    if not settings.otlp_unauthenticated:
+        raise ConfigError(
+            f"the OTLP receivers would listen on {settings.host}, beyond loopback, without"
+            " authentication, and the spans they accept drive commands to agents: set"
+            " SPANVISOR_OTLP_TOKEN (or otlp_token in the settings file; exporters then send"
+            " 'Authorization: Bearer <token>', e.g. OTEL_EXPORTER_OTLP_HEADERS="
+            "'Authorization=Bearer <token>'), or otlp_unauthenticated: true if the network"
+            " authenticates senders itself"
+        )
+    _log.warning(
+        "the OTLP receivers listen on %s, beyond loopback, without authentication"
+        " (otlp_unauthenticated is set): anyone who can reach them can drive commands",
+        settings.host,
+    )
 
 
 def _is_loopback(host: str) -> bool:

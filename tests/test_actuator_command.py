@@ -18,6 +18,7 @@ import pytest
 from supervisor.act.actuators import Actuator, DeliveryResult
 from supervisor.act.actuators.command import CommandActuator
 from supervisor.records import AttrValue, Command, CommandType, command_key
+from supervisor.settings import load_settings
 
 PY = sys.executable
 HOSTILE_RUN_ID = (
@@ -360,3 +361,33 @@ def test_bad_config_is_refused(options: dict[str, object], message: str) -> None
     config.update(options)
     with pytest.raises(ValueError, match=message):
         CommandActuator(**config)  # type: ignore[arg-type]
+
+
+# A stand-in for the shipped example's agentctl: argparse, like most command-line tools.
+AGENTCTL = """
+import argparse, json, os
+parser = argparse.ArgumentParser()
+parser.add_argument("verb")
+parser.add_argument("--type", required=True)
+parser.add_argument("--run")
+parser.add_argument("run_id", nargs="?")
+args = parser.parse_intermixed_args()
+open(os.environ["OUT"], "w").write(json.dumps([args.verb, args.type, args.run or args.run_id]))
+"""
+
+
+@pytest.mark.parametrize("run_id", ["-rf", "--help", "-x=1"])
+def test_the_shipped_command_example_passes_a_dash_run_id_as_an_argument(
+    tmp_path: Path, run_id: str
+) -> None:
+    shipped = load_settings(Path(__file__).resolve().parents[1] / "config" / "spanvisor.yaml")
+    channel = shipped.agents["batch-worker"].command
+    assert channel is not None
+    assert channel.argv[0] == "/usr/local/bin/agentctl"
+    script = tmp_path / "agentctl.py"
+    script.write_text(AGENTCTL)
+    out = tmp_path / "out.json"
+    argv = [PY, str(script), *channel.argv[1:]]
+    result, _ = run(argv, make_command(run_id), env={"OUT": str(out)})
+    assert result.delivered, result.detail
+    assert json.loads(out.read_text()) == ["command", "resume_run", run_id]

@@ -126,6 +126,28 @@ def test_routes_need_the_bearer_token(parts: tuple[TestClient, Actor, Governor])
     )
 
 
+def test_liveness_stays_up_and_readiness_says_degraded_while_the_store_fails() -> None:
+    store = Store.open(":memory:")
+    reasons: list[str] = []
+    control = Control(
+        store=store,
+        actor=Actor(store, {}),
+        governor=Governor(load_policy()),
+        policy=load_policy,
+        failures=lambda limit: [],
+        stats=dict,
+        ready=lambda: True,
+        reload=dict,
+        degraded=lambda: list(reasons),
+    )
+    client = TestClient(build_control_app(token="t0k3n", control=control))
+    assert client.get("/readyz").json() == {"status": "ok"}
+    reasons.append("store failing since 2026-12-05T21:00:00Z (OperationalError: full)")
+    live, ready = client.get("/healthz"), client.get("/readyz")
+    assert (live.status_code, live.json()["status"]) == (200, "degraded")
+    assert (ready.status_code, ready.json()) == (503, {"status": "degraded", "degraded": reasons})
+
+
 def test_inputs_are_checked_with_clear_errors(parts: tuple[TestClient, Actor, Governor]) -> None:
     client, _, _ = parts
 

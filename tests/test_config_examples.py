@@ -302,6 +302,9 @@ def test_collector_routes_by_trace_to_spanvisor_otlp() -> None:
     assert exporter["routing_key"] == "traceID"
     assert "otlp" in exporter["protocol"]
     assert "endpoint" not in exporter["protocol"]["otlp"]  # the resolver fills it in
+    # spanvisor listens beyond loopback there, so only with its OTLP token.
+    headers = exporter["protocol"]["otlp"]["headers"]
+    assert headers["authorization"] == "Bearer ${env:SPANVISOR_OTLP_TOKEN}"
     dns = exporter["resolver"]["dns"]
     assert dns["port"] == _default("otlp_grpc_port")  # the exporter speaks OTLP/gRPC
     assert "spanvisor" in dns["hostname"]

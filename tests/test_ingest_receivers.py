@@ -76,12 +76,14 @@ class Receivers:
         max_spans: int = 1_000_000,
         max_body_bytes: int = 8 * 1024 * 1024,
         retry_after_s: float = 1.0,
+        max_bytes: int = 256 * 1024 * 1024,
+        read_timeout_s: float = 30.0,
         ingest_log: SpanLog | None = None,
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.queue: IngestQueue = self.call(lambda: IngestQueue(max_batches, max_spans))
+        self.queue: IngestQueue = self.call(lambda: IngestQueue(max_batches, max_spans, max_bytes))
         self.baseline = self.call(self.queue.stats)
         self.grpc = GrpcReceiver(
             self.queue,
@@ -96,6 +98,7 @@ class Receivers:
             self.queue,
             max_body_bytes=max_body_bytes,
             retry_after_s=retry_after_s,
+            read_timeout_s=read_timeout_s,
             ingest_log=ingest_log,
         )
         config = uvicorn.Config(

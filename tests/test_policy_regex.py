@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from policies import load_policy
+from policies import load_policy, regex_timeouts
 from policies._match import Attributes, Message, Subject
 from policies._regex import REGEX_TIMEOUT_S, PolicyRegex
 from supervisor.records import ErrorEvidence, Role, SpanRecord
@@ -104,6 +104,28 @@ def test_timeouts_are_counted_and_logged_once(caplog: pytest.LogCaptureFixture) 
         f" on a {len(SLOW_TEXT)}-character text and counts as no match; later timeouts of"
         " this pattern are counted, not logged"
     )
+
+
+def test_timeouts_of_every_pattern_add_up_where_stats_read_them() -> None:
+    before = regex_timeouts()
+    message = Message([SLOW], "user.slow")
+    assert not message(subject(SLOW_TEXT))
+    assert regex_timeouts() == before + 1
+
+
+def test_a_long_nested_quantifier_message_is_judged_within_the_time_limit() -> None:
+    """The issue's case, at the longest text a rule reads: bounded by the limit, not 2**n."""
+    policy = load_policy(
+        text="version: 1\nrules:\n  - name: user.nested\n    match: {message: '(a+)+$'}\n"
+        "    class: permanent\n    kind: nested\n",
+        source="nested.yaml",
+    )
+    start = time.monotonic()
+    for n in (28, 40, 8000):
+        verdict = policy.classify(span("a" * n + "!"))
+        assert verdict is not None
+        assert verdict.rule != "user.nested"
+    assert time.monotonic() - start < 1.0
 
 
 def test_attribute_regexes_are_bounded_too() -> None:

@@ -35,6 +35,7 @@ def test_policies_exports() -> None:
         "counts_for_breaker",
         "json_schema",
         "load_policy",
+        "regex_timeouts",
     ]
 
 

@@ -128,13 +128,18 @@ class Store:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
             try:
-                yield self._db
+                yield db
+                db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                # SQLite may have rolled back already (a full disk does): a ROLLBACK then
+                # fails and would hide the error that matters. A COMMIT that failed leaves
+                # the transaction open otherwise, and every later BEGIN would fail.
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     # -- incidents and the commands they lead to ---------------------------
 
@@ -148,6 +153,20 @@ class Store:
         """
         batch = list(incidents)
         created: list[StoredCommand] = []
+        before = (self.duplicates, self.overflowed)
+        try:
+            self._record(batch, created, now)
+        except BaseException:
+            # Rolled back: nothing of the batch is stored, so it is counted nowhere, and
+            # storing it again (the store writer does, after a full disk) counts it once.
+            # Taken back as differences, under the lock: other threads count too.
+            with self._lock:
+                self._waiting -= sum(stored.status == "pending" for stored in created)
+                self.duplicates, self.overflowed = before
+            raise
+        return created
+
+    def _record(self, batch: list[NewIncident], created: list[StoredCommand], now: float) -> None:
         with self._transaction() as db:
             known = self._stored_keys(db, [incident.key for incident in batch])
             fresh: list[NewIncident] = []
@@ -211,7 +230,6 @@ class Store:
                     if i.approval is not None
                 ],
             )
-        return created
 
     @staticmethod
     def _stored_keys(db: sqlite3.Connection, keys: Sequence[str]) -> set[str]:

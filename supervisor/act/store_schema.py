@@ -98,11 +98,13 @@ def connect(target: str) -> tuple[sqlite3.Connection, int | None]:
     if target != ":memory:":
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         lock = lock_exclusively(target)
+    db: sqlite3.Connection | None = None
     try:
         db = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
         db.row_factory = sqlite3.Row
         if target != ":memory:":
             db.execute("PRAGMA journal_mode=WAL")
+            check_pages(db, target)
         db.execute("PRAGMA synchronous=NORMAL")
         # Fewer, larger checkpoints: each one fsyncs, and pages written many times
         # between two of them are copied once (a failure burst writes the same pages).
@@ -113,11 +115,73 @@ def connect(target: str) -> tuple[sqlite3.Connection, int | None]:
         db.executescript(SCHEMA)
         add_columns(db)
         db.executescript(INDEXES)
-    except sqlite3.Error as exc:
+    except (sqlite3.Error, DamagedStore) as exc:
+        if db is not None:
+            db.close()
         if lock is not None:
             os.close(lock)
+        if isinstance(exc, DamagedStore):
+            raise
+        if is_damage(exc):
+            raise DamagedStore(target, str(exc)) from exc
         raise ConfigError(f"cannot open the store at {target}: {exc}") from exc
     return db, lock
+
+
+class DamagedStore(ConfigError):
+    """The state database has damaged pages: what is wrong, and how to get back what is readable.
+
+    Nothing is changed in the file: its readable rows (incidents, pending
+    commands, approvals) are the operator's to recover, with SQLite's own tools.
+    """
+
+    def __init__(self, target: str, detail: str) -> None:
+        self.target = target
+        self.detail = detail
+        super().__init__(damaged_store_advice(target, detail))
+
+
+def damaged_store_advice(target: str, detail: str) -> str:
+    """The message for a damaged store: the fault, and the recovery steps (docs/operations.md)."""
+    return (
+        f"the state database {target} is damaged ({detail}); spanvisor changed nothing in it."
+        " To recover what can be read, with every spanvisor on it stopped:"
+        f" check it: sqlite3 {target} 'PRAGMA integrity_check';"
+        f" move it aside with its -wal and -shm files (mv {target} {target}.damaged;"
+        f" mv {target}-wal {target}.damaged-wal; mv {target}-shm {target}.damaged-shm);"
+        " rebuild it from what can be read:"
+        f" sqlite3 {target}.damaged .recover | sqlite3 {target}"
+        " (or start with no file, for an empty store). See 'A damaged state database' in"
+        " docs/operations.md"
+    )
+
+
+#: SQLite's codes for a file whose pages are not what SQLite wrote (or not a database).
+_DAMAGE_CODES = frozenset({11, 26})  # SQLITE_CORRUPT, SQLITE_NOTADB
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether an SQLite error says the file is damaged, rather than busy, full or unreadable."""
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _DAMAGE_CODES
+    text = str(exc)
+    return "malformed" in text or "not a database" in text
+
+
+def check_pages(db: sqlite3.Connection, target: str) -> None:
+    """``PRAGMA quick_check`` at open: damage found now is a clear error, not a crash later.
+
+    It reads every page once (0.19 s for a 174 MB store, warm) and checks
+    their structure, not the indexes against the tables (``integrity_check``
+    does, four times slower).
+    """
+    found = [row[0] for row in db.execute("PRAGMA quick_check(5)")]
+    if found != ["ok"]:
+        detail = "; ".join(str(line).replace("\n", "; ") for line in found)
+        raise DamagedStore(target, detail[:500])
 
 
 def add_columns(db: sqlite3.Connection) -> None:

@@ -117,6 +117,8 @@ class Control:
     ready: Callable[[], bool]
     reload: Callable[[], dict[str, Any]]
     clock: Callable[[], float] = time.time
+    #: What degrades the sidecar while it serves (readiness says; empty: nothing).
+    degraded: Callable[[], list[str]] = list
     #: The sidecar's remediations (None: a control API without them, as in some tests).
     remediations: RemediationsView | None = None
     #: The sidecar's run tracker (None: runs are not tracked, as in some tests).

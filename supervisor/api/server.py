@@ -1,6 +1,6 @@
 """The control API on port 4320 (FastAPI, so ``/openapi.json`` describes every route).
 
-Every route but ``/healthz`` and ``/openapi.json`` needs
+Every route but ``/healthz``, ``/readyz`` and ``/openapi.json`` needs
 ``Authorization: Bearer <token>``; the token comes from the settings or is
 generated at start and written to a file only the user can read, and the
 sidecar refuses to listen beyond loopback without one configured. Errors are
@@ -11,9 +11,12 @@ what they do is :class:`supervisor.api.control.Control`'s.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import logging
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,20 +27,65 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from supervisor.api.control import Control, ControlError
 from supervisor.api.inline import Question
+from supervisor.errors import ConfigError
 from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
 
 __all__ = ["build_control_app", "ensure_token"]
 
+_log = logging.getLogger("spanvisor.api")
+
 
 def ensure_token(configured: str | None, token_file: Path) -> str:
-    """The configured token, or a new random one written to ``token_file`` (0600)."""
+    """The configured token, or a new random one written to ``token_file`` (0600).
+
+    The file is never written through: the token goes to a new file created
+    exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600) beside it, which
+    then replaces it, so no other user can read it at any moment, whatever was
+    there before. A symbolic link at ``token_file`` is refused (a ConfigError):
+    it may point where another user wants the token written. A regular file
+    that others could read is replaced like any other (the token it holds is
+    dead from this start on), and a warning says so.
+    """
     if configured:
         return configured
     token = secrets.token_urlsafe(32)
     token_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(token + "\n")
+    try:
+        found = os.lstat(token_file)
+    except FileNotFoundError:
+        found = None
+    except OSError as exc:
+        raise ConfigError(f"cannot check token_file {token_file}: {exc}") from None
+    if found is not None:
+        if stat.S_ISLNK(found.st_mode):
+            raise ConfigError(
+                f"token_file {token_file} is a symbolic link; refusing to write the API token"
+                " through it: remove it, or set token_file to a path of its own"
+            )
+        if not stat.S_ISREG(found.st_mode):
+            raise ConfigError(f"token_file {token_file} exists and is not a regular file")
+        if found.st_mode & 0o077:
+            _log.warning(
+                "token_file %s was readable by others (mode %o); it is replaced by a new"
+                " file of mode 600, and the token it held is no longer valid",
+                token_file,
+                stat.S_IMODE(found.st_mode),
+            )
+    temporary = token_file.with_name(f".{token_file.name}.{secrets.token_hex(8)}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(temporary, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            os.write(fd, (token + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, token_file)  # replaces a link or file, never follows one
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise ConfigError(f"cannot write the API token to {token_file}: {exc}") from None
     return token
 
 
@@ -96,7 +144,7 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         version="1",
         description="Incidents, commands, approvals, breakers, remediations, runs and inline"
         " decisions of a running spanvisor sidecar. Bearer-token authentication on every"
-        " route but /healthz and /openapi.json.",
+        " route but /healthz, /readyz and /openapi.json.",
         docs_url=None,
         redoc_url=None,
     )
@@ -124,10 +172,24 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         )
         return JSONResponse({"error": problems or "invalid request"}, status_code=400)
 
-    @app.get("/healthz", summary="Liveness and readiness")
+    @app.get("/healthz", summary="Liveness: 200 while it serves, even degraded")
     async def healthz() -> JSONResponse:
-        ok = control.ready()
-        return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
+        # A full disk is not cured by a restart: liveness stays 200 and says degraded.
+        if not control.ready():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        degraded = control.degraded()
+        if degraded:
+            return JSONResponse({"status": "degraded", "degraded": degraded})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz", summary="Readiness: 503 while starting, stopping or degraded")
+    async def readyz() -> JSONResponse:
+        if not control.ready():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        degraded = control.degraded()
+        if degraded:
+            return JSONResponse({"status": "degraded", "degraded": degraded}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/stats", dependencies=auth, summary="Counters of every stage")
     async def stats() -> dict[str, Any]:

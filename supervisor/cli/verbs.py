@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -93,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = verbs.add_parser("run", help="run the sidecar (OTLP receivers and control API)")
     run.add_argument("--config", type=Path, help="settings file (YAML); see config/spanvisor.yaml")
     run.add_argument("--policy", type=Path, help="policy file (YAML); default: the built-in policy")
-    run.add_argument("--host", help="address for the OTLP receivers (default 127.0.0.1)")
+    run.add_argument(
+        "--host",
+        help="address for the OTLP receivers (default 127.0.0.1; beyond loopback needs otlp_token)",
+    )
     run.add_argument("--grpc-port", type=int, dest="otlp_grpc_port", help="OTLP gRPC port (4317)")
     run.add_argument("--http-port", type=int, dest="otlp_http_port", help="OTLP HTTP port (4318)")
     run.add_argument("--api-host", help=f"address for the control API (default {LOOPBACK})")
@@ -323,6 +327,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if args.verb == "validate" else 2
     except (ConfigError, SupervisorError) as exc:
         print(f"spanvisor: {exc}", file=sys.stderr)
+        return 2
+    except sqlite3.DatabaseError as exc:  # damage found after the store's check at open
+        print(
+            f"spanvisor: a database failed: {exc}. If it is damaged: stop spanvisor, check"
+            " it with sqlite3 FILE 'PRAGMA integrity_check', move it aside and rebuild it"
+            " with sqlite3 FILE.damaged .recover | sqlite3 FILE (see 'A damaged state"
+            " database' in docs/operations.md)",
+            file=sys.stderr,
+        )
         return 2
     except BrokenPipeError:  # `spanvisor replay ... | head`: the reader has what it wanted
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silences the flush at exit

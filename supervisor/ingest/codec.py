@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import re
 import zlib
@@ -46,6 +47,7 @@ from supervisor.ingest.messages import (
     explain_protobuf_failure,
     json_kind,
 )
+from supervisor.ingest.slices import SLICE_BYTES, Unsliceable, merge_in_slices
 from supervisor.ingest.validation import INVALID_HEX, Validation, validate_spans
 from supervisor.normalize.wire import LiteRequest
 
@@ -130,14 +132,39 @@ def decompress(body: bytes, *, content_encoding: str, max_bytes: int) -> bytes:
     return payload
 
 
+#: Most gzip members one body may hold. Real exporters send one; each member
+#: costs a fresh inflater, so a body of many empty members (which inflates to
+#: nothing) is refused past this instead of being ground through.
+MAX_GZIP_MEMBERS: Final = 1024
+
+#: Compressed input is fed to zlib this much at a time: what zlib copies at
+#: the end of a member (``unused_data``) is then at most this, not the rest
+#: of the body.
+_INFLATE_CHUNK: Final = 64 * 1024
+
+
 def _inflate(body: bytes, wbits: int, name: str, max_bytes: int) -> bytes:
-    """Inflate one or more concatenated streams, stopping at ``max_bytes + 1``."""
+    """Inflate one or more concatenated streams, stopping at ``max_bytes + 1``.
+
+    Linear in the body and bounded in CPU as well as memory: the body is read
+    through a ``memoryview`` in :data:`_INFLATE_CHUNK` slices (never copying
+    what is left), the output stops past ``max_bytes`` (a bomb), and at most
+    :data:`MAX_GZIP_MEMBERS` members are read (a pile of empty ones).
+    """
+    view = memoryview(body)
     out = bytearray()
-    data = body
+    pos = 0
+    members = 1
+    inflater = zlib.decompressobj(wbits)
     while True:
-        inflater = zlib.decompressobj(wbits)
+        chunk = view[pos : pos + _INFLATE_CHUNK]
+        if not chunk:
+            raise IngestError(
+                f"{name} stream is truncated: it ends after {len(body)} compressed bytes "
+                f"({len(out)} decompressed) without its trailer"
+            )
         try:
-            out += inflater.decompress(data, max_bytes + 1 - len(out))
+            out += inflater.decompress(chunk, max_bytes + 1 - len(out))
         except zlib.error as exc:
             raise IngestError(
                 f"{name} data is corrupt after {len(out)} decompressed bytes: {exc}"
@@ -148,17 +175,21 @@ def _inflate(body: bytes, wbits: int, name: str, max_bytes: int) -> bytes:
                 f"({len(body)} bytes compressed)"
             )
         if not inflater.eof:
-            raise IngestError(
-                f"{name} stream is truncated: it ends after {len(body)} compressed bytes "
-                f"({len(out)} decompressed) without its trailer"
-            )
-        data = inflater.unused_data
-        if not data:
+            pos += len(chunk)
+            continue
+        pos += len(chunk) - len(inflater.unused_data)
+        if pos >= len(body):
             return bytes(out)
         if name != "gzip":
-            raise IngestError(f"{len(data)} bytes of trailing data after the {name} stream")
+            raise IngestError(f"{len(body) - pos} bytes of trailing data after the {name} stream")
         # gzip allows several members back to back; anything else is garbage,
         # which the next round reports as corrupt.
+        members += 1
+        if members > MAX_GZIP_MEMBERS:
+            raise IngestError(
+                f"gzip body has more than {MAX_GZIP_MEMBERS} members; send one gzip stream"
+            )
+        inflater = zlib.decompressobj(wbits)
 
 
 def decode_payload(payload: bytes, *, media: str) -> ExportTraceServiceRequest:
@@ -179,6 +210,12 @@ def decode_spans(payload: bytes) -> Any:
     is parsed by :func:`decode_payload`, then read as its protobuf encoding.)
     """
     try:
+        if len(payload) > SLICE_BYTES:
+            # Big: in slices, so a worker thread decoding it lets the loop run.
+            with contextlib.suppress(Unsliceable):
+                request = LiteRequest()
+                merge_in_slices(request, payload)
+                return request
         return LiteRequest.FromString(payload)
     except (DecodeError, RecursionError, ValueError) as exc:
         raise IngestError(clip(explain_protobuf_failure(payload), MAX_MESSAGE)) from exc
@@ -218,7 +255,10 @@ def _decode_json(payload: bytes) -> ExportTraceServiceRequest:
             f"cannot start or continue a character"
         ) from exc
     try:
-        document = json.loads(text.removeprefix("\ufeff"))
+        # The hook returns each object as it is; being Python, it lets the
+        # interpreter hand the GIL over while a big body is parsed in a worker
+        # thread (the C parser alone keeps it for the whole document).
+        document = json.loads(text.removeprefix("\ufeff"), object_hook=_as_is)
     except json.JSONDecodeError as exc:
         raise IngestError(
             f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
@@ -236,6 +276,10 @@ def _decode_json(payload: bytes) -> ExportTraceServiceRequest:
     except (json_format.ParseError, ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise IngestError(clip(explain_json_failure(document, exc), MAX_MESSAGE)) from exc
     return request
+
+
+def _as_is(value: dict[str, Any]) -> dict[str, Any]:
+    return value
 
 
 # ------------------------------------------------------------------ OTLP/JSON ids

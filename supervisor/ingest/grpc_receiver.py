@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -41,8 +42,9 @@ _log = logging.getLogger(__name__)
 
 _SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
-#: Messages larger than this are decoded in a worker thread.
-_INLINE_DECODE_BYTES = 4 * 1024 * 1024
+#: Messages larger than this are decoded in a worker thread (big ones in
+#: slices, :mod:`.slices`, so the thread lets the event loop run).
+_INLINE_DECODE_BYTES = 64 * 1024
 
 
 class GrpcReceiver:
@@ -56,9 +58,11 @@ class GrpcReceiver:
         port: int,
         max_body_bytes: int,
         retry_after_s: float = 1.0,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         ingest_log: SpanLog | None = None,
     ) -> None:
         self._queue = queue
+        self._interceptors = tuple(interceptors)  # e.g. the token check of ingest.auth
         #: OK is answered once the request is durable here (see supervisor.ingest.wal).
         self.ingest_log: SpanLog = ingest_log if ingest_log is not None else NoLog()
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -72,6 +76,7 @@ class GrpcReceiver:
         if self._server is not None:
             raise RuntimeError("GrpcReceiver already started")
         server = grpc.aio.server(
+            interceptors=self._interceptors,
             options=[
                 # One byte over the limit still reaches us and gets our own
                 # message; anything larger is refused by gRPC itself.
@@ -79,7 +84,7 @@ class GrpcReceiver:
                 # gRPC turns SO_REUSEPORT on by default, so a second sidecar on
                 # the same port would bind silently and split the traffic.
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         handler = grpc.unary_unary_rpc_method_handler(
             self._export, request_deserializer=None, response_serializer=None
@@ -124,8 +129,10 @@ class GrpcReceiver:
         self, raw: bytes
     ) -> bytes | tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
         received_ns = time.time_ns()
+        if not self._queue.reserve(len(raw)):
+            return self._throttled()
         try:
-            if len(raw) > _INLINE_DECODE_BYTES:  # protobuf decodes in C: only huge ones
+            if len(raw) > _INLINE_DECODE_BYTES:
                 # Decoding is pure CPU; a big message must not stall the loop.
                 request, validation = await asyncio.to_thread(self._decode, raw)
             else:
@@ -138,6 +145,8 @@ class GrpcReceiver:
             self._queue.record_decode_error()
             _log.debug("OTLP/gRPC request undecodable: %s", exc)
             return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
+        finally:
+            self._queue.release(len(raw))
         if validation.accepted:
             batch = Batch(
                 request=request,

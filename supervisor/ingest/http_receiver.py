@@ -12,7 +12,11 @@ log is full the answer is 503 too.
 
 The body is read with a bound: a Content-Length or a stream far over the limit
 is refused without reading it all; one modestly over is drained first, so the
-client reliably gets its 413 instead of a reset connection.
+client reliably gets its 413 instead of a reset connection. It is read with a
+deadline too (``read_timeout_s``): a client trickling its body gets 408 and
+holds the connection no longer. Bodies are decoded in a worker thread (big
+protobuf ones in slices, :mod:`.slices`), so the event loop keeps answering,
+and the bytes being decoded count against the queue's byte bound.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ _log = logging.getLogger(__name__)
 #: 413; past it the connection is simply not read any further.
 _DRAIN_FACTOR = 4
 
-#: Bodies larger than this are decoded in a worker thread (see _off_loop_if_large).
+#: Bodies larger than this are decoded in a worker thread (see _off_loop_if_large):
+#: a few hundred microseconds of decoding at most stay on the loop.
 _INLINE_DECODE_BYTES = 64 * 1024
-_INLINE_PROTOBUF_BYTES = 4 * 1024 * 1024
 
 T = TypeVar("T")
 
@@ -55,15 +59,22 @@ def build_otlp_http_app(
     *,
     max_body_bytes: int,
     retry_after_s: float = 1.0,
+    read_timeout_s: float = 30.0,
     ingest_log: SpanLog | None = None,
 ) -> Starlette:
     """An ASGI app serving ``POST /v1/traces`` into ``queue``.
 
     ``max_body_bytes`` bounds the decompressed payload; ``retry_after_s`` is
     what a throttled client is told to wait (sent as whole seconds, at least 1);
+    ``read_timeout_s`` bounds the time to read one body (then 408);
     ``ingest_log`` is where an accepted request is made durable before the 200.
     """
-    receiver = _HttpReceiver(queue, max_body_bytes=max_body_bytes, retry_after_s=retry_after_s)
+    receiver = _HttpReceiver(
+        queue,
+        max_body_bytes=max_body_bytes,
+        retry_after_s=retry_after_s,
+        read_timeout_s=read_timeout_s,
+    )
     receiver.ingest_log = ingest_log if ingest_log is not None else NoLog()
     return Starlette(routes=[Route("/v1/traces", receiver.export, methods=["POST"])])
 
@@ -73,9 +84,17 @@ class _TooLargeOnWire(PayloadTooLarge):
 
 
 class _HttpReceiver:
-    def __init__(self, queue: IngestQueue, *, max_body_bytes: int, retry_after_s: float) -> None:
+    def __init__(
+        self,
+        queue: IngestQueue,
+        *,
+        max_body_bytes: int,
+        retry_after_s: float,
+        read_timeout_s: float,
+    ) -> None:
         self._queue = queue
         self._max_body_bytes = max_body_bytes
+        self._read_timeout_s = read_timeout_s
         self._retry_after = str(max(1, math.ceil(retry_after_s)))
         self._logged_internal = False
         self.ingest_log: SpanLog = NoLog()
@@ -108,10 +127,28 @@ class _HttpReceiver:
             return _status(415, codec.INVALID_ARGUMENT, str(exc), as_json=False)
         as_json = media == codec.JSON
         try:
-            body = await self._read_body(request, coding)
-            decoded = await _off_loop_if_large(
-                len(body), as_json, lambda: self._decode(body, coding=coding, media=media)
-            )
+            try:
+                body = await asyncio.wait_for(
+                    self._read_body(request, coding), self._read_timeout_s
+                )
+            except asyncio.TimeoutError:
+                self._queue.record_read_timeout()
+                _log.debug("OTLP/HTTP body not read within %s s", self._read_timeout_s)
+                return _status(
+                    408,
+                    codec.INVALID_ARGUMENT,
+                    f"request body not received within {self._read_timeout_s:g} s",
+                    as_json=as_json,
+                    close=True,
+                )
+            if not self._queue.reserve(len(body)):
+                return self._throttled(as_json)
+            try:
+                decoded = await _off_loop_if_large(
+                    len(body), lambda: self._decode(body, coding=coding, media=media)
+                )
+            finally:
+                self._queue.release(len(body))
         except PayloadTooLarge as exc:
             self._queue.record_too_large()
             _log.debug("OTLP/HTTP request too large: %s", exc)
@@ -132,18 +169,21 @@ class _HttpReceiver:
             )
             # Acknowledged only once durable (the log, when full, throttles too).
             if not await self.ingest_log.admit(batch, self._queue.offer):
-                return _status(
-                    503,
-                    codec.UNAVAILABLE,
-                    "spanvisor ingest queue is full; retry later",
-                    as_json=as_json,
-                    retry_after=self._retry_after,
-                )
+                return self._throttled(as_json)
         self._queue.record_rejected(validation.rejected)
         return Response(
             codec.encode_response(validation.rejected, validation.message, json=as_json),
             status_code=200,
             media_type=codec.JSON if as_json else codec.PROTOBUF,
+        )
+
+    def _throttled(self, as_json: bool) -> Response:
+        return _status(
+            503,
+            codec.UNAVAILABLE,
+            "spanvisor ingest queue is full; retry later",
+            as_json=as_json,
+            retry_after=self._retry_after,
         )
 
     def _decode(
@@ -196,15 +236,15 @@ def _wire_limit(max_body_bytes: int, coding: str) -> int:
     return max_body_bytes + max_body_bytes // 500 + 1024
 
 
-async def _off_loop_if_large(size: int, as_json: bool, work: Callable[[], T]) -> T:
-    """Run CPU-heavy decoding in a worker thread when the body is big.
+async def _off_loop_if_large(size: int, work: Callable[[], T]) -> T:
+    """Run decoding in a worker thread unless the body is small.
 
-    OTLP/JSON decodes in pure Python, slowly enough that a large body would
-    stall every other request on the shared event loop. Protobuf decodes in C,
-    many times faster, and a thread would only add GIL hand-offs to the
-    pipeline's latency, so it stays inline unless it is very large.
+    A small body decodes in well under a millisecond, cheaper than the hand-off;
+    a big one would stall every other request on the shared event loop
+    (OTLP/JSON decodes largely in Python; big protobuf bodies are decoded in
+    slices so the thread lets go of the GIL between them).
     """
-    if size > (_INLINE_DECODE_BYTES if as_json else _INLINE_PROTOBUF_BYTES):
+    if size > _INLINE_DECODE_BYTES:
         return await asyncio.to_thread(work)
     return work()
 
@@ -220,6 +260,7 @@ def _status(
     *,
     as_json: bool,
     retry_after: str | None = None,
+    close: bool = False,
 ) -> Response:
     body = codec.encode_status(
         code,
@@ -227,7 +268,9 @@ def _status(
         json=as_json,
         retry_after_s=float(retry_after) if retry_after is not None else None,
     )
-    headers = {"Retry-After": retry_after} if retry_after is not None else None
+    headers = {"Retry-After": retry_after} if retry_after is not None else {}
+    if close:  # what is left of a body not read must not be taken for the next request
+        headers["Connection"] = "close"
     return Response(
         body,
         status_code=http_status,

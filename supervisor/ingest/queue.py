@@ -8,12 +8,21 @@ turned away is counted.
 The queue belongs to one asyncio event loop (the one running the receivers)
 and is not thread-safe; call it only from that loop.
 
-Two bounds apply. ``max_batches`` bounds the batches waiting to be taken;
+Three bounds apply. ``max_batches`` bounds the batches waiting to be taken;
 ``max_spans`` bounds the spans offered and not yet released with
-:meth:`IngestQueue.task_done`, so it also covers batches being processed. A
-single batch larger than ``max_spans`` is admitted only when nothing else is
-outstanding; otherwise a big request would be throttled forever, and memory
-stays bounded by ``max_spans`` plus one request.
+Three bounds apply. ``max_batches`` bounds the batches waiting to be taken;
+``max_spans`` bounds the spans offered and not yet released with
+:meth:`IngestQueue.task_done`, so it also covers batches being processed;
+``max_bytes`` bounds the bytes ingest holds: the encoded size of those
+batches plus the bodies being decoded (:meth:`IngestQueue.reserve`), which is
+what memory grows with. A single batch larger than ``max_spans`` or
+``max_bytes`` is admitted only when nothing else is outstanding; otherwise a
+big request would be throttled forever, and memory stays bounded by the
+bounds plus one request.
+
+A stage downstream may also ask ingest to hold back (:meth:`IngestQueue.hold_while`):
+the store writer does while a failing store keeps judged failures near its bound,
+so that what ingest acknowledges is not what gets dropped.
 """
 
 from __future__ import annotations
@@ -21,12 +30,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from supervisor.errors import ConfigError, SupervisorError
 
-__all__ = ["Batch", "IngestQueue", "IngestStats", "QueueClosed", "Transport"]
+__all__ = ["Batch", "HoldBack", "IngestQueue", "IngestStats", "QueueClosed", "Transport"]
+
+#: Why ingest should throttle now (said in the log), or None to accept; called on
+#: every offer, so it must be cheap and never block.
+HoldBack = Callable[[], "str | None"]
 
 _log = logging.getLogger(__name__)
 
@@ -61,6 +75,8 @@ class IngestStats:
     accepted_spans: int
     throttled_batches: int
     throttled_spans: int
+    #: Requests turned away because ``max_bytes`` was reached (also in throttled_batches).
+    throttled_for_bytes: int
     #: Spans dropped by validation (bad ids), answered as partial success.
     rejected_spans: int
     #: Requests that could not be decoded (400 / INVALID_ARGUMENT).
@@ -69,27 +85,37 @@ class IngestStats:
     too_large: int
     #: Requests that failed for a reason of ours (500 / INTERNAL).
     internal_errors: int
+    #: Requests whose body was not received within the read timeout (408).
+    read_timeouts: int
     queued_batches: int
     queued_spans: int
+    #: Bytes held: encoded size of the outstanding batches plus bodies being decoded.
+    queued_bytes: int
 
 
 class IngestQueue:
     """A bounded, never-blocking-on-put queue of :class:`Batch` for one event loop."""
 
-    def __init__(self, max_batches: int, max_spans: int) -> None:
-        if max_batches < 1 or max_spans < 1:
+    def __init__(self, max_batches: int, max_spans: int, max_bytes: int = 256 * 1024**2) -> None:
+        if max_batches < 1 or max_spans < 1 or max_bytes < 1:
             raise ConfigError(
                 f"ingest queue bounds must be >= 1, got max_batches={max_batches}, "
-                f"max_spans={max_spans}"
+                f"max_spans={max_spans}, max_bytes={max_bytes}"
             )
         self._max_batches = max_batches
         self._max_spans = max_spans
+        self._max_bytes = max_bytes
+        # Encoded bytes of the outstanding batches, and of bodies being decoded.
+        self._bytes = 0
+        self._reserved = 0
+        self._throttled_for_bytes = 0
         self._items: deque[Batch] = deque()
         self._getters: deque[asyncio.Future[None]] = deque()
         # Offered but not yet task_done, keyed by id (the value keeps the id unique).
         self._outstanding: dict[int, Batch] = {}
         self._spans = 0
         self._closed = False
+        self._hold_back: list[HoldBack] = []
         self._throttling = False
         self._episode_throttled = 0
         self._accepted_batches = 0
@@ -100,6 +126,7 @@ class IngestQueue:
         self._decode_errors = 0
         self._too_large = 0
         self._internal_errors = 0
+        self._read_timeouts = 0
 
     # ------------------------------------------------------------ producers
 
@@ -109,21 +136,10 @@ class IngestQueue:
         Returns False (and counts the batch as throttled) when the queue is
         full or closed.
         """
-        if self._closed or not self._has_room(batch.span_count):
-            self._throttled_batches += 1
-            self._throttled_spans += batch.span_count
-            self._episode_throttled += 1
-            if not self._throttling:
-                self._throttling = True
-                _log.warning(
-                    "ingest queue %s, throttling (%d batches, %d spans queued; "
-                    "bounds %d batches, %d spans)",
-                    "closed" if self._closed else "full",
-                    len(self._items),
-                    self._spans,
-                    self._max_batches,
-                    self._max_spans,
-                )
+        size = len(batch.raw_protobuf)
+        held = self._held_back()
+        if self._closed or held is not None or not self._has_room(batch.span_count, size):
+            self._throttle(batch.span_count, held)
             return False
         if self._throttling:
             _log.info(
@@ -135,15 +151,72 @@ class IngestQueue:
         self._items.append(batch)
         self._outstanding[id(batch)] = batch
         self._spans += batch.span_count
+        self._bytes += size
         self._accepted_batches += 1
         self._accepted_spans += batch.span_count
         self._wake_one()
         return True
 
-    def _has_room(self, span_count: int) -> bool:
+    def reserve(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` for a body about to be decoded, if ``max_bytes`` allows.
+
+        Called before decoding, so a request that would not fit costs nothing
+        but its read; False counts it as throttled. Release with :meth:`release`
+        once the batch is offered (or refused): :meth:`offer` counts its own bytes.
+        """
+        held = self._held_back()
+        if self._closed or held is not None or not self._bytes_room(nbytes):
+            self._throttle(0, held)
+            return False
+        self._reserved += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back what :meth:`reserve` held."""
+        self._reserved -= nbytes
+
+    def hold_while(self, hold_back: HoldBack) -> None:
+        """Throttle every offer while ``hold_back`` gives a reason (see the module)."""
+        self._hold_back.append(hold_back)
+
+    def _held_back(self) -> str | None:
+        for hold_back in self._hold_back:
+            reason = hold_back()
+            if reason is not None:
+                return f"held back: {reason}"
+        return None
+
+    def _has_room(self, span_count: int, nbytes: int) -> bool:
         if len(self._items) >= self._max_batches:
             return False
-        return not self._outstanding or self._spans + span_count <= self._max_spans
+        if not self._outstanding:
+            return True
+        return self._spans + span_count <= self._max_spans and self._bytes_room(nbytes)
+
+    def _bytes_room(self, nbytes: int) -> bool:
+        held = self._bytes + self._reserved
+        if held and held + nbytes > self._max_bytes:
+            self._throttled_for_bytes += 1
+            return False
+        return True
+
+    def _throttle(self, span_count: int, held: str | None = None) -> None:
+        self._throttled_batches += 1
+        self._throttled_spans += span_count
+        self._episode_throttled += 1
+        if not self._throttling:
+            self._throttling = True
+            _log.warning(
+                "ingest queue %s, throttling (%d batches, %d spans, %d bytes held; "
+                "bounds %d batches, %d spans, %d bytes)",
+                "closed" if self._closed else held or "full",
+                len(self._items),
+                self._spans,
+                self._bytes + self._reserved,
+                self._max_batches,
+                self._max_spans,
+                self._max_bytes,
+            )
 
     def record_rejected(self, spans: int) -> None:
         """Count spans dropped by validation."""
@@ -156,6 +229,10 @@ class IngestQueue:
     def record_too_large(self) -> None:
         """Count a request over the size limit."""
         self._too_large += 1
+
+    def record_read_timeout(self) -> None:
+        """Count a request whose body did not arrive in time (408)."""
+        self._read_timeouts += 1
 
     def record_internal_error(self) -> None:
         """Count a request that failed because of a bug of ours."""
@@ -190,6 +267,7 @@ class IngestQueue:
         if self._outstanding.pop(id(batch), None) is None:
             raise ValueError("task_done() for a batch that is not outstanding in this queue")
         self._spans -= batch.span_count
+        self._bytes -= len(batch.raw_protobuf)
 
     def close(self) -> None:
         """Refuse new batches; getters drain what is left, then get :class:`QueueClosed`."""
@@ -230,10 +308,13 @@ class IngestQueue:
             accepted_spans=self._accepted_spans,
             throttled_batches=self._throttled_batches,
             throttled_spans=self._throttled_spans,
+            throttled_for_bytes=self._throttled_for_bytes,
             rejected_spans=self._rejected_spans,
             decode_errors=self._decode_errors,
             too_large=self._too_large,
             internal_errors=self._internal_errors,
+            read_timeouts=self._read_timeouts,
             queued_batches=len(self._items),
             queued_spans=self._spans,
+            queued_bytes=self._bytes + self._reserved,
         )

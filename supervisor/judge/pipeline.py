@@ -14,7 +14,7 @@ the governor (breakers, budgets) revises.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Generator, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Final, Protocol
 
@@ -180,7 +180,24 @@ class Pipeline:
         return outcomes + self.rest_pass(rest)
 
     def first_pass(self, payload: bytes | Any, received_ns: int) -> tuple[list[Outcome], Remainder]:
-        """Judge the spans of one request that show signs of failure.
+        """Judge the spans of a request showing signs of failure; see :meth:`first_pass_steps`."""
+        steps = self.first_pass_steps(payload, received_ns)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def first_pass_steps(
+        self, payload: bytes | Any, received_ns: int
+    ) -> Generator[None, None, tuple[list[Outcome], Remainder]]:
+        """Judge the spans of one request that show signs of failure, a chunk at a time.
+
+        A generator: it yields after each chunk of spans read, so a caller on
+        an event loop can let other work run while a big request is read, and
+        returns what :meth:`first_pass` returns. Driven to the end with nothing
+        else touching this pipeline in between, the decisions are the same as
+        in one go.
 
         ``payload`` is an ``ExportTraceServiceRequest``, encoded (as ingest
         accepted it) or decoded with the lite schema. Every span is counted in
@@ -208,6 +225,7 @@ class Pipeline:
             maybe: list[Span] = []
             for span in spans:
                 if shows_failure_signal(span):
+                    span.record()  # made (once) here, a chunk at a time, not all at the end
                     first.append(span)
                 elif may_fail_quietly(span):
                     maybe.append(span)
@@ -219,6 +237,7 @@ class Pipeline:
                 runs.observe_all(maybe, now_s, detected)
             self._book_successes(ok, calls, verify)
             quiet += maybe
+            yield
         if runs is not None:  # a failed call tried again is a retry, not a loop
             for span in first:
                 runs.observe(span, now_s, detected, repeats=not span.failed)

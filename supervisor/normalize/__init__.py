@@ -15,7 +15,8 @@ fewer fields, and counts the failure (:func:`failures`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from itertools import islice
 from types import MappingProxyType
 from typing import Any, Final
 
@@ -53,36 +54,42 @@ class SpanReader:
     while the screens and the run tracker go over them.
     """
 
-    __slots__ = ("_done", "_spans")
+    __slots__ = ("_count", "_spans")
 
     def __init__(self, request: bytes | Any) -> None:
         """``request``: the encoded ``ExportTraceServiceRequest``, or its lite decoding."""
-        self._done = 0
-        self._spans = read_spans(request)
+        request = _lite(request)
+        self._count = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+        # Views are made as chunks are read, so no single read costs the whole request.
+        self._spans = _views(request)
 
     def __len__(self) -> int:
-        return len(self._spans)
+        return self._count
 
     def read(self, count: int) -> list[Span]:
         """The next ``count`` spans, fewer at the end; [] once all were read."""
-        start = self._done
-        self._done = stop = min(start + count, len(self._spans))
-        return self._spans[start:stop]
+        return list(islice(self._spans, count))
 
 
 def read_spans(request: bytes | Any) -> list[Span]:
     """Every span of a request (encoded, or decoded with the lite schema), in order."""
+    return list(_views(_lite(request)))
+
+
+def _lite(request: bytes | Any) -> Any:
     if isinstance(request, (bytes, bytearray, memoryview)):
-        request = LiteRequest.FromString(bytes(request))
+        return LiteRequest.FromString(bytes(request))
+    return request
+
+
+def _views(request: Any) -> Iterator[Span]:
     watched = WATCHED_KEYS.intersection
-    out: list[Span] = []
     for resource_spans in request.resource_spans:
         resource, service = _resource(resource_spans.resource)
         for scope_spans in resource_spans.scope_spans:
             for message in scope_spans.spans:
                 encoded = message.attributes
-                out.append(Span(message, resource, service, watched(encoded), encoded))
-    return out
+                yield Span(message, resource, service, watched(encoded), encoded)
 
 
 def normalize_payload(payload: bytes) -> list[SpanRecord]:
