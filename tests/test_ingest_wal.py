@@ -16,6 +16,7 @@ from supervisor.ingest import wal as wal_module
 from supervisor.ingest.queue import Batch
 from supervisor.ingest.wal import MAGIC, IngestLog, NoLog, Releases, read_segment
 from supervisor.settings import Settings
+from supervisor.testing.sidecar_process import wait_until
 from supervisor.wiring import build_sidecar
 
 
@@ -299,3 +300,24 @@ def test_outcomes_never_stored_keep_their_entry() -> None:
     releases = Releases(log)
     releases.expect(7, [object()])  # dropped by the writer: never stored
     assert (log.released, releases.pending) == ([], 1)
+
+
+def test_a_release_is_written_at_once_so_a_kill_right_after_does_not_replay_it(
+    tmp_path: Path,
+) -> None:
+    wal = IngestLog(tmp_path, max_bytes=1 << 20)
+    wal.start()
+
+    async def scenario() -> int:
+        b = batch(b"judged and stored")
+        assert await wal.logged(b)
+        seq = wal.take(b)
+        assert seq is not None
+        return seq
+
+    seq = asyncio.run(scenario())
+    wal.release(seq)  # no request follows: the mark is written by itself
+    wait_until(
+        lambda: any(seq in read_segment(path)[1] for path in segments(tmp_path)), 5, "the mark"
+    )
+    wal.close()

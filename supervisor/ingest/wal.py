@@ -366,6 +366,7 @@ class IngestLog:
                 return
             first, size = found
             self._marks.append(seq)
+            self._wake.notify()  # written soon, so a restart does not judge it again
             if first is None:  # not written yet: dropped once it is
                 self._released_early.add(seq)
                 return
@@ -387,23 +388,26 @@ class IngestLog:
     def _commit_forever(self) -> None:
         while True:
             with self._wake:
-                while not self._pending and not self._closing:
+                while not self._pending and not self._marks and not self._closing:
                     self._wake.wait()
                 closing = self._closing and not self._pending
                 round_, self._pending = self._pending, []
-            if closing:
-                if self._marks:  # the last releases, so the next start does not replay them
-                    self._write([])
-                return
+            if not round_:  # releases only: written (a kill -9 keeps them), not synced
+                self._write([], sync=closing)
+                if closing:
+                    return
+                continue
             ok = self._write(round_)
             for item in round_:
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
                     item.loop.call_soon_threadsafe(_settle, item.future, ok)
 
-    def _write(self, round_: list[_Pending]) -> bool:
+    def _write(self, round_: list[_Pending], sync: bool = True) -> bool:
         """Append a round's records and the release marks so far, then sync once."""
         try:
             with self._lock:
+                if not round_ and not self._marks:
+                    return True
                 if (
                     self._broken
                     or self._active is None
@@ -417,7 +421,7 @@ class IngestLog:
             data = b"".join(item.record for item in round_) + b"".join(map(_mark, marks))
             file.write(data)
             file.flush()
-            if self._sync:
+            if self._sync and sync:
                 _sync(file.fileno())
         except OSError:
             with self._lock:
@@ -432,7 +436,7 @@ class IngestLog:
         with self._lock:
             self._broken = False
             segment.size += len(data)
-            self._stats["commits"] += 1
+            self._stats["commits"] += bool(round_)
             first = self._active_first
             for item in round_:
                 _, size = self._entries[item.seq]
