@@ -12,8 +12,9 @@ batch just queued.
 
 An entry is released once the batch's outcomes are committed to the store
 (:class:`Releases`, which the store writer's ``after_store`` tells), or at
-once when the batch had none: a small release mark is written with the next round
-(never synced on its own: a lost mark only means the entry is judged again).
+once when the batch had none: a small release mark is written at once, with
+whatever round is due (not synced on its own: a kill -9 keeps it, and a mark
+lost to a power cut only means the entry is judged again).
 At the next start the entries not released are replayed through the pipeline
 before new spans; the store's idempotency keys make a failure judged twice
 produce one incident and one command.
@@ -203,7 +204,7 @@ class IngestLog:
         #: Every entry not released: its segment (None: not written yet) and size.
         self._entries: dict[int, tuple[int | None, int]] = {}
         self._released_early: set[int] = set()
-        #: Release marks not written yet (written with the next round, or at close).
+        #: Release marks not written yet (the committer writes them at once).
         self._marks: list[int] = []
         self._by_batch: dict[int, int] = {}
         self._pending: list[_Pending] = []
