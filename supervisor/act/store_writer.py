@@ -367,6 +367,7 @@ class StoreWriter:
                 log.debug("the store still refuses writes", extra={"error": self._last_error})
             return False
         self.stored += len(outcomes)
+        self._held = 0  # stored: no longer waiting, before anyone is told they are
         if self._after_store is not None:
             try:
                 self._after_store(outcomes)
