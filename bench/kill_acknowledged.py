@@ -36,6 +36,7 @@ from policies import load_policy
 from supervisor.judge.pipeline import Pipeline
 from supervisor.testing.sidecar_process import SidecarProcess, wait_until
 
+#: Every failure retried at once, with nothing (breaker, budget, backoff) in between.
 POLICY = """\
 version: 1
 breakers: {enabled: false}

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.kill_acknowledged import POLICY
 from bench.spans import make_requests
 from supervisor.act import signing
 from supervisor.records import command_key
@@ -36,21 +37,8 @@ from tests.test_dispatch import Answer, Delivery, WebhookReceiver
 pytestmark = pytest.mark.slow
 
 SECRET = "exactly-once-webhook-secret-0123"
-# Every failure is retried at once: no breaker, budget or intensity changes the
+# POLICY retries every failure at once: no breaker, budget or intensity changes the
 # decision, and no backoff delays the command (so the test takes no waiting).
-POLICY = """\
-version: 1
-breakers: {enabled: false}
-retry_budget: {enabled: false}
-restart_intensity: {enabled: false}
-policies:
-  - name: retry_now
-    match: {class: [transient, model, permanent, semantic]}
-    action: retry
-    max_attempts: 100
-    wait: {type: fixed, seconds: 0}
-    honour_retry_after: false
-"""
 # 2 requests of 40 spans, 25 % failing: exactly 20 originating failures.
 FAILURES = 20
 

@@ -11,45 +11,19 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.kill_acknowledged import POLICY, failures_by_request
 from bench.spans import make_requests
-from policies import load_policy
-from supervisor.judge.pipeline import Pipeline
 from supervisor.testing.sidecar_process import SidecarProcess, wait_until
 
 pytestmark = pytest.mark.slow
 
-POLICY = """\
-version: 1
-breakers: {enabled: false}
-retry_budget: {enabled: false}
-restart_intensity: {enabled: false}
-policies:
-  - name: retry_now
-    match: {class: [transient, model, permanent, semantic]}
-    action: retry
-    max_attempts: 100
-    wait: {type: fixed, seconds: 0}
-    honour_retry_after: false
-"""
 REQUESTS, SPANS, RATE = 40, 100, 0.5  # about 2,000 failures
-
-
-def judged_without_a_kill(payloads: list[bytes], policy: Path) -> int:
-    """The failing spans a pipeline finds in these requests when nothing is killed."""
-    pipeline = Pipeline(load_policy(policy))
-    found = {
-        (o.failure.trace_id, o.failure.span_id)
-        for payload in payloads
-        for o in pipeline.process_payload(payload, time.time_ns())
-    }
-    return len(found)
 
 
 def incidents(state: Path, distinct: bool = False) -> int:
@@ -63,7 +37,8 @@ def incidents(state: Path, distinct: bool = False) -> int:
 def test_every_acknowledged_failure_is_an_incident_after_kill_9(tmp_path: Path) -> None:
     payloads = make_requests(REQUESTS, SPANS, failure_rate=RATE, seed=31)
     (tmp_path / "policy.yaml").write_text(POLICY, encoding="utf-8")
-    failures = judged_without_a_kill(payloads, tmp_path / "policy.yaml")
+    # The failing spans a pipeline finds in these requests when nothing is killed.
+    failures = len(set().union(*failures_by_request(payloads, tmp_path / "policy.yaml")))
     assert failures >= 2000
     state = tmp_path / "state.db"
     settings = {

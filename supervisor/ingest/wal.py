@@ -485,19 +485,9 @@ class IngestLog:
 
     def stats(self) -> LogStats:
         with self._lock:
-            s = self._stats
             return LogStats(
                 enabled=True,
-                logged=s["logged"],
-                logged_bytes=s["logged_bytes"],
-                commits=s["commits"],
-                released=s["released"],
-                recovered=s["recovered"],
-                replayed=s["replayed"],
-                refused_full=s["refused_full"],
-                write_errors=s["write_errors"],
-                torn_tails=s["torn_tails"],
-                bad_segments=s["bad_segments"],
+                **self._stats,
                 live_entries=len(self._entries),
                 live_bytes=self._live_bytes,
                 max_bytes=self._max_bytes,
