@@ -134,6 +134,7 @@ def build_sidecar(
     dispatcher.on_dead = functools.partial(_tell_runs_dead, runs)
     # The open runs a restart must not forget, beside the store's tables (under its lock).
     journal = RunJournal.open(settings.state_path) if _on_disk(settings.state_path) else None
+    runs.journaling = journal is not None
     remediations = Remediations(settings, actor, governor, in_force, tracer=tracer.tracer)
     # The one cycle: remediations act through the actor (their commands and approval
     # requests), and the actor must tell them of each answered approval, which a

@@ -230,7 +230,7 @@ def test_predictions_and_reminders_are_not_errors_of_the_run() -> None:
 
 def test_open_runs_survive_a_restart_and_stall_after_it(tmp_path: Path) -> None:
     asked = llm(tool_calls=[{"id": "c1", "name": "charge_card", "arguments": {"amount": 5}}])
-    before = RunTracker(settings=lambda s: FIXED)
+    before = RunTracker(settings=lambda s: FIXED, journaling=True)
     feed(before, payload(asked), now=1000.0)  # open, waiting for its tool
     ended = b"\x07" * 16
     feed(before, payload(root(trace=ended)), now=1000.0)
@@ -262,7 +262,7 @@ def test_a_journal_row_that_cannot_be_read_is_skipped_and_counted(tmp_path: Path
 
 
 def test_the_journal_is_written_when_a_run_changes_not_at_every_span() -> None:
-    tracker = RunTracker(settings=lambda s: FIXED)
+    tracker = RunTracker(settings=lambda s: FIXED, journaling=True)
     feed(tracker, payload(llm("a")), now=1000.0)
     tracker.settle(1000.0)
     written, gone = tracker.journal_changes()
@@ -282,4 +282,12 @@ def test_the_journal_is_written_when_a_run_changes_not_at_every_span() -> None:
     short = b"\x05" * 16  # a run that began and ended between two saves: never written
     feed(tracker, payload(span("x", {}, trace=short), root(trace=short)), now=1030.0)
     tracker.settle(1030.0)
+    assert tracker.journal_changes() == ([], [])
+
+
+def test_without_a_journal_no_changed_run_is_remembered() -> None:
+    tracker = RunTracker(settings=lambda s: FIXED)  # state in memory: nothing reads changes
+    for n in range(50):
+        feed(tracker, payload(span("x", {}, trace=bytes([n + 1]) * 16)), now=1000.0 + n)
+        tracker.settle(1000.0 + n)
     assert tracker.journal_changes() == ([], [])

@@ -89,6 +89,7 @@ class RunTracker:
         max_idle_s: float = 6 * 3600.0,
         clock: Callable[[], float] = time.time,
         slo_grace_s: float = SLO_GRACE_S,
+        journaling: bool = False,
     ) -> None:
         self._settings = settings
         self._charges = Charges(models)
@@ -103,6 +104,9 @@ class RunTracker:
         #: (run id, command type, not_before, params, dead) from other threads.
         self._notices: deque[tuple[str, str, float, Mapping[str, object], bool]] = deque()
         self.notices_dropped = 0
+        #: Whether a journal reads :meth:`journal_changes` (set by the wiring): without
+        #: one, changed runs are not remembered at all.
+        self.journaling = journaling
         #: Runs changed since the journal last saved them, and runs that left.
         self._dirty: set[str] = set()
         self._left: set[str] = set()
@@ -332,9 +336,14 @@ class RunTracker:
             elif span.has_objective:
                 run.objective = span.objective()
 
+    def _changed(self, run_id: str) -> None:
+        """``run_id`` changed: the journal writes it at its next save, if there is one."""
+        if self.journaling:
+            self._dirty.add(run_id)
+
     def _ended(self, run: RunState) -> None:
         """The run ended: its SLO counts it once it stays ended (see ``_ending``)."""
-        self._dirty.add(run.run_id)
+        self._changed(run.run_id)
         if self.slo is not None and len(self._ending) < 10_000:
             self._ending.append((run, run.ended_at))
 
@@ -355,7 +364,7 @@ class RunTracker:
         if silence >= MIN_GAP_S and run.phase == phase.OPEN:
             run.gap = max(run.gap, silence)
             self.rhythm.gap(run.service, silence)
-        self._dirty.add(run.run_id)
+        self._changed(run.run_id)
         return run
 
     def _find_run(self, span: Span, now: float) -> RunState:
@@ -465,7 +474,7 @@ class RunTracker:
         phase.commanded(run, kind, not_before, params, self._clock() if now is None else now)
         if run.phase == phase.ENDED and before != phase.ENDED:
             self._ended(run)
-        self._dirty.add(run_id)
+        self._changed(run_id)
 
     def notice(
         self,
@@ -501,7 +510,7 @@ class RunTracker:
                 phase.command_dead(run, kind, now)
                 if run.phase == phase.ENDED:
                     self._ended(run)
-                self._dirty.add(run_id)
+                self._changed(run_id)
 
     def turn_ended(self, run_id: str, trace_id: str) -> bool:
         """Whether ``run_id`` is one trace whose root ended, well or not: nothing runs to pause.
@@ -552,7 +561,7 @@ class RunTracker:
                 expired.append(run)
                 continue
             if phase.due(run, now):
-                self._dirty.add(run.run_id)
+                self._changed(run.run_id)
                 if run.phase == phase.ENDED:
                     self._ended(run)
             if not phase.may_stall(run):
@@ -565,7 +574,7 @@ class RunTracker:
             if idle < limit:
                 continue
             run.stalled = True
-            self._dirty.add(run.run_id)
+            self._changed(run.run_id)
             unverified = _unanswered(run)
             listed = ", ".join(unverified) or "none seen"
             found.append(
