@@ -47,7 +47,8 @@ from supervisor.ingest.auth import ReceiverAuth
 from supervisor.ingest.grpc_receiver import GrpcReceiver
 from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.ingest.wal import IngestLog, LoggedBatch, NoLog, Releases
-from supervisor.judge.pipeline import Outcome, Pipeline, Remainder, detected_failure
+from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
+from supervisor.judge.steps import Steps, chunks, drive
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
@@ -58,6 +59,10 @@ log = logging.getLogger("spanvisor.app")
 
 #: Longest the pipeline worker reads a batch before letting the loop answer others.
 _SLICE_S = 0.01
+#: Turns of the loop between two slices. Answering a request takes a few
+#: (read it, run its handler, write the answer); with one, a poll of
+#: ``/healthz`` waited a slice per turn.
+_TURNS_BETWEEN_SLICES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,63 +514,58 @@ class Sidecar:
         """
         if self.forwarder is not None:
             self.forwarder.offer(batch.raw_protobuf, batch.span_count)
-        outcomes, rest = self.pipeline.first_pass(batch.request, batch.received_ns)
-        self._settle(batch, outcomes, rest)
+        drive(self._judge_steps(batch))
 
     async def _handle_in_slices(
         self, batch: Batch, logged: int | None = None, *, replay: bool = False
     ) -> None:
-        """:meth:`handle`, giving the loop back every :data:`_SLICE_S` of reading.
+        """:meth:`handle`, giving the loop back every :data:`_SLICE_S` of judging.
 
-        A 100,000-span batch takes seconds to read; in slices, ``/healthz``,
-        the receivers and the control API answer meanwhile. Nothing else
-        judges while a batch is between slices (the stall check waits for
-        ``_between_batches``), so its decisions are those of one go.
-        ``logged``: the batch's ingest log entry, released once its outcomes
-        are stored; a ``replay`` is not forwarded again.
+        A 100,000-span batch takes a second or more to read and judge; in
+        slices, ``/healthz``, the receivers and the control API answer
+        meanwhile. Nothing else judges while a batch is between slices (the
+        stall check waits for ``_between_batches``), so its decisions are
+        those of one go. ``logged``: the batch's ingest log entry, released
+        once its outcomes are stored; a ``replay`` is not forwarded again.
         """
         if self.forwarder is not None and not replay:
             self.forwarder.offer(batch.raw_protobuf, batch.span_count)
-        steps = self.pipeline.first_pass_steps(batch.request, batch.received_ns)
         slice_ends = time.monotonic() + _SLICE_S
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                outcomes, rest = done.value
-                break
+        for _ in self._judge_steps(batch, logged, replay):
             if time.monotonic() >= slice_ends:
                 self._between_batches.clear()
                 try:
-                    await asyncio.sleep(0)
+                    for _ in range(_TURNS_BETWEEN_SLICES):
+                        await asyncio.sleep(0)
                 finally:
                     self._between_batches.set()
                 slice_ends = time.monotonic() + _SLICE_S
-        self._settle(batch, outcomes, rest, logged, replay)
 
-    def _settle(
-        self,
-        batch: Batch,
-        outcomes: list[Outcome],
-        rest: Remainder,
-        logged: int | None = None,
-        replay: bool = False,
-    ) -> None:
-        self._report(outcomes, batch, replay)
-        later = self.pipeline.rest_pass(rest)
-        self._report(later, batch, replay)
+    def _judge_steps(
+        self, batch: Batch, logged: int | None = None, replay: bool = False
+    ) -> Steps[None]:
+        """Judge a batch in steps: failures first, reported, then the rest; all stored."""
+        outcomes, rest = yield from self.pipeline.first_pass_steps(batch.request, batch.received_ns)
+        # A replayed request's decisions come long after it was received: no latency.
+        received_ns = None if replay else batch.received_ns
+        yield from self._report(outcomes, received_ns)
+        later = yield from self.pipeline.rest_pass_steps(rest)
+        yield from self._report(later, received_ns)
         found = outcomes + later
         if logged is not None:  # told before the writer can have stored them
             self.releases.expect(logged, found)
         self._act(found)
 
-    def _report(self, outcomes: list[Outcome], batch: Batch, replay: bool = False) -> None:
-        for outcome in outcomes:
-            self.failures.add(outcome)
-            self.tracer.emit(outcome.failure, outcome.decision)
-            self._decisions += 1
-            if not replay:
-                self.latency.add((time.time_ns() - batch.received_ns) / 1e6)
+    def _report(self, outcomes: list[Outcome], received_ns: int | None) -> Steps[None]:
+        """Decisions into the recent failures and as spans; their latency from ``received_ns``."""
+        for chunk in chunks(outcomes):
+            for outcome in chunk:
+                self.failures.add(outcome)
+                self.tracer.emit(outcome.failure, outcome.decision)
+                self._decisions += 1
+                if received_ns is not None:
+                    self.latency.add((time.time_ns() - received_ns) / 1e6)
+            yield
 
     def _act(self, outcomes: list[Outcome]) -> None:
         """Hand a batch's outcomes to the store writer (one transaction per batch)."""
@@ -631,10 +631,7 @@ class Sidecar:
             return []
         now_ns = time.time_ns()
         outcomes = self.pipeline.judge_detected([detected_failure(s, now_ns) for s in found])
-        for outcome in outcomes:
-            self.failures.add(outcome)
-            self.tracer.emit(outcome.failure, outcome.decision)
-            self._decisions += 1
+        drive(self._report(outcomes, None))
         self._act(outcomes)
         return outcomes
 

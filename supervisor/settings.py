@@ -161,7 +161,8 @@ class Settings(BaseSettings):
         ge=1024,
         le=64 * 1024**3,
         description="Most bytes ingest holds (encoded batches queued or being judged, plus"
-        " bodies being decoded); past it, OTLP throttling. Memory is a small multiple of it.",
+        " bodies being received or decoded); past it, OTLP throttling. Memory is about 4x"
+        " it, plus about 100 MiB for the batch being judged and the pipeline's state.",
     )
     retry_after_s: float = Field(default=1.0, gt=0, le=60)
     ingest_log_bytes: int = Field(

@@ -153,6 +153,7 @@ def build_sidecar(
     writer = StoreWriter(
         actor,
         after_store=functools.partial(_after_store, releases, remediations),
+        on_drop=releases.dropped,
         min_commit_interval_s=settings.store_commit_interval_s,
         max_retained_failures=settings.store_retain_failures,
         max_retained_bytes=settings.store_retain_bytes,

@@ -6,6 +6,7 @@ import asyncio
 import errno
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -299,6 +300,29 @@ def test_outcomes_never_stored_keep_their_entry() -> None:
     log = Recorded()
     releases = Releases(log)
     releases.expect(7, [object()])  # dropped by the writer: never stored
+    assert (log.released, releases.pending) == ([], 1)
+
+
+@dataclass
+class SameId:
+    """An outcome as ``Releases`` tells them apart: by ``id``, here chosen."""
+
+    ident: int
+
+
+def test_a_dropped_outcome_is_forgotten_so_a_later_one_cannot_release_its_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CPython reuses the id of a freed object: an outcome the writer dropped, then
+    # freed, shares its id with a later one, which must not release the entry.
+    import supervisor.ingest.wal as wal
+
+    monkeypatch.setattr(wal, "id", lambda o: o.ident, raising=False)
+    log = Recorded()
+    releases = Releases(log)
+    releases.expect(7, [SameId(1)])
+    releases.dropped([SameId(1)])  # the store writer's bound: never stored
+    releases.stored([SameId(1)])  # a later outcome (a stall) with the same id
     assert (log.released, releases.pending) == ([], 1)
 
 

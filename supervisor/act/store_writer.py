@@ -108,6 +108,7 @@ class StoreWriter:
         *,
         capacity: int = 256,
         after_store: Callable[[Sequence[Outcome]], None] | None = None,
+        on_drop: Callable[[Sequence[Outcome]], None] | None = None,
         min_commit_interval_s: float = 0.01,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -130,6 +131,8 @@ class StoreWriter:
         self._held = 0
         #: Called with each stored batch (remediations start once their incident is stored).
         self._after_store = after_store
+        #: Called with each batch dropped at the bound (its requests stay in the ingest log).
+        self._on_drop = on_drop
         self._queue: queue.Queue[object] = queue.Queue(maxsize=capacity)
         self._thread = threading.Thread(target=self._run, name="spanvisor-store", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -326,6 +329,8 @@ class StoreWriter:
         ):
             self.dropped += len(outcomes)
             self._dropped_unlogged += len(outcomes)
+            if self._on_drop is not None:
+                self._on_drop(outcomes)
             now = self._clock()
             if now - self._dropped_logged_at >= _DROP_LOG_INTERVAL_S:
                 self._dropped_logged_at = now

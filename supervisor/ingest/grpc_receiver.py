@@ -22,7 +22,6 @@ act on:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -41,10 +40,6 @@ __all__ = ["GrpcReceiver"]
 _log = logging.getLogger(__name__)
 
 _SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
-
-#: Messages larger than this are decoded in a worker thread (big ones in
-#: slices, :mod:`.slices`, so the thread lets the event loop run).
-_INLINE_DECODE_BYTES = 64 * 1024
 
 
 class GrpcReceiver:
@@ -132,11 +127,9 @@ class GrpcReceiver:
         if not self._queue.reserve(len(raw)):
             return self._throttled()
         try:
-            if len(raw) > _INLINE_DECODE_BYTES:
-                # Decoding is pure CPU; a big message must not stall the loop.
-                request, validation = await asyncio.to_thread(self._decode, raw)
-            else:
-                request, validation = self._decode(raw)
+            request, validation = await self._queue.decoder.decode(
+                len(raw), lambda: self._decode(raw)
+            )
         except PayloadTooLarge as exc:
             self._queue.record_too_large()
             _log.debug("OTLP/gRPC request too large: %s", exc)

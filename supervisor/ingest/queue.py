@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from supervisor.errors import ConfigError, SupervisorError
+from supervisor.ingest.decoding import Decoder
 
 __all__ = ["Batch", "HoldBack", "IngestQueue", "IngestStats", "QueueClosed", "Transport"]
 
@@ -116,6 +117,8 @@ class IngestQueue:
         self._spans = 0
         self._closed = False
         self._hold_back: list[HoldBack] = []
+        #: Decodes the bodies of both receivers: big ones off the loop, one at a time.
+        self.decoder = Decoder()
         self._throttling = False
         self._episode_throttled = 0
         self._accepted_batches = 0

@@ -572,9 +572,10 @@ class Releases:
     committed (its ``after_store``); an entry is released once all of its
     outcomes are stored, at once when it had none. Outcomes are told apart by
     identity, which is unique while the writer holds them. Those the writer
-    drops (its bound, a failing store) keep their entry: it is replayed at the
-    next start. Thread-safety: :meth:`expect` on the loop, :meth:`stored` on the
-    writer's thread.
+    drops (its bound, a failing store) are told to :meth:`dropped`: their entry
+    is never released, so it is replayed at the next start (held entries are
+    bounded by the log's ``max_bytes``). Thread-safety: :meth:`expect` on the
+    loop, :meth:`stored` and :meth:`dropped` on the writer's thread.
     """
 
     def __init__(self, log: SpanLog) -> None:
@@ -609,6 +610,16 @@ class Releases:
                     done.append(seq)
         for seq in done:
             self._log.release(seq)
+
+    def dropped(self, outcomes: Sequence[object]) -> None:
+        """These outcomes will never be stored: their entries stay held, to be replayed.
+
+        Forgotten by identity now, so that a later outcome given the same
+        ``id`` cannot count against an entry it does not belong to.
+        """
+        with self._lock:
+            for outcome in outcomes:
+                self._entry_of.pop(id(outcome), None)
 
     @property
     def pending(self) -> int:

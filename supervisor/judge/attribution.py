@@ -19,6 +19,8 @@ being reported again:
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -35,6 +37,10 @@ _CONTAINER_ROLES: Final[tuple[Role, ...]] = (Role.AGENT, Role.CHAIN)
 _SIGNATURE_TEXT: Final = 120
 #: Origins remembered per trace for attribution through spans that did not fail.
 _ORIGINS_PER_TRACE: Final = 8
+#: Shorter failing spans of its trace a container is compared with, longest
+#: first, to find the one it propagates (the closest is among the first few
+#: in real traces).
+_CONTAINED_SCAN: Final = 256
 
 
 class Signature:
@@ -111,13 +117,16 @@ class Attribution:
         if len(candidates) > 1:
             _attribute_through_ok_spans(candidates)
 
-    def origins(self, candidates: dict[str, Candidate]) -> list[tuple[Candidate, list[Candidate]]]:
+    def origins(
+        self, candidates: dict[str, Candidate]
+    ) -> Iterator[tuple[Candidate, list[Candidate]]]:
         """The linked candidates that originate a failure, each with its ancestors, nearest first.
 
         The others propagate a failure reported in this batch or an earlier
-        one; they are counted in :attr:`attributed`.
+        one; they are counted in :attr:`attributed`. Lazy, so that a caller
+        may take them a chunk at a time; what it does with them changes
+        nothing here.
         """
-        found: list[tuple[Candidate, list[Candidate]]] = []
         attributed_by = _attributions(candidates)
         for key, cand in candidates.items():
             if cand.attributed_to is not None:
@@ -132,8 +141,7 @@ class Attribution:
             parents = _ancestors_attributed_to(cand, candidates, attributed_by)
             self._remember_origin((parents[-1] if parents else cand).record, cand.sig)
             self._remember_in_trace(cand)
-            found.append((cand, parents))
-        return found
+            yield cand, parents
 
     def _remember_origin(self, record: SpanRecord, sig: Signature) -> None:
         if record.parent_span_id:
@@ -213,6 +221,11 @@ def _attribute_through_ok_spans(candidates: dict[str, Candidate]) -> None:
     Durations strictly shrink along these links, and a candidate is never
     attributed to one whose own chain already leads back to it, so no cycle
     can form.
+
+    Each container looks at the shorter failing spans of its trace longest
+    first and takes the first that fits, looking at no more than
+    :data:`_CONTAINED_SCAN`: a request whose one trace holds thousands of
+    failing containers costs time in proportion to its size, not its square.
     """
     by_trace: dict[str, list[Candidate]] = {}
     for cand in candidates.values():
@@ -220,20 +233,27 @@ def _attribute_through_ok_spans(candidates: dict[str, Candidate]) -> None:
     for group in by_trace.values():
         if len(group) < 2:
             continue
+        longest_first = sorted(group, key=_duration, reverse=True)  # stable: ties keep order
+        negated = [-_duration(c) for c in longest_first]  # ascending, for bisect
         for outer in group:
             if outer.attributed_to is not None or outer.record.role not in _CONTAINER_ROLES:
                 continue
             o = outer.record
-            inside = [
-                c
-                for c in group
-                if c is not outer
-                and _contains(o.start_ns, o.end_ns, c.record.start_ns, c.record.end_ns)
-                and propagates(outer, c.sig)
-                and not _leads_to(c, outer)
-            ]
-            if inside:
-                outer.attributed_to = max(inside, key=lambda c: c.record.end_ns - c.record.start_ns)
+            shorter = bisect_right(negated, -_duration(outer))
+            for inner in longest_first[shorter : shorter + _CONTAINED_SCAN]:
+                i = inner.record
+                if (
+                    o.start_ns <= i.start_ns
+                    and i.end_ns <= o.end_ns
+                    and propagates(outer, inner.sig)
+                    and not _leads_to(inner, outer)
+                ):
+                    outer.attributed_to = inner
+                    break
+
+
+def _duration(cand: Candidate) -> int:
+    return cand.record.end_ns - cand.record.start_ns
 
 
 def _leads_to(cand: Candidate, target: Candidate) -> bool:

@@ -14,7 +14,7 @@ the governor (breakers, budgets) revises.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Generator, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Final, Protocol
 
@@ -30,6 +30,7 @@ from supervisor.judge.failures import (
     failure_at,
     verification_failure,
 )
+from supervisor.judge.steps import Steps, chunks, drive
 from supervisor.judge.verifying import WantedBy, only_calls_tools
 from supervisor.normalize import Span, SpanReader, may_fail_quietly, shows_failure_signal
 from supervisor.records import Action, Decision, Failure, SpanRecord, own_run
@@ -181,23 +182,19 @@ class Pipeline:
 
     def first_pass(self, payload: bytes | Any, received_ns: int) -> tuple[list[Outcome], Remainder]:
         """Judge the spans of a request showing signs of failure; see :meth:`first_pass_steps`."""
-        steps = self.first_pass_steps(payload, received_ns)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return drive(self.first_pass_steps(payload, received_ns))
 
     def first_pass_steps(
         self, payload: bytes | Any, received_ns: int
-    ) -> Generator[None, None, tuple[list[Outcome], Remainder]]:
+    ) -> Steps[tuple[list[Outcome], Remainder]]:
         """Judge the spans of one request that show signs of failure, a chunk at a time.
 
-        A generator: it yields after each chunk of spans read, so a caller on
-        an event loop can let other work run while a big request is read, and
-        returns what :meth:`first_pass` returns. Driven to the end with nothing
-        else touching this pipeline in between, the decisions are the same as
-        in one go.
+        Work in steps (:mod:`.steps`): it yields after each chunk of spans read
+        and of failures judged, so a caller on an event loop can let other
+        work run while a big request is judged, and returns what
+        :meth:`first_pass` returns. Driven to the end with nothing else
+        touching this pipeline in between, the decisions are those of one go:
+        attribution still sees every failing span of the request.
 
         ``payload`` is an ``ExportTraceServiceRequest``, encoded (as ingest
         accepted it) or decoded with the lite schema. Every span is counted in
@@ -239,22 +236,32 @@ class Pipeline:
             quiet += maybe
             yield
         if runs is not None:  # a failed call tried again is a retry, not a loop
-            for span in first:
-                runs.observe(span, now_s, detected, repeats=not span.failed)
+            for chunk in chunks(first):
+                for span in chunk:
+                    runs.observe(span, now_s, detected, repeats=not span.failed)
+                yield
         if self._attempted and quiet:
-            quiet = self._book_quiet_successes(quiet, calls, verify)
-        outcomes = self._judge_spans(first, received_ns, calls)
+            quiet = yield from self._book_quiet_successes(quiet, calls, verify)
+        outcomes = yield from self._judge_spans(first, received_ns, calls)
         if detected:
-            outcomes += self.judge_detected([detected_failure(d, received_ns) for d in detected])
+            found = [detected_failure(d, received_ns) for d in detected]
+            outcomes += yield from self.judge_detected_steps(found)
         return outcomes, Remainder(quiet, verify, received_ns)
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:
-        """Judge the spans a :meth:`first_pass` left; the batch is then settled."""
+        """Judge the spans a :meth:`first_pass` left; see :meth:`rest_pass_steps`."""
+        return drive(self.rest_pass_steps(rest))
+
+    def rest_pass_steps(self, rest: Remainder) -> Steps[list[Outcome]]:
+        """Judge the spans a :meth:`first_pass_steps` left, in steps; the batch is then settled."""
         calls: list[tuple[int, str, bool]] = []
-        outcomes = self._judge_spans(rest.quiet, rest.received_ns, calls)
+        outcomes = yield from self._judge_spans(rest.quiet, rest.received_ns, calls)
         if rest.verify:
-            answers = [r for r in (s.record() for s in rest.verify) if not only_calls_tools(r)]
-            outcomes += self._verify(answers, rest.received_ns)
+            answers: list[SpanRecord] = []
+            for chunk in chunks(rest.verify):
+                answers += [r for r in (s.record() for s in chunk) if not only_calls_tools(r)]
+                yield
+            outcomes += yield from self._verify(answers, rest.received_ns)
         if self.runs is not None:
             self.runs.settle()
         return outcomes
@@ -299,7 +306,7 @@ class Pipeline:
 
     def _book_quiet_successes(
         self, quiet: list[Span], calls: list[tuple[int, str, bool]], verify: list[Span]
-    ) -> list[Span]:
+    ) -> Steps[list[Span]]:
         """Successes among the quiet spans of dependencies with attempts counted, booked now.
 
         A step's retry that succeeded with a tool call (a span the quiet
@@ -308,12 +315,14 @@ class Pipeline:
         as the step's next attempt. Returns the quiet spans still to judge.
         """
         left: list[Span] = []
-        for span in quiet:
-            dependency = span.dependency
-            if dependency in self._attempted and span.record().error is None:
-                self._book_successes([span], calls, verify)
-            else:
-                left.append(span)
+        for chunk in chunks(quiet):
+            for span in chunk:
+                dependency = span.dependency
+                if dependency in self._attempted and span.record().error is None:
+                    self._book_successes([span], calls, verify)
+                else:
+                    left.append(span)
+            yield
         return left
 
     def _succeeded(self, span: Span, dependency: str, calls: list[tuple[int, str, bool]]) -> None:
@@ -343,37 +352,39 @@ class Pipeline:
 
     def _judge_spans(
         self, spans: list[Span], received_ns: int, calls: list[tuple[int, str, bool]]
-    ) -> list[Outcome]:
+    ) -> Steps[list[Outcome]]:
         """Normalize and judge spans that may be failures; book the ones that succeeded."""
-        records = [span.record() for span in spans]
         failing: list[SpanRecord] = []
         passed: list[SpanRecord] = []
-        for span, record in zip(spans, records, strict=True):
-            if record.error is not None:
-                failing.append(record)
-                continue
-            if self.recovery is not None and span.is_root:
-                self._ended_ok(self.recovery, span)
-            if record.dependency:
-                self._succeeded(span, record.dependency, calls)
-            if not only_calls_tools(record):
-                passed.append(record)
-        outcomes = self._judge(failing, received_ns, calls)
-        return outcomes + self._verify(passed, received_ns)
+        for chunk in chunks(spans):
+            for span in chunk:
+                record = span.record()
+                if record.error is not None:
+                    failing.append(record)
+                    continue
+                if self.recovery is not None and span.is_root:
+                    self._ended_ok(self.recovery, span)
+                if record.dependency:
+                    self._succeeded(span, record.dependency, calls)
+                if not only_calls_tools(record):
+                    passed.append(record)
+            yield
+        outcomes = yield from self._judge(failing, received_ns, calls)
+        return outcomes + (yield from self._verify(passed, received_ns))
 
-    def _verify(self, records: list[SpanRecord], received_ns: int) -> list[Outcome]:
+    def _verify(self, records: list[SpanRecord], received_ns: int) -> Steps[list[Outcome]]:
         """The policy's verifiers on spans that succeeded; what fails them is judged."""
         verifiers = self.policy.verifiers
         if not len(verifiers) or not records:
             return []
-        unverified = [
-            verification_failure(
-                record, self._run_of(record.trace_id, record.session_id), found, received_ns
-            )
-            for record in records
-            for found in verifiers.check(record)
-        ]
-        return self.judge_detected(unverified) if unverified else []
+        unverified: list[Failure] = []
+        for record in records:
+            found = verifiers.check(record)
+            yield  # a span at a time: a verifier's regex or schema may search for its time limit
+            if found:
+                run_id = self._run_of(record.trace_id, record.session_id)
+                unverified += [verification_failure(record, run_id, f, received_ns) for f in found]
+        return (yield from self.judge_detected_steps(unverified)) if unverified else []
 
     def _with_slo(self, failure: Failure) -> Failure:
         """The failure as policies see it: whether its service's SLO is burning fast."""
@@ -383,26 +394,32 @@ class Pipeline:
 
     def judge_detected(self, failures: list[Failure]) -> list[Outcome]:
         """Decide on failures a run detector found (loops, stalls); each once."""
+        return drive(self.judge_detected_steps(failures))
+
+    def judge_detected_steps(self, failures: list[Failure]) -> Steps[list[Outcome]]:
+        """:meth:`judge_detected`, in steps."""
         outcomes: list[Outcome] = []
-        for found in failures:
-            key = found.trace_id + found.span_id + found.rule
-            if key in self._seen:
-                self._duplicates += 1
-                continue
-            self._seen.set(key, True)
-            self._failures += 1
-            if self.runs is not None:
-                self.runs.failed(found.run_id, found.rule)
-            failure = self._with_slo(found)
-            outcomes.append(Outcome(failure, self.policy.decide(failure, attempt=1)))
-        return self._finish(outcomes, [], cascades=False)
+        for chunk in chunks(failures):
+            for found in chunk:
+                key = found.trace_id + found.span_id + found.rule
+                if key in self._seen:
+                    self._duplicates += 1
+                    continue
+                self._seen.set(key, True)
+                self._failures += 1
+                if self.runs is not None:
+                    self.runs.failed(found.run_id, found.rule)
+                failure = self._with_slo(found)
+                outcomes.append(Outcome(failure, self.policy.decide(failure, attempt=1)))
+            yield
+        return (yield from self._finish(outcomes, [], cascades=False))
 
     def process_records(self, records: Iterable[SpanRecord], received_ns: int) -> list[Outcome]:
         """Like :meth:`process`, for records normalized elsewhere (tests, detectors)."""
         failing = [r for r in records if r.error is not None]
         self._batches += 1
         self._spans += len(failing)
-        return self._judge(failing, received_ns, [])
+        return drive(self._judge(failing, received_ns, []))
 
     def stats(self) -> PipelineStats:
         return PipelineStats(
@@ -420,17 +437,33 @@ class Pipeline:
 
     def _judge(
         self, failing: list[SpanRecord], received_ns: int, calls: list[tuple[int, str, bool]]
-    ) -> list[Outcome]:
+    ) -> Steps[list[Outcome]]:
         """Report each failure once, at its origin, with its decision.
 
         ``calls`` are the batch's successful calls; with the failures found
         here they are told to the governor in the order the calls ended
         (breakers count failures in a row), before it reviews the decisions.
         """
-        candidates = self._candidates(failing)
+        candidates = yield from self._candidates(failing)
         self._attribution.link(candidates)
+        yield
         outcomes: list[Outcome] = []
-        for cand, parents in self._attribution.origins(candidates):
+        for chunk in chunks(self._attribution.origins(candidates)):
+            yield from self._decide(chunk, received_ns, calls, outcomes)
+        outcomes = yield from self._finish(outcomes, calls)
+        del candidates
+        yield
+        return outcomes
+
+    def _decide(
+        self,
+        origins: list[tuple[Candidate, list[Candidate]]],
+        received_ns: int,
+        calls: list[tuple[int, str, bool]],
+        outcomes: list[Outcome],
+    ) -> Steps[None]:
+        """Each origin's failure, counted as its step's next attempt, decided; into ``outcomes``."""
+        for cand, parents in origins:
             failure = failure_at(cand, parents, received_ns)
             attempt_key = (failure.run_id, failure.dependency)
             attempt = (self._attempts.get(attempt_key) or 0) + 1
@@ -447,9 +480,9 @@ class Pipeline:
             outcomes.append(Outcome(failure, decision))
             if self.runs is not None:
                 self.runs.failed(failure.run_id, failure.rule)
-        return self._finish(outcomes, calls)
+        yield
 
-    def _candidates(self, failing: list[SpanRecord]) -> dict[str, Candidate]:
+    def _candidates(self, failing: list[SpanRecord]) -> Steps[dict[str, Candidate]]:
         """The failing spans not judged before (nor the sidecar's own), classified."""
         candidates: dict[str, Candidate] = {}
         for record in failing:
@@ -463,6 +496,7 @@ class Pipeline:
             self._seen.set(key, True)
             self._failing += 1
             verdict = self.policy.classify(record)
+            yield  # a span at a time: a rule's regex may search for its time limit
             if verdict is None:  # the policy found nothing to report
                 continue
             run_id = self._run_of(record.trace_id, record.session_id)
@@ -471,7 +505,7 @@ class Pipeline:
 
     def _finish(
         self, outcomes: list[Outcome], calls: list[tuple[int, str, bool]], *, cascades: bool = True
-    ) -> list[Outcome]:
+    ) -> Steps[list[Outcome]]:
         """The governor's review and observe mode, on a batch's decisions.
 
         ``cascades`` false for what detectors found: those are not calls that failed.
@@ -483,9 +517,11 @@ class Pipeline:
                     [dependency for _, dependency, ok in calls if ok],
                     [o.failure for o in outcomes],
                 )
-            outcomes = self._govern(self.governor, outcomes, calls)
+            outcomes = yield from self._govern(self.governor, outcomes, calls)
             if started:
-                outcomes += self.judge_detected([cascade_failure(c) for c in started])
+                outcomes += yield from self.judge_detected_steps(
+                    [cascade_failure(c) for c in started]
+                )
         if self.observe_only:
             outcomes = [
                 o if o.decision.observe_only else replace(o, decision=_observed(o.decision))
@@ -493,30 +529,32 @@ class Pipeline:
             ]
         runs = self.runs
         if runs is not None:
-            outcomes = [_for_run_as_it_is(runs, o) for o in outcomes]
-            for o in outcomes:
-                if not o.decision.observe_only:
-                    now = o.failure.received_ns / 1e9
-                    for command in plan_commands(o.failure, o.decision, now):
-                        runs.commanded(
-                            command.run_id,
-                            command.type.value,
-                            command.not_before,
-                            command.params,
-                            now,
-                        )
+            # Every decision for its run as it was, then the commands' effect on the runs.
+            as_it_is: list[Outcome] = []
+            for chunk in chunks(outcomes):
+                as_it_is += [_for_run_as_it_is(runs, o) for o in chunk]
+                yield
+            outcomes = as_it_is
+            for chunk in chunks(outcomes):
+                for o in chunk:
+                    if not o.decision.observe_only:
+                        _tell_commands(runs, o)
+                yield
         return outcomes
 
     @staticmethod
     def _govern(
         governor: Governor, outcomes: list[Outcome], calls: list[tuple[int, str, bool]]
-    ) -> list[Outcome]:
+    ) -> Steps[list[Outcome]]:
         governor.observe_calls(calls)
+        yield
         reviewed: list[Outcome] = []
-        for o in outcomes:
-            decision = governor.review(o.failure, o.decision)
-            # Kept as it was, mostly: dataclasses.replace is the slow way to copy.
-            reviewed.append(o if decision is o.decision else Outcome(o.failure, decision))
+        for chunk in chunks(outcomes):
+            for o in chunk:
+                decision = governor.review(o.failure, o.decision)
+                # Kept as it was, mostly: dataclasses.replace is the slow way to copy.
+                reviewed.append(o if decision is o.decision else Outcome(o.failure, decision))
+            yield
         return reviewed
 
 
@@ -543,6 +581,13 @@ def _for_run_as_it_is(runs: RunTracker, outcome: Outcome) -> Outcome:
     params = {**decision.params, "proposed_action": decision.action.value}
     reason = f"{decision.reason}; {why}" if decision.reason else why
     return Outcome(failure, replace(decision, action=Action.NONE, params=params, reason=reason))
+
+
+def _tell_commands(runs: RunTracker, outcome: Outcome) -> None:
+    """The phase the commands planned for an outcome put its run in."""
+    now = outcome.failure.received_ns / 1e9
+    for command in plan_commands(outcome.failure, outcome.decision, now):
+        runs.commanded(command.run_id, command.type.value, command.not_before, command.params, now)
 
 
 def _observed(decision: Decision) -> Decision:
