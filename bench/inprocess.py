@@ -45,18 +45,17 @@ def handle(
     sidecar: Any, payload: bytes, received_ns: int, clock: Callable[[], float] = _no_clock
 ) -> tuple[float, float, float, int]:
     """One request judged, reported and stored: (judge, report, store) by ``clock``, failures."""
-    from supervisor.ingest.queue import Batch
+    from supervisor.judge.steps import drive
 
     pipeline = sidecar.pipeline
-    batch = Batch(None, payload, received_ns, "grpc", SPANS_PER_REQUEST)  # request: unread
     t0 = clock()
     outcomes, rest = pipeline.first_pass(payload, received_ns)
     t1 = clock()
-    sidecar._report(outcomes, batch)
+    drive(sidecar._report(outcomes, received_ns))
     t2 = clock()
     later = pipeline.rest_pass(rest)
     t3 = clock()
-    sidecar._report(later, batch)
+    drive(sidecar._report(later, received_ns))
     t4 = clock()
     sidecar.actor.store_outcomes(outcomes + later)
     t5 = clock()
