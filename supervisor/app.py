@@ -32,6 +32,7 @@ from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
 from supervisor.act.store_writer import StoreHealth, StoreWriter
 from supervisor.api.control import Control
+from supervisor.api.metrics import MetricSources, exposition
 from supervisor.api.server import build_control_app
 from supervisor.bounded import LatencyWindow
 from supervisor.collector import Collector
@@ -327,6 +328,7 @@ class Sidecar:
             reload=self.reload_policy,
             remediations=self.remediations,
             runs=self.runs,
+            exposition=exposition(self.metric_sources()),
         )
         control = build_control_app(token=self.token, control=self.control)
         self._api, api_port = await self._serve(
@@ -675,6 +677,22 @@ class Sidecar:
                 log.exception("housekeeping failed; trying again later")
 
     # -- introspection -----------------------------------------------------
+
+    def metric_sources(self) -> MetricSources:
+        """What ``/metrics`` reads: the parts whose counters :meth:`stats` reads."""
+        return MetricSources(
+            queue=self.queue,
+            ingest_log=self.ingest_log,
+            failures=self.failures,
+            dispatcher=self.dispatcher,
+            store=self.store,
+            writer=self.writer,
+            governor=self.governor,
+            breakers=self.breakers,
+            remediations=self.remediations,
+            forwarder=self.forwarder,
+            otlp_auth=self._otlp_auth,
+        )
 
     def stats(self) -> dict[str, Any]:
         p50, p99 = self.latency.percentile(0.5), self.latency.percentile(0.99)

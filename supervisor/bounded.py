@@ -79,3 +79,37 @@ class LatencyWindow:
         ordered = self._ordered
         rank = min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))
         return ordered[rank]
+
+
+class CappedCounts(Generic[K]):
+    """Counts by key for at most ``capacity`` keys, for metrics' label sets.
+
+    A key not seen before on a full counter is counted under the ``fallback``
+    the caller gives instead (which may go past the capacity: callers keep
+    their fallbacks few), and in ``cut``: the totals stay right, what is lost is
+    only the detail, and never silently.
+    """
+
+    __slots__ = ("_counts", "capacity", "cut")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.cut = 0
+        self._counts: dict[K, int] = {}
+
+    def add(self, key: K, fallback: K, n: int = 1) -> None:
+        counts = self._counts
+        if key not in counts and len(counts) >= self.capacity:
+            self.cut += n
+            key = fallback
+        counts[key] = counts.get(key, 0) + n
+
+    def items(self) -> list[tuple[K, int]]:
+        """A snapshot of the counts, in the order the keys were first seen."""
+        return list(self._counts.items())
+
+    @property
+    def total(self) -> int:
+        return sum(self._counts.values())

@@ -1,4 +1,4 @@
-"""The recent failures the control API lists, and their structured log lines."""
+"""The recent failures the control API lists, their structured log lines and their counts."""
 
 from __future__ import annotations
 
@@ -6,9 +6,15 @@ import logging
 from collections import deque
 from typing import Any
 
+from supervisor.bounded import CappedCounts
 from supervisor.judge.pipeline import Outcome
 
 log = logging.getLogger("spanvisor.failures")
+
+#: Distinct (class, kind) pairs counted apart; kinds come from the policy, which may add its own.
+MAX_KINDS = 200
+#: Where the failures of a kind past :data:`MAX_KINDS` are counted (with their class).
+OTHER_KIND = "other"
 
 
 def outcome_json(outcome: Outcome) -> dict[str, Any]:
@@ -41,15 +47,30 @@ class RecentFailures:
 
     Outcomes are kept as the frozen records they are and turned into JSON
     only when the API asks, so a burst of failures costs no serialization.
+    Every reported outcome passes here once, so this is also where they are
+    counted: by class and kind (``/metrics``), and by action and whether it
+    was only observed (``/metrics``; their sum is ``/v1/stats``' total).
     """
 
     def __init__(self, capacity: int) -> None:
         self._items: deque[Outcome] = deque(maxlen=capacity)
-        self.total = 0
+        #: Failures by (class, kind); a kind past :data:`MAX_KINDS` counts as ``other``.
+        self.by_kind: CappedCounts[tuple[str, str]] = CappedCounts(MAX_KINDS)
+        #: Decisions by (action, observe_only): actions are an enum, so this stays small.
+        self.by_action: dict[tuple[str, bool], int] = {}
+
+    @property
+    def total(self) -> int:
+        """Outcomes reported since start."""
+        return sum(self.by_action.values())
 
     def add(self, outcome: Outcome) -> None:
         self._items.append(outcome)
-        self.total += 1
+        f, d = outcome.failure, outcome.decision
+        cls = f.failure_class.value
+        self.by_kind.add((cls, f.kind), (cls, OTHER_KIND))
+        action = (d.action.value, d.observe_only)
+        self.by_action[action] = self.by_action.get(action, 0) + 1
         if log.isEnabledFor(logging.INFO):
             # Nested: span content must not collide with LogRecord's own attributes.
             log.info(

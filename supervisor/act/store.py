@@ -572,6 +572,14 @@ class Store:
             row = db.execute("SELECT * FROM approvals WHERE id = ?", (approval_id,)).fetchone()
         return approval_from_row(row)
 
+    def pending_approvals(self) -> tuple[int, float | None]:
+        """How many approval requests wait for an answer, and when the oldest was opened."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT COUNT(*), MIN(created_at) FROM approvals WHERE status = 'pending'"
+            ).fetchone()
+        return int(row[0]), None if row[1] is None else float(row[1])
+
     def next_expiry(self) -> float | None:
         """When the first pending approval request with a deadline expires, or None."""
         with self._lock:

@@ -123,9 +123,17 @@ class Control:
     remediations: RemediationsView | None = None
     #: The sidecar's run tracker (None: runs are not tracked, as in some tests).
     runs: RunsView | None = None
+    #: The body of ``/metrics`` (:func:`supervisor.api.metrics.exposition`; None: not served).
+    exposition: Callable[[], bytes] | None = None
 
     def all_stats(self) -> dict[str, Any]:
         return self.stats()
+
+    def metrics(self) -> bytes:
+        """The counters of :meth:`all_stats`' stages, in the Prometheus text format."""
+        if self.exposition is None:
+            raise ControlError("this control API serves no metrics", 404)
+        return self.exposition()
 
     def threads(self) -> dict[str, Any]:
         """CPU seconds of the process and of each of its threads (see :mod:`.thread_cpu`)."""

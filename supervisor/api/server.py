@@ -22,11 +22,12 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from supervisor.api.control import Control, ControlError
 from supervisor.api.inline import Question
+from supervisor.api.metrics import CONTENT_TYPE
 from supervisor.errors import ConfigError
 from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
 
@@ -194,6 +195,15 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     @app.get("/v1/stats", dependencies=auth, summary="Counters of every stage")
     async def stats() -> dict[str, Any]:
         return control.all_stats()
+
+    @app.get(
+        "/metrics",
+        dependencies=auth,
+        response_class=Response,
+        summary="Counters of every stage, in the Prometheus text format",
+    )
+    async def metrics() -> Response:  # on the loop: the stages' counters are read where kept
+        return Response(control.metrics(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/threads", dependencies=auth, summary="CPU time of each thread (Linux)")
     async def threads() -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Each circuit breaker change, told three ways: a log line, a span and a metric.
 
 The governor calls a :class:`BreakerReport` on every change (from whichever
-thread moved the breaker); the sidecar's stats read :attr:`BreakerReport.changes`.
+thread moved the breaker); the sidecar's stats read :attr:`BreakerReport.changes`,
+its ``/metrics`` :attr:`BreakerReport.transitions`.
 """
 
 from __future__ import annotations
@@ -22,11 +23,17 @@ class BreakerReport:
     def __init__(self, tracer: DecisionTracer, metrics: SidecarMetrics) -> None:
         self._tracer = tracer
         self._metrics = metrics
-        #: Changes reported since start.
-        self.changes = 0
+        #: Changes reported since start, by (from, to) state: a few states, so a few keys.
+        self.transitions: dict[tuple[str, str], int] = {}
+
+    @property
+    def changes(self) -> int:
+        """Changes reported since start."""
+        return sum(self.transitions.values())
 
     def __call__(self, change: BreakerChange) -> None:
-        self.changes += 1
+        key = (change.old.value, change.new.value)
+        self.transitions[key] = self.transitions.get(key, 0) + 1
         log.warning(
             "circuit breaker changed state",
             extra={

@@ -150,7 +150,7 @@ class GrpcReceiver:
             )
             if not await self.ingest_log.admit(batch, self._queue.offer):
                 return self._throttled()
-        self._queue.record_rejected(validation.rejected)
+        self._queue.record_rejected(validation.rejected, "grpc")
         return codec.encode_response(validation.rejected, validation.message, json=False)
 
     def _decode(self, raw: bytes) -> tuple[Any, codec.Validation]:

@@ -35,7 +35,7 @@ from starlette.routing import Route
 from supervisor.errors import IngestError, PayloadTooLarge
 from supervisor.ingest import codec
 from supervisor.ingest.codec import UnsupportedContentType
-from supervisor.ingest.queue import Batch, IngestQueue
+from supervisor.ingest.queue import Batch, IngestQueue, Transport
 from supervisor.ingest.wal import NoLog, SpanLog
 
 __all__ = ["build_otlp_http_app"]
@@ -160,18 +160,19 @@ class _HttpReceiver:
             self._queue.release(reserved)
 
         request_pb, raw_protobuf, validation = decoded
+        transport: Transport = "http/json" if as_json else "http/protobuf"
         if validation.accepted:
             batch = Batch(
                 request=request_pb,
                 raw_protobuf=raw_protobuf,
                 received_ns=received_ns,
-                transport="http/json" if as_json else "http/protobuf",
+                transport=transport,
                 span_count=validation.accepted,
             )
             # Acknowledged only once durable (the log, when full, throttles too).
             if not await self.ingest_log.admit(batch, self._queue.offer):
                 return self._throttled(as_json)
-        self._queue.record_rejected(validation.rejected)
+        self._queue.record_rejected(validation.rejected, transport)
         return Response(
             codec.encode_response(validation.rejected, validation.message, json=as_json),
             status_code=200,

@@ -32,12 +32,21 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from supervisor.errors import ConfigError, SupervisorError
 from supervisor.ingest.decoding import Decoder
 
-__all__ = ["Batch", "HoldBack", "IngestQueue", "IngestStats", "QueueClosed", "Transport"]
+__all__ = [
+    "TRANSPORTS",
+    "Batch",
+    "HoldBack",
+    "IngestQueue",
+    "IngestStats",
+    "QueueClosed",
+    "Transport",
+    "TransportSpans",
+]
 
 #: Why ingest should throttle now (said in the log), or None to accept; called on
 #: every offer, so it must be cheap and never block.
@@ -46,6 +55,7 @@ HoldBack = Callable[[], "str | None"]
 _log = logging.getLogger(__name__)
 
 Transport = Literal["grpc", "http/protobuf", "http/json"]
+TRANSPORTS: tuple[Transport, ...] = get_args(Transport)
 
 
 class QueueClosed(SupervisorError):
@@ -94,6 +104,16 @@ class IngestStats:
     queued_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class TransportSpans:
+    """The spans that came over one transport since start (``/metrics``)."""
+
+    #: Spans acknowledged and queued.
+    accepted: int
+    #: Spans dropped by validation (bad ids), answered as partial success.
+    rejected: int
+
+
 class IngestQueue:
     """A bounded, never-blocking-on-put queue of :class:`Batch` for one event loop."""
 
@@ -122,10 +142,11 @@ class IngestQueue:
         self._throttling = False
         self._episode_throttled = 0
         self._accepted_batches = 0
-        self._accepted_spans = 0
+        # By transport; the totals in stats() are their sums.
+        self._accepted_spans: dict[Transport, int] = dict.fromkeys(TRANSPORTS, 0)
         self._throttled_batches = 0
         self._throttled_spans = 0
-        self._rejected_spans = 0
+        self._rejected_spans: dict[Transport, int] = dict.fromkeys(TRANSPORTS, 0)
         self._decode_errors = 0
         self._too_large = 0
         self._internal_errors = 0
@@ -156,7 +177,7 @@ class IngestQueue:
         self._spans += batch.span_count
         self._bytes += size
         self._accepted_batches += 1
-        self._accepted_spans += batch.span_count
+        self._accepted_spans[batch.transport] += batch.span_count
         self._wake_one()
         return True
 
@@ -221,9 +242,9 @@ class IngestQueue:
                 self._max_bytes,
             )
 
-    def record_rejected(self, spans: int) -> None:
-        """Count spans dropped by validation."""
-        self._rejected_spans += spans
+    def record_rejected(self, spans: int, transport: Transport) -> None:
+        """Count spans that came over ``transport`` and were dropped by validation."""
+        self._rejected_spans[transport] += spans
 
     def record_decode_error(self) -> None:
         """Count a request that could not be decoded."""
@@ -300,6 +321,11 @@ class IngestQueue:
         return len(self._items)
 
     @property
+    def max_bytes(self) -> int:
+        """The bound on the bytes ingest holds."""
+        return self._max_bytes
+
+    @property
     def queued_spans(self) -> int:
         """Spans offered and not yet released with :meth:`task_done`."""
         return self._spans
@@ -308,11 +334,11 @@ class IngestQueue:
         """A consistent snapshot of the counters."""
         return IngestStats(
             accepted_batches=self._accepted_batches,
-            accepted_spans=self._accepted_spans,
+            accepted_spans=sum(self._accepted_spans.values()),
             throttled_batches=self._throttled_batches,
             throttled_spans=self._throttled_spans,
             throttled_for_bytes=self._throttled_for_bytes,
-            rejected_spans=self._rejected_spans,
+            rejected_spans=sum(self._rejected_spans.values()),
             decode_errors=self._decode_errors,
             too_large=self._too_large,
             internal_errors=self._internal_errors,
@@ -321,3 +347,9 @@ class IngestQueue:
             queued_spans=self._spans,
             queued_bytes=self._bytes + self._reserved,
         )
+
+    def spans_by_transport(self) -> dict[Transport, TransportSpans]:
+        """The span counters of :meth:`stats`, for each transport (every one, even unused)."""
+        return {
+            t: TransportSpans(self._accepted_spans[t], self._rejected_spans[t]) for t in TRANSPORTS
+        }
