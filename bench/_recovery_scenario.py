@@ -5,7 +5,7 @@ and handed, as JSON, to the fake provider process and to every agent worker,
 so that all of them agree on it. Everything in it is a pure function of the
 seed and the sizes, and the fake model's answer to a request is a pure
 function of the scenario, the request and the time since the arm started:
-the four arms meet the same faults at the same logical calls.
+every arm meets the same faults at the same logical calls.
 
 What a request is, logically: the agent's system message names the run and
 its *turn* (how many model answers the run's checkpointed state holds), so a

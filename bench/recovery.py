@@ -1,4 +1,4 @@
-"""The recovery benchmark: a fleet of long agent runs through faults, four ways of recovering.
+"""The recovery benchmark: a fleet of long agent runs through faults, in six arms.
 
 A fleet of LangGraph agent runs (``--runs`` runs of ``--steps`` steps, spread
 over ``--workers`` worker processes; a step is one model call and one tool
@@ -16,10 +16,11 @@ injects, deterministically by ``--seed``:
   conversation holds guidance; without it the run spins until LangGraph's
   recursion limit;
 * worker processes killed (SIGKILL) mid-run, restarted after about a second
-  (as systemd or Kubernetes would); in arm d, the sidecar killed once too and
-  restarted on the same state.
+  (as systemd or Kubernetes would); in arms d and d+f, the sidecar killed once
+  too and restarted on the same state.
 
-Arms, run one after the other with the same faults (``--arms``):
+Six arms, no recovery and five ways of recovering, run one after the other
+with the same faults (``--arms``):
 
 * ``a`` no recovery: the first failed step ends the run;
 * ``b`` naive in-process retries: tenacity around every model call, every
@@ -33,14 +34,14 @@ Arms, run one after the other with the same faults (``--arms``):
 * ``d+f`` the same sidecar and workers, the built-in policy with one
   ``fallbacks:`` line (the fallback declared once) instead of restated entries.
 
-Printed: a markdown table with the exact command line, the goals of arm d
-checked one by one, and what happened around each fault. Saved: a PNG of the
+Printed: a markdown table with the exact command line, the goals of arms d
+and d+f checked one by one, and what happened around each fault. Saved: a PNG of the
 completion over time of every arm (``--png``) and the raw results
 (``--json``). Run from the repository root with the virtualenv active::
 
     python bench/recovery.py                  # the default scale, a few minutes
     python bench/recovery.py --quick          # 12 runs x 15 steps, about a minute
-    python bench/recovery.py --runs 200 --steps 100 --tool-s 0.3   # the issue's fleet
+    python bench/recovery.py --runs 200 --steps 100 --tool-s 0.3   # a larger fleet
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 The agent half is what any agent looks like: the real ``openai`` client with its
 own retries off (``max_retries=0``: the sidecar decides what happens after a
 failure, not the SDK), instrumented with OpenTelemetry's GenAI instrumentation
-(``opentelemetry-instrumentation-openai-v2``), exporting spans over OTLP/HTTP to
+(``opentelemetry-instrumentation-openai-v2``, with ``opentelemetry-util-genai>=1.1b0,<1.2``
+beside it: its 2.4b0 imports ``opentelemetry.util.genai.instruments``, which 1.2
+removed; the ``test`` extra pins it so), exporting spans over OTLP/HTTP to
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` (the sidecar) under the service name
 ``--service`` (default ``OTEL_SERVICE_NAME``). Each run is a root span
 (``invoke_agent``), so its trace id is the run id the sidecar writes in the

@@ -313,3 +313,32 @@ def test_collector_routes_by_trace_to_spanvisor_otlp() -> None:
     assert set(pipeline["receivers"]) <= set(config["receivers"])
     assert set(pipeline.get("processors", [])) <= set(config.get("processors") or {})
     assert set(config["service"].get("extensions", [])) <= set(config.get("extensions") or {})
+
+
+# -------------------------------------------------------------------- documents
+
+
+# A document named in a comment, with the section quoted after it: `README, "Deployment"`,
+# `README's measurements ("Performance"`, `docs/commands.md, "Signatures"`.
+_DOCUMENT_SECTION = re.compile(r'(?P<doc>README|[\w./-]+\.md)\b[^"\n]{0,40}"(?P<section>[^"]+)"')
+_DOCUMENT = re.compile(r"\b(?:README|[\w./-]+\.md)\b")
+
+
+def _headings(document: Path) -> set[str]:
+    lines = document.read_text(encoding="utf-8").splitlines()
+    return {line.lstrip("#").strip() for line in lines if line.startswith("#")}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "config").iterdir()), ids=lambda p: p.name)
+def test_every_document_named_is_in_the_repository(path: Path) -> None:
+    """A comment that sends the reader to a document sends them to one they have."""
+    text = path.read_text(encoding="utf-8")
+    for name in _DOCUMENT.findall(text):
+        document = ROOT / ("README.md" if name == "README" else name)
+        assert document.is_file(), f"{path.name} names {name}, which is not in the repository"
+    for found in _DOCUMENT_SECTION.finditer(text):
+        document = ROOT / ("README.md" if found["doc"] == "README" else found["doc"])
+        assert found["section"] in _headings(document), (
+            f"{path.name} names the section {found['section']!r} of {found['doc']},"
+            " which has no such heading"
+        )

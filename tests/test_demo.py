@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from supervisor.cli.demo import DEADLINE_S
+from supervisor.cli.demo_summary import viewer_hint
 from supervisor.cli.demo_view import (
     Event,
     Facts,
@@ -295,6 +296,12 @@ def test_the_summary_says_what_failed_what_was_done_and_what_recovered(demo: Dem
     assert decisions is not None, demo.explain()
     for count in ("retry 5", "remediate 3", "fallback 2", "escalate 1", "fail_fast 1"):
         assert count in decisions.group(1), decisions.group(1)
+
+
+def test_the_viewer_hint_runs_jaeger_with_docker_or_without() -> None:
+    hint = "\n".join(viewer_hint(("ops-agent",), None))
+    assert "docker run --rm -p 16686:16686 -p 4318:4318 jaegertracing/all-in-one" in hint
+    assert "without Docker: ./jaeger, from github.com/jaegertracing/jaeger/releases" in hint
 
 
 @pytest.mark.slow

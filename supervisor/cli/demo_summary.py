@@ -172,6 +172,7 @@ def viewer_hint(services: tuple[str, ...], downstream: str | None) -> list[str]:
     return [
         *lines,
         "  Jaeger:  docker run --rm -p 16686:16686 -p 4318:4318 jaegertracing/all-in-one",
+        "           (without Docker: ./jaeger, from github.com/jaegertracing/jaeger/releases)",
         "           OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 spanvisor demo",
         f"           then open http://127.0.0.1:16686 (services {names}, spanvisor)",
         "  Phoenix: PHOENIX_GRPC_PORT=14317 phoenix serve     (UI and OTLP/HTTP on :6006)",
