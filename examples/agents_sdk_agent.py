@@ -131,7 +131,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import format_trace_id
 
-from supervisor.client import DEFAULT_BASE_URL, SeenCommands, SupervisorClientError
+from supervisor.client import SeenCommands, SupervisorClientError
 from supervisor.client.pull import Command, CommandPuller
 
 #: Marks guidance from the sidecar in the conversation: the model must not take it for the user.
@@ -865,9 +865,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--spanvisor-url",
-        default=DEFAULT_BASE_URL,
-        help=f"the sidecar's control API (default {DEFAULT_BASE_URL}); its token comes from"
-        " SPANVISOR_API_TOKEN or ~/.spanvisor/api-token",
+        default=None,
+        help="the sidecar's control API (default: found as the spanvisor CLI finds it:"
+        " SPANVISOR_API_URL, SPANVISOR_API_PORT, SPANVISOR_CONFIG...); its token comes from"
+        " SPANVISOR_API_TOKEN, else the sidecar's token file (~/.spanvisor/api-token)",
     )
     parser.add_argument(
         "--poll-wait-s",
@@ -931,7 +932,7 @@ async def _serve(args: argparse.Namespace, settings: Settings) -> list[RunReport
     set_default_openai_api("chat_completions")
     agent = SdkAgent(settings, client, provider.get_tracer("agents_sdk_agent"), router, effects)
     _say(
-        f"{settings.service}: pulling commands from {args.spanvisor_url},"
+        f"{settings.service}: pulling commands from {puller.base_url},"
         f" {settings.runs} run(s) on {settings.model}"
     )
     started = time.time()

@@ -102,7 +102,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from typing_extensions import TypedDict
 
-from supervisor.addresses import API_PORT_ENV, DEFAULT_API_PORT, api_url
 from supervisor.client import SupervisorClientError
 from supervisor.client.langgraph import Directive, LangGraphAdapter, supervision
 from supervisor.client.pull import CommandPuller
@@ -691,8 +690,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--api",
-        default=api_url(os.environ.get(API_PORT_ENV, DEFAULT_API_PORT)),
-        help="the sidecar's control API (token: SPANVISOR_API_TOKEN)",
+        default=None,
+        help="the sidecar's control API (default: found as the spanvisor CLI finds it:"
+        " SPANVISOR_API_URL, SPANVISOR_API_PORT, SPANVISOR_CONFIG...; token:"
+        " SPANVISOR_API_TOKEN, else the sidecar's token file)",
     )
     parser.add_argument(
         "--refund-step", type=int, default=-1, help="this step asks for a refund (default none)"
@@ -795,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     poller = threading.Thread(target=pull, name="spanvisor-pull", daemon=True)
     _say(
         f"{settings.service}: {settings.runs} thread(s) of {settings.steps} step(s) on"
-        f" {settings.model}, checkpoints in {args.checkpoints}, commands from {args.api}"
+        f" {settings.model}, checkpoints in {args.checkpoints}, commands from {puller.base_url}"
         f"{' (resuming)' if args.resume else ''}"
     )
     if not args.resume:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from supervisor.addresses import DEFAULT_API_PORT
+from supervisor.addresses import DEFAULT_API_PORT, default_token_file
 from supervisor.addresses import LOOPBACK as LOOPBACK  # noqa: PLC0414 - imported from here too
 from supervisor.errors import ConfigError
 from supervisor.settings_sources import current_load, loading
@@ -146,7 +146,11 @@ class Settings(BaseSettings):
         description="Bearer token for the control API. Unset: a random one is made "
         "at start and written to token_file (mode 0600).",
     )
-    token_file: Path = Field(default_factory=lambda: Path.home() / ".spanvisor" / "api-token")
+    token_file: Path = Field(
+        default_factory=default_token_file,
+        description="Where the token made at start is written, and clients read it"
+        " (SPANVISOR_TOKEN_FILE).",
+    )
     policy: Path | None = Field(default=None, description="Policy file; unset: the built-in one.")
     observe_only: bool = Field(default=False, description="Compute and trace decisions only.")
 

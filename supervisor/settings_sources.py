@@ -38,10 +38,13 @@ log = logging.getLogger("spanvisor.settings")
 #: A validation error's location: field names, mapping keys, list indices.
 Loc = tuple[str | int, ...]
 
-#: ``SPANVISOR_*`` names that are not settings: read by one component, or set by
-#: the command actuator for the commands it runs.
+#: ``SPANVISOR_*`` names that are not settings: read by one component (the
+#: settings file and the clients' API address: ``supervisor.api_access``), or set
+#: by the command actuator for the commands it runs.
 NOT_SETTINGS = frozenset(
     {
+        "CONFIG",
+        "API_URL",
         "LLM_API_KEY",
         "COMPILE",
         "COMMAND",

@@ -368,6 +368,7 @@ def test_token_from_the_environment_then_the_file(
     sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("SPANVISOR_TOKEN_FILE")  # then the sidecar's default token file
     (tmp_path / ".spanvisor").mkdir()
     (tmp_path / ".spanvisor" / "api-token").write_text(TOKEN + "\n")
     monkeypatch.setenv("SPANVISOR_API_TOKEN", "from-env")

@@ -11,11 +11,13 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
 from policies import Policy, json_schema, load_policy
+from supervisor.api_access import CONFIG_ENV
 from supervisor.judge.replay import BadRecord, jsonl_line, replay, table_header, table_row
 from supervisor.logs import configure_logging
 
@@ -44,7 +46,8 @@ def run_sidecar(args: argparse.Namespace) -> int:
             "policy",
         )
     }
-    settings = load_settings(args.config, overrides)
+    # The settings file: --config, else SPANVISOR_CONFIG, which the clients read too.
+    settings = load_settings(args.config or os.environ.get(CONFIG_ENV) or None, overrides)
     configure_logging(settings.log_level)
     policy = load_policy(settings.policy)
     downstream = resolve_downstream(settings)

@@ -2,15 +2,16 @@
 
 ``incidents``, ``approvals``, ``breakers``, ``remediations``, ``runs``
 (``--watch``), ``commands`` and ``reload``, each through :func:`api`, which
-finds the API's address and token and turns any refusal into a
-:class:`ConfigError` (exit code 2).
+finds the API's address and token (:mod:`supervisor.api_access`, as the
+agent-side client does) and turns any refusal into a :class:`ConfigError`
+(exit code 2) naming the sidecar asked, how its address was chosen and where
+the token came from.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -19,7 +20,7 @@ from urllib.parse import quote
 
 import httpx
 
-from supervisor.addresses import API_PORT_ENV, DEFAULT_API_PORT, api_url
+from supervisor.api_access import resolve_access
 from supervisor.cli.output import (
     aligned,
     format_age,
@@ -46,41 +47,35 @@ def api(
     body: dict[str, object] | None = None,
 ) -> dict[str, Any]:
     """Call the running sidecar's control API; ConfigError with its message on any refusal."""
-    api = args.api or api_url(os.environ.get(API_PORT_ENV, DEFAULT_API_PORT))
-    token = args.token or os.environ.get("SPANVISOR_API_TOKEN") or token_from_file()
-    if not token:
-        raise ConfigError(
-            "no API token: pass --token, set SPANVISOR_API_TOKEN or run on the sidecar's host"
-        )
+    access = resolve_access(args.api, args.token, config=args.config)
+    if not access.token:
+        raise ConfigError(access.missing_token())
     try:
         response = httpx.request(
             method,
-            f"{api.rstrip('/')}{path}",
+            f"{access.url}{path}",
             params={k: v for k, v in (params or {}).items() if v is not None},  # type: ignore[misc]
             json=body,
-            headers={"Authorization": f"Bearer {token}"},
+            headers={"Authorization": f"Bearer {access.token}"},
             timeout=10,
             trust_env=False,
         )
     except httpx.HTTPError as exc:
-        raise ConfigError(f"cannot reach the control API at {api}: {exc}") from exc
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise ConfigError(access.unreachable(why)) from exc
     try:
         answer = response.json()
     except ValueError:
         answer = {"error": response.text[:200]}
+    if not isinstance(answer, dict):
+        answer = {"error": response.text[:200]}
+    if response.status_code in (401, 403):
+        raise ConfigError(access.refused(response.status_code, str(answer.get("error") or "")))
     if response.status_code != 200:
-        raise ConfigError(f"control API answered {response.status_code}: {answer.get('error')}")
-    return answer  # type: ignore[no-any-return]
-
-
-def token_from_file() -> str | None:
-    from supervisor.settings import load_settings
-
-    try:
-        path = load_settings().token_file
-        return path.read_text(encoding="utf-8").strip() or None
-    except (OSError, ConfigError):
-        return None
+        raise ConfigError(
+            f"{access.sidecar} answered {response.status_code}: {answer.get('error')}"
+        )
+    return answer
 
 
 def incidents(args: argparse.Namespace) -> int:

@@ -16,11 +16,19 @@ import argparse
 import os
 import sqlite3
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
 from supervisor import __version__
-from supervisor.addresses import DEFAULT_API_PORT, DEFAULT_API_URL, LOOPBACK
+from supervisor.addresses import API_PORT_ENV, DEFAULT_API_PORT, DEFAULT_API_URL, LOOPBACK
+from supervisor.api_access import (
+    API_HOST_ENV,
+    API_URL_ENV,
+    CONFIG_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+)
 from supervisor.cli import init_verb, local_verbs, operator_verbs
 from supervisor.cli.operator_verbs import CLEAR_SCREEN
 from supervisor.errors import ConfigError, PolicyError, SupervisorError
@@ -42,7 +50,30 @@ examples:
   spanvisor runs --watch                   a live table of the agents' runs
 settings: every `run` flag is also a SPANVISOR_* variable (SPANVISOR_API_PORT, ...);
 forwarded and own spans go to OTEL_EXPORTER_OTLP_ENDPOINT when it is set.
+the operator verbs (incidents ... reload) find the sidecar by --api, SPANVISOR_API_URL,
+SPANVISOR_API_HOST/SPANVISOR_API_PORT or the settings file (SPANVISOR_CONFIG); see
+`spanvisor runs --help`.
 """
+
+#: How the operator verbs find the sidecar and its token (supervisor.api_access).
+ADDRESS_NOTE = (
+    "\n"
+    + textwrap.fill(
+        f"which sidecar: --api URL, else {API_URL_ENV}, else the sidecar's own api_host and"
+        f" api_port ({API_HOST_ENV}/{API_PORT_ENV}, else the settings file named by --config or"
+        f" {CONFIG_ENV}), else {DEFAULT_API_URL}. The token: --token, else {TOKEN_ENV}, else"
+        f" api_token in the settings file, else the token file the sidecar writes at start"
+        f" ({TOKEN_FILE_ENV}, else token_file in the settings file, else ~/.spanvisor/api-token)."
+        " Errors name the sidecar asked, how its address was chosen and where the token came from.",
+        width=86,
+    )
+    + "\n"
+)
+
+
+def _examples(*lines: str, notes: str = "") -> str:
+    """A verb's epilog: its examples, then what else its --help should say."""
+    return "examples:\n" + "".join(f"  {line}\n" for line in lines) + notes
 
 
 REMEDIATIONS_EPILOG = """\
@@ -91,8 +122,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"spanvisor {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="COMMAND", required=True)
 
-    run = verbs.add_parser("run", help="run the sidecar (OTLP receivers and control API)")
-    run.add_argument("--config", type=Path, help="settings file (YAML); see config/spanvisor.yaml")
+    run = _verb(
+        verbs,
+        "run",
+        "run the sidecar (OTLP receivers and control API)",
+        _examples(
+            "spanvisor run                               built-in policy, loopback ports",
+            "spanvisor run --policy policy.yaml --config spanvisor.yaml",
+            "SPANVISOR_API_PORT=4400 spanvisor run --observe",
+            notes="every flag is also a SPANVISOR_* variable (SPANVISOR_HOST, SPANVISOR_API_PORT,\n"
+            "SPANVISOR_LOG_LEVEL, ...); flags win over variables, variables over the settings\n"
+            "file, the file over defaults. Spans are forwarded to OTEL_EXPORTER_OTLP_ENDPOINT.\n",
+        ),
+        description="Runs the sidecar in this process until SIGTERM or Ctrl-C: OTLP receivers\n"
+        "(gRPC 4317, HTTP 4318) that judge the agents' spans, and the control API (4320)\n"
+        "the operator verbs and agents ask. SIGHUP reloads the policy file.",
+    )
+    run.add_argument(
+        "--config",
+        type=Path,
+        help=f"settings file (YAML; default: {CONFIG_ENV}); see config/spanvisor.yaml",
+    )
     run.add_argument("--policy", type=Path, help="policy file (YAML); default: the built-in policy")
     run.add_argument(
         "--host",
@@ -109,74 +159,232 @@ def build_parser() -> argparse.ArgumentParser:
         dest="observe_only",
         help="compute, log and trace decisions without delivering them",
     )
-    run.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="how much the sidecar logs, as JSON lines on standard error (default INFO)",
+    )
 
     init_verb.add_parser(verbs)
 
-    validate = verbs.add_parser("validate", help="check a policy file; exit 1 with every error")
-    validate.add_argument("path", type=Path)
+    validate = _verb(
+        verbs,
+        "validate",
+        "check a policy file; exit 1 with every error",
+        _examples(
+            "spanvisor validate policy.yaml",
+            notes="prints each error with its file, line and field path; checks the remediators\n"
+            "the policy names too. Exit 0: valid; 1: errors.\n",
+        ),
+    )
+    validate.add_argument("path", type=Path, help="the policy file (YAML)")
 
-    rep = verbs.add_parser(
-        "replay", help="classify the failures in recorded traces (OTLP/JSON lines or protobuf)"
+    rep = _verb(
+        verbs,
+        "replay",
+        "classify the failures in recorded traces (OTLP/JSON lines or protobuf)",
+        _examples(
+            "spanvisor replay traces.jsonl",
+            "spanvisor replay traces.jsonl --policy policy.yaml --output jsonl | jq .kind",
+            notes="traces.jsonl as the OTel Collector's file exporter writes it. Nothing is sent\n"
+            "to agents. Exit 1 when a record could not be read (each is named on stderr).\n",
+        ),
     )
     rep.add_argument(
         "path", type=Path, help="OTLP/JSON lines, or 4-byte length-prefixed OTLP protobuf"
     )
     rep.add_argument("--policy", type=Path, help="policy file; default: the built-in policy")
-    rep.add_argument("--output", choices=["table", "jsonl"], default="table")
+    rep.add_argument(
+        "--output",
+        choices=["table", "jsonl"],
+        default="table",
+        help="table for a person (default), or jsonl: one JSON object per failure",
+    )
 
-    explain = verbs.add_parser(
-        "explain", help="show the policy's rules, or why each failure in a file got its verdict"
+    explain = _verb(
+        verbs,
+        "explain",
+        "show the policy's rules, or why each failure in a file got its verdict",
+        _examples(
+            "spanvisor explain --policy policy.yaml      the classification rules, in order",
+            "spanvisor explain traces.jsonl --span b7ad6b7169203331",
+        ),
     )
     explain.add_argument("path", type=Path, nargs="?", help="recorded traces, as for replay")
     explain.add_argument("--policy", type=Path, help="policy file; default: the built-in policy")
     explain.add_argument("--span", help="only the failure at this span id (hex)")
 
-    verbs.add_parser("schema", help="print the policy file's JSON Schema (for editors)")
+    _verb(
+        verbs,
+        "schema",
+        "print the policy file's JSON Schema (for editors)",
+        _examples(
+            "spanvisor schema > spanvisor-policy.schema.json",
+            notes="then, with the YAML language server, the policy file's first line:\n"
+            "  # yaml-language-server: $schema=spanvisor-policy.schema.json\n",
+        ),
+    )
 
     _add_demo(verbs)
 
-    remote = argparse.ArgumentParser(add_help=False)
-    remote.add_argument("--api", default=None, help=f"control API URL (default {DEFAULT_API_URL})")
+    sidecar = _remote_options()
+    remote = argparse.ArgumentParser(add_help=False, parents=[sidecar])
     remote.add_argument(
-        "--token", default=None, help="API token (default: SPANVISOR_API_TOKEN or the token file)"
+        "--output",
+        choices=["table", "jsonl"],
+        default="table",
+        help="table for a person (default), or jsonl: one JSON object a line, for scripts",
     )
-    remote.add_argument("--output", choices=["table", "jsonl"], default="table")
 
-    incidents = verbs.add_parser(
-        "incidents", parents=[remote], help="list recent failures of a running sidecar"
+    incidents = _verb(
+        verbs,
+        "incidents",
+        "list recent failures of a running sidecar",
+        _examples(
+            "spanvisor incidents                          the latest 50",
+            "spanvisor incidents --limit 200 --output jsonl",
+            notes=ADDRESS_NOTE,
+        ),
+        parents=[remote],
     )
-    incidents.add_argument("--limit", type=int, default=50)
+    incidents.add_argument(
+        "--limit", type=int, default=50, help="show at most this many, newest first (default 50)"
+    )
 
-    approvals = verbs.add_parser(
-        "approvals", parents=[remote], help="list approval requests, or approve / deny one"
+    approvals = _verb(
+        verbs,
+        "approvals",
+        "list approval requests, or approve / deny one",
+        _examples(
+            "spanvisor approvals --status pending",
+            'spanvisor approvals approve apr_1234 --note "key rotated"',
+            "spanvisor approvals deny apr_1234 --by alice",
+            notes=ADDRESS_NOTE,
+        ),
+        parents=[remote],
     )
-    approvals.add_argument("answer", nargs="?", choices=["list", "approve", "deny"], default="list")
+    approvals.add_argument(
+        "answer",
+        nargs="?",
+        choices=["list", "approve", "deny"],
+        default="list",
+        help="list (the default), approve ID or deny ID",
+    )
     approvals.add_argument("id", nargs="?", help="the approval request's id (approve, deny)")
-    approvals.add_argument("--status", choices=["pending", "approved", "denied", "expired"])
-    approvals.add_argument("--by", default=os.environ.get("USER", "cli"), help="who answers")
+    approvals.add_argument(
+        "--status",
+        choices=["pending", "approved", "denied", "expired"],
+        help="list only the requests in this state",
+    )
+    approvals.add_argument(
+        "--by", default=os.environ.get("USER", "cli"), help="who answers (default: $USER)"
+    )
     approvals.add_argument("--note", default="", help="why, for the record")
 
-    breakers = verbs.add_parser(
-        "breakers", parents=[remote], help="list circuit breakers, or isolate / close one"
+    breakers = _verb(
+        verbs,
+        "breakers",
+        "list circuit breakers, or isolate / close one",
+        _examples(
+            "spanvisor breakers",
+            "spanvisor breakers isolate openai:gpt-4o     stop calls to it until closed",
+            "spanvisor breakers close openai:gpt-4o",
+            notes=ADDRESS_NOTE,
+        ),
+        parents=[remote],
     )
-    breakers.add_argument("act", nargs="?", choices=["list", "isolate", "close"], default="list")
+    breakers.add_argument(
+        "act",
+        nargs="?",
+        choices=["list", "isolate", "close"],
+        default="list",
+        help="list (the default), isolate DEPENDENCY or close DEPENDENCY",
+    )
     breakers.add_argument("dependency", nargs="?", help="e.g. openai:gpt-4o (isolate, close)")
 
     _add_remediations(verbs, remote)
     _add_runs(verbs, remote)
 
-    commands = verbs.add_parser(
-        "commands", parents=[remote], help="list commands sent to agents (--dead: dead letters)"
+    commands = _verb(
+        verbs,
+        "commands",
+        "list commands sent to agents (--dead: dead letters)",
+        _examples(
+            "spanvisor commands --service checkout-agent",
+            "spanvisor commands --dead --output jsonl",
+            notes=ADDRESS_NOTE,
+        ),
+        parents=[remote],
     )
     commands.add_argument("--dead", action="store_true", help="only dead letters")
-    commands.add_argument("--service")
-    commands.add_argument("--limit", type=int, default=50)
+    commands.add_argument(
+        "--service", help="only the commands for this service (its exact name; not with --dead)"
+    )
+    commands.add_argument(
+        "--limit", type=int, default=50, help="show at most this many, newest first (default 50)"
+    )
 
-    verbs.add_parser(
-        "reload", parents=[remote], help="make a running sidecar reload its policy file"
+    _verb(
+        verbs,
+        "reload",
+        "make a running sidecar reload its policy file",
+        _examples(
+            "spanvisor reload",
+            "spanvisor reload --api http://10.0.0.5:4320",
+            notes="a policy with errors is refused (exit 1, its errors on stderr) and the one in\n"
+            "effect is kept. SIGHUP to `spanvisor run` does the same.\n" + ADDRESS_NOTE,
+        ),
+        parents=[sidecar],
     )
     return parser
+
+
+def _verb(
+    verbs: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+    examples: str,
+    *,
+    description: str = "",
+    parents: Sequence[argparse.ArgumentParser] = (),
+) -> argparse.ArgumentParser:
+    """A verb whose --help says what it does (``summary`` unless ``description``) and shows how."""
+    return verbs.add_parser(
+        name,
+        parents=list(parents),
+        help=summary,
+        description=description or f"{summary[0].upper()}{summary[1:]}.",
+        epilog=examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _remote_options() -> argparse.ArgumentParser:
+    """--api, --token, --config: how every operator verb names the sidecar it asks."""
+    sidecar = argparse.ArgumentParser(add_help=False)
+    sidecar.add_argument(
+        "--api",
+        default=None,
+        metavar="URL",
+        help=f"the control API's URL (default: {API_URL_ENV}, else {API_HOST_ENV}/"
+        f"{API_PORT_ENV} or the settings file's api_host/api_port, else {DEFAULT_API_URL})",
+    )
+    sidecar.add_argument(
+        "--token",
+        default=None,
+        help=f"the API token (default: {TOKEN_ENV}, else api_token in the settings file, else"
+        f" the token file: {TOKEN_FILE_ENV}, token_file in the settings file, or"
+        " ~/.spanvisor/api-token)",
+    )
+    sidecar.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the sidecar's settings file, for its api_host, api_port, api_token and token_file"
+        f" (default: {CONFIG_ENV})",
+    )
+    return sidecar
 
 
 def _add_demo(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -190,9 +398,13 @@ def _add_demo(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "resumed, a refund an operator approves, a 401. Shows it live (a line per event\n"
         "when not on a terminal), then a summary. Exits 0 when every part of the story\n"
         "happened, 1 with what did not; everything is stopped and removed at the end.",
-        epilog="to see the same in Jaeger (OTLP/HTTP on 4318, UI on 16686):\n"
-        "  OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 spanvisor demo\n"
-        "the demo's sidecar forwards every span there, and sends its own.",
+        epilog=_examples(
+            "spanvisor demo",
+            "spanvisor demo --runs 12 --seed 3 --no-live   more runs, a line per event",
+            notes="to see the same in Jaeger (OTLP/HTTP on 4318, UI on 16686):\n"
+            "  OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 spanvisor demo\n"
+            "the demo's sidecar forwards every span there, and sends its own.",
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument(
@@ -228,7 +440,7 @@ def _add_remediations(
         description="Remediations the sidecar runs for `remediate` decisions: list them\n"
         "(newest first), show one (its request, each recorded step and its trace), or\n"
         "cancel one still running.",
-        epilog=REMEDIATIONS_EPILOG,
+        epilog=REMEDIATIONS_EPILOG + ADDRESS_NOTE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     remediations.add_argument(
@@ -267,7 +479,7 @@ def _add_runs(
         description="The agents' runs a running sidecar tracks (a trace, or the session it\n"
         "names), most recently active first: what each has done, how fast, how long it\n"
         "has been quiet and whether it is running, failing, stalled or ended.",
-        epilog=RUNS_EPILOG,
+        epilog=RUNS_EPILOG + ADDRESS_NOTE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     runs.add_argument(

@@ -20,11 +20,11 @@ says), ``_guard`` (:func:`guard` on tenacity), ``_webhooks``.
 """
 
 from supervisor.act.signing import SignatureError
+from supervisor.api_access import TOKEN_ENV as TOKEN_ENV
 from supervisor.client._advice import Advice
 from supervisor.client._evidence import exception_type_name
 from supervisor.client._guard import BreakerOpen, FallbackAdvised, Guard, GuardedAttempt, guard
 from supervisor.client._http import DEFAULT_BASE_URL as DEFAULT_BASE_URL
-from supervisor.client._http import TOKEN_ENV as TOKEN_ENV
 from supervisor.client._http import SupervisorClient, SupervisorClientError
 from supervisor.client._local import LocalPolicy
 from supervisor.client._webhooks import SeenCommands, verify_webhook

@@ -17,13 +17,13 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any, cast
 from urllib.parse import quote
 
 import httpx
 
 from supervisor.addresses import DEFAULT_API_URL
+from supervisor.api_access import CLIENT, ApiAccess, resolve_access
 from supervisor.client._advice import (
     BREAKER_STATES,
     UNKNOWN_STATE,
@@ -34,33 +34,47 @@ from supervisor.client._advice import (
 )
 from supervisor.client._evidence import exception_type_name, retry_after_of, status_of
 from supervisor.client._local import MAX_MESSAGE_CHARS, LocalPolicy
-from supervisor.errors import SupervisorError
+from supervisor.errors import ConfigError, SupervisorError
 
 log = logging.getLogger("spanvisor.client")
 
-#: Where the client asks unless given ``base_url``.
+#: Where the client asks when nothing names another address (see :mod:`supervisor.api_access`).
 DEFAULT_BASE_URL = DEFAULT_API_URL
-TOKEN_ENV = "SPANVISOR_API_TOKEN"  # noqa: S105 - the name of a variable
 
 
 class SupervisorClientError(SupervisorError):
-    """The client is misconfigured (the sidecar refused its token); waiting will not help."""
+    """The client is misconfigured (its address or token cannot be used, or the sidecar
+    refused its token); waiting will not help."""
 
 
-def default_token() -> str | None:
-    """The API token from SPANVISOR_API_TOKEN, else the file the sidecar writes; None if neither."""
-    token = os.environ.get(TOKEN_ENV, "").strip()
-    if token:
-        return token
+def client_access(base_url: str | None, token: str | None) -> ApiAccess:
+    """The address and token of a client made with these arguments (:func:`resolve_access`).
+
+    Raises :class:`SupervisorClientError` for a setting that cannot be used.
+    """
     try:
-        token = (Path.home() / ".spanvisor" / "api-token").read_text(encoding="utf-8").strip()
-    except (OSError, RuntimeError, UnicodeDecodeError):  # no file, no home, not text
-        return None
-    return token or None
+        return resolve_access(base_url, token, names=CLIENT)
+    except ConfigError as exc:
+        raise SupervisorClientError(str(exc)) from exc
+
+
+def refused(access: ApiAccess, response: httpx.Response) -> SupervisorClientError:
+    """The error for a 401/403: which sidecar refused which token, and what to check."""
+    try:
+        detail = response.json().get("error", "")
+    except (ValueError, AttributeError):
+        detail = response.text[:200]
+    return SupervisorClientError(access.refused(response.status_code, str(detail)))
 
 
 class SupervisorClient:
     """Asks the sidecar's control API; answers locally when it cannot.
+
+    ``base_url`` and ``token``, when not given, are found as the CLI finds
+    them (:mod:`supervisor.api_access`): ``SPANVISOR_API_URL``, the sidecar's
+    ``SPANVISOR_API_HOST`` / ``SPANVISOR_API_PORT`` or settings file
+    (``SPANVISOR_CONFIG``), else ``http://127.0.0.1:4320``; ``SPANVISOR_API_TOKEN``,
+    else the sidecar's token file. :attr:`access` says which.
 
     Thread-safe; one per process is enough. Sync methods use an
     ``httpx.Client``; the ``a``-prefixed twins an ``httpx.AsyncClient`` bound to
@@ -74,7 +88,7 @@ class SupervisorClient:
 
     def __init__(
         self,
-        base_url: str = DEFAULT_BASE_URL,
+        base_url: str | None = None,
         token: str | None = None,
         *,
         timeout_s: float = 0.5,
@@ -85,8 +99,10 @@ class SupervisorClient:
         sleep: Callable[[float], None] = time.sleep,
         async_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._token = token or default_token()
+        #: The address and token, and where each came from.
+        self.access = client_access(base_url, token)
+        self.base_url = self.access.url
+        self._token = self.access.token
         self.timeout_s = timeout_s
         # The agent's spans name it by OTEL_SERVICE_NAME; its questions should too.
         self.service = service or os.environ.get("OTEL_SERVICE_NAME", "")
@@ -180,22 +196,17 @@ class SupervisorClient:
             self._recheck_at = now + self.recheck_s
         if first:
             log.warning(
-                "spanvisor unreachable at %s (%s); using the local policy", self.base_url, why
+                "spanvisor unreachable at %s (%s): %s; using the local policy",
+                self.base_url,
+                self.access.url_from,
+                why,
             )
-
-    def _refused(self, response: httpx.Response) -> SupervisorClientError:
-        how = "sent no API token" if not self._token else "sent an API token it refused"
-        return SupervisorClientError(
-            f"spanvisor at {self.base_url} answered {response.status_code}: the client {how}. "
-            f"Pass token=, set {TOKEN_ENV}, or check ~/.spanvisor/api-token "
-            "(the sidecar writes its token there)"
-        )
 
     def _read(self, response: httpx.Response) -> object:
         """The JSON of a 200; raise for a refused token; ``UnreadableAnswer`` for anything else."""
         if response.status_code in (401, 403):
             self._answered()
-            raise self._refused(response)
+            raise refused(self.access, response)
         if response.status_code == 400:
             raise UnreadableAnswer(f"the sidecar rejected the request: {response.text[:200]}")
         if response.status_code != 200:

@@ -59,11 +59,14 @@ is always in a valid place, and a thread that is running gets it too.
    agent does not retry on its own: it waits for the sidecar's command.
 3. Commands arrive by the pull channel: ``adapter.serve(puller, on_directive,
    stop=event)`` in a thread, or ``adapter.handle(puller.poll(), puller.ack)``
-   in your own loop. Each command is applied once per idempotency key and
-   acknowledged once applied. :meth:`LangGraphAdapter.apply` returns a
-   :class:`Directive`: ``continue`` (call :meth:`LangGraphAdapter.proceed`),
-   ``wait`` (paused, or waiting in an ``interrupt()``), ``stop`` (aborted or
-   denied) or ``none`` (nothing to do now; the reason says why).
+   in your own loop. ``CommandPuller(service)`` finds the sidecar and its token
+   as the CLI does (``SPANVISOR_API_URL``, ``SPANVISOR_API_PORT``,
+   ``SPANVISOR_CONFIG``...: :mod:`supervisor.api_access`). Each command is
+   applied once per idempotency key and acknowledged once applied.
+   :meth:`LangGraphAdapter.apply` returns a :class:`Directive`: ``continue``
+   (call :meth:`LangGraphAdapter.proceed`), ``wait`` (paused, or waiting in
+   an ``interrupt()``), ``stop`` (aborted or denied) or ``none`` (nothing to
+   do now; the reason says why).
 4. Commands that edit the checkpoints (``rewind_run``, ``compact_context``)
    for a thread that is running are deferred: the adapter applies them when
    that invocation ends, and continues the thread itself when they say so.

@@ -34,7 +34,7 @@ from urllib.parse import quote
 import httpx
 
 from supervisor.act.commands import PAUSE_OUTCOMES, PauseTimeout
-from supervisor.client._http import DEFAULT_BASE_URL, SupervisorClientError, default_token
+from supervisor.client._http import client_access, refused
 
 __all__ = ["Command", "CommandPuller", "MalformedCommand", "PauseTimeout"]
 
@@ -151,6 +151,10 @@ class Command:
 class CommandPuller:
     """Leases one service's commands from the control API and acknowledges them.
 
+    ``base_url`` and ``token``, when not given, are found as the CLI and
+    :class:`~supervisor.client.SupervisorClient` find them
+    (:mod:`supervisor.api_access`); :attr:`access` says where from.
+
     Lifecycle: construct, call :meth:`poll` and :meth:`ack` from one thread or
     several (the connection pool is thread-safe), :meth:`close` when done (or
     use it as a context manager). Commands that fail to parse are logged,
@@ -166,7 +170,7 @@ class CommandPuller:
     def __init__(
         self,
         service: str,
-        base_url: str = DEFAULT_BASE_URL,
+        base_url: str | None = None,
         token: str | None = None,
         *,
         timeout_s: float = 5.0,
@@ -178,7 +182,9 @@ class CommandPuller:
         if not 1 <= limit <= 100:
             raise ValueError("limit must be between 1 and 100")
         self.service = service
-        self.base_url = base_url.rstrip("/")
+        #: The address and token, and where each came from (:mod:`supervisor.api_access`).
+        self.access = client_access(base_url, token)
+        self.base_url = self.access.url
         self.limit = limit
         self.timeout_s = timeout_s
         self.malformed = 0
@@ -186,10 +192,9 @@ class CommandPuller:
         self._down = False
         self._unsent_acks: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
-        token = token or default_token()
         headers = {"Accept": "application/json", "User-Agent": "spanvisor-client"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        if self.access.token:
+            headers["Authorization"] = f"Bearer {self.access.token}"
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=headers,
@@ -228,9 +233,7 @@ class CommandPuller:
             self._unreachable(f"{type(exc).__name__}: {exc}")
             return []
         if response.status_code in (401, 403):
-            raise SupervisorClientError(
-                f"spanvisor refused the API token ({response.status_code}); set SPANVISOR_API_TOKEN"
-            )
+            raise refused(self.access, response)
         if response.status_code != 200:
             self._unreachable(f"HTTP {response.status_code}: {response.text[:200]}")
             return []
@@ -280,9 +283,7 @@ class CommandPuller:
             self._unreachable(f"{type(exc).__name__}: {exc}")
             return None
         if response.status_code in (401, 403):
-            raise SupervisorClientError(
-                f"spanvisor refused the API token ({response.status_code}); set SPANVISOR_API_TOKEN"
-            )
+            raise refused(self.access, response)
         if response.status_code != 200:
             log.info("ack of %s not taken: HTTP %s", command_id, response.status_code)
             return False
@@ -319,7 +320,12 @@ class CommandPuller:
         with self._lock:
             first, self._down = not self._down, True
         if first:
-            log.warning("cannot pull commands from spanvisor at %s: %s", self.base_url, why)
+            log.warning(
+                "cannot pull commands from spanvisor at %s (%s): %s",
+                self.base_url,
+                self.access.url_from,
+                why,
+            )
 
     def _reachable(self) -> None:
         with self._lock:
