@@ -19,12 +19,13 @@ from policies._breakers import BreakerChange, BreakerState
 from policies._cascade import Cascade
 from policies._detectors import DetectorSettings
 from policies._governor import RUN_KINDS, Governor, counts_for_breaker
-from policies._loader import json_schema, load_policy
+from policies._loader import load_policy
 from policies._model_table import ModelTable
 from policies._policy import Policy
 from policies._regex import regex_timeouts
 from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, RemediatorSpec
 from policies._schema_budgets import SloSpec
+from policies._schema_json import json_schema
 from policies._slo import SloTracker
 from policies._spend import ModelInfo, RunSpend
 from policies._verifiers import VerificationFailure, VerifierSet

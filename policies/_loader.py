@@ -34,13 +34,13 @@ from policies._schema import (
     RetryBudgetSpec,
     SimpleEntry,
 )
+from policies._schema_fields import BUILTIN_PREFIX
 from policies._verifiers import compile_verifiers
 from policies._yamldoc import MAX_TEXT_CHARS, PathElem, YamlDoc, join_path, parse
 from supervisor.errors import PolicyError, PolicyIssue
 from supervisor.records import BUILTIN_KINDS
 
 BUILTIN_SOURCE = "<builtin>"
-BUILTIN_PREFIX = "builtin."
 CATCH_ALL_RULE = "builtin.unknown"
 CATCH_ALL_ENTRY = "builtin.default"
 MAX_ISSUES = 100
@@ -83,12 +83,6 @@ def load_policy(
         raise ValueError("load_policy takes a path or text, not both")
     doc = parse(text, source)
     return _layer(_validate(doc, user=True), doc)
-
-
-def json_schema() -> dict[str, Any]:
-    """The JSON Schema of a policy file (what ``spanvisor schema`` prints)."""
-    schema = PolicyFile.model_json_schema(by_alias=True)
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
 def _read(path: Path, source: str) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema, model_validator
 
 from policies._schema_budgets import (
     ContextPressureSpec,
@@ -54,6 +54,7 @@ from policies._schema_fields import (
     Globs,
     GrpcCodes,
     HttpStatuses,
+    Ident,
     JitterName,
     Kind,
     Kinds,
@@ -62,8 +63,8 @@ from policies._schema_fields import (
     Roles,
     SimpleActionName,
     Template,
+    Version,
     Words,
-    _check_ident,
     _Strict,
 )
 from policies._schema_verifiers import (
@@ -165,7 +166,8 @@ class ExponentialWait(_Strict):
     clients that failed together.
     """
 
-    type: Literal["exponential", "random_exponential"]
+    # Left out, it is ``exponential`` (see ``_default_wait_type``).
+    type: Literal["exponential", "random_exponential"] = "exponential"
     multiplier: float = Field(default=1.0, gt=0, le=MAX_SECONDS)
     min: float = Field(default=0.0, ge=0, le=MAX_SECONDS)
     max: float = Field(default=60.0, gt=0, le=MAX_SECONDS)
@@ -185,8 +187,9 @@ class ExponentialWait(_Strict):
 
 
 def _default_wait_type(value: object) -> object:
+    """A ``wait:`` without ``type`` is exponential (the union needs its tag to pick a model)."""
     if isinstance(value, dict) and "type" not in value:
-        return {**value, "type": "exponential"}
+        return {**value, "type": ExponentialWait.model_fields["type"].default}
     return value
 
 
@@ -195,6 +198,11 @@ def _action_shorthand(value: object) -> object:
     if isinstance(value, str):
         return {"action": value}
     return value
+
+
+#: The actions ``on_exhausted:`` may name alone: those that need no other key
+#: (``remediate`` needs its ``remediator``).
+ShorthandAction = Literal["fallback", "escalate", "fail_fast", "none"]
 
 
 Wait = Annotated[
@@ -224,7 +232,7 @@ class RemediateSpec(_Strict):
     """Dispatch a remediation sub-agent by name."""
 
     action: Literal["remediate"]
-    remediator: Annotated[str, AfterValidator(_check_ident)]
+    remediator: Ident
 
 
 class SimpleSpec(_Strict):
@@ -257,11 +265,12 @@ class EscalateSpec(_Strict):
     )
 
 
+_ExhaustedSpec = Annotated[
+    FallbackSpec | RemediateSpec | EscalateSpec | SimpleSpec, Field(discriminator="action")
+]
 Exhausted = Annotated[
-    Annotated[
-        FallbackSpec | RemediateSpec | EscalateSpec | SimpleSpec, Field(discriminator="action")
-    ],
-    BeforeValidator(_action_shorthand),
+    _ExhaustedSpec,
+    BeforeValidator(_action_shorthand, json_schema_input_type=ShorthandAction | _ExhaustedSpec),
 ]
 
 
@@ -441,10 +450,11 @@ ToolName = Literal[
     "restart_worker",
 ]
 _REMEDIATOR_USE = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?")
+_MAX_USE_LEN = 256
 
 
 def _check_use(value: str) -> str:
-    if len(value) > 256 or not _REMEDIATOR_USE.fullmatch(value):
+    if len(value) > _MAX_USE_LEN or not _REMEDIATOR_USE.fullmatch(value):
         raise ValueError(
             f"bad remediator {value!r}: a built-in or entry-point name, or 'package.module:Class'"
         )
@@ -463,17 +473,23 @@ class RemediatorBudgetSpec(_Strict):
 class RemediatorSpec(_Strict):
     """A named remediator: which implementation, which tools, what budget."""
 
-    use: Annotated[str, AfterValidator(_check_use)] = Field(
-        description="A built-in or entry-point name, or 'package.module:Class'."
-    )
+    use: Annotated[
+        str,
+        AfterValidator(_check_use),
+        WithJsonSchema(
+            {
+                "type": "string",
+                "maxLength": _MAX_USE_LEN,
+                "pattern": f"^{_REMEDIATOR_USE.pattern}$",
+            }
+        ),
+    ] = Field(description="A built-in or entry-point name, or 'package.module:Class'.")
     tools: Annotated[list[ToolName], Field(max_length=16)] | None = Field(
         default=None,
         description="Allowlist; unset: the remediator's own. Never wider than its own.",
     )
     budget: RemediatorBudgetSpec = Field(default_factory=RemediatorBudgetSpec)
-    params: Annotated[
-        dict[Annotated[str, AfterValidator(_check_ident)], Any], Field(max_length=64)
-    ] = Field(default_factory=dict)
+    params: Annotated[dict[Ident, Any], Field(max_length=64)] = Field(default_factory=dict)
     verify_window_s: float = Field(
         default=120.0,
         ge=0,
@@ -552,7 +568,13 @@ class DetectorsSpec(ServiceDetectorsSpec):
 
 
 Fallbacks = Annotated[
-    dict[Glob, Annotated[list[DependencyKey], Field(min_length=1, max_length=32)]],
+    dict[
+        Glob,
+        Annotated[
+            list[DependencyKey],
+            Field(min_length=1, max_length=32, json_schema_extra={"uniqueItems": True}),
+        ],
+    ],
     Field(max_length=MAX_ITEMS),
 ]
 """``fallbacks:``: dependency glob -> ordered alternatives. A key that lists
@@ -562,7 +584,7 @@ itself, or an alternative listed twice, is refused at load (with its path)."""
 class PolicyFile(_Strict):
     """A spanvisor policy file (``version: 1``)."""
 
-    version: Literal[1]
+    version: Version
     builtin: bool = Field(
         default=True, description="Layer this file on top of the built-in policy; false drops it."
     )
@@ -582,9 +604,9 @@ class PolicyFile(_Strict):
     )
     retry_budget: RetryBudgetSpec | None = None
     restart_intensity: RestartIntensitySpec | None = None
-    remediators: Annotated[
-        dict[Annotated[str, AfterValidator(_check_ident)], RemediatorSpec], Field(max_length=256)
-    ] = Field(default_factory=dict, description="Named remediators for 'remediate' actions.")
+    remediators: Annotated[dict[Ident, RemediatorSpec], Field(max_length=256)] = Field(
+        default_factory=dict, description="Named remediators for 'remediate' actions."
+    )
     detectors: DetectorsSpec | None = Field(
         default=None, description="Run detectors (loops, stalls); unset: the built-in policy's."
     )

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from policies._schema_fields import Glob, _Strict
+from policies._schema_fields import Glob, Version, _set, _Strict
 
 __all__ = [
     "MAX_PRICE_PER_MTOK",
@@ -40,6 +40,15 @@ class ModelInfoSpec(_Strict):
     is ``input_per_mtok: 0, output_per_mtok: 0``.
     """
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"allOf": [_set("input_per_mtok"), _set("output_per_mtok")]},
+                {"not": {"anyOf": [_set("input_per_mtok"), _set("output_per_mtok")]}},
+            ]
+        }
+    )
+
     context_window: int = Field(
         gt=0, le=MAX_WINDOW_TOKENS, description="Input tokens the model accepts, in all."
     )
@@ -63,7 +72,7 @@ ModelOverrides = Annotated[dict[Glob, ModelInfoSpec], Field(max_length=256)]
 class ModelTableFile(_Strict):
     """The packaged ``model_tables.yaml``: ordered globs over model names, first match wins."""
 
-    version: Literal[1]
+    version: Version
     models: Annotated[dict[Glob, ModelInfoSpec], Field(min_length=1, max_length=1000)]
 
 

@@ -5,6 +5,11 @@ glob fails as ``rules[2].match.service.0``), so the models in
 :mod:`policies._schema`, :mod:`policies._schema_budgets` and
 :mod:`policies._schema_verifiers` declare fields and nothing else. Like them,
 this module validates and never runs anything on spans.
+
+Each type also says what it accepts in the policy file's JSON Schema (``spanvisor
+schema``, for editors): the input a validator takes (``role: tool`` for
+``[tool]``, ``"5xx"`` for a status range), not the value it produces, with the
+same patterns the checks use where a regex can say it.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from pydantic import (
 )
 from pydantic.json_schema import WithJsonSchema
 
-from policies._glob import check_glob
-from policies._regex import check_regex
+from policies._glob import GLOB_PATTERN, MAX_GLOB_LEN, check_glob
+from policies._regex import MAX_REGEX_LEN, check_regex
 from supervisor.records import GRPC_CODES
 
 ClassName = Literal["transient", "model", "permanent", "semantic"]
@@ -41,12 +46,24 @@ MAX_ITEMS = 256
 MAX_SECONDS = 3600.0
 MAX_RETRY_AFTER_S = 86400.0
 MAX_ATTEMPTS = 100
+MAX_DEPENDENCY_LEN = 256
+#: Names of rules, decision entries and verifiers starting with this are the built-in
+#: policy's: a policy file may not use them (the loader says so, the JSON Schema too).
+BUILTIN_PREFIX = "builtin."
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")
 _KIND = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
 _STATUS_CLASS = re.compile(r"([1-5])xx")
-_STATUS_RANGE = re.compile(r"(\d{3})\s*-\s*(\d{3})")
+_STATUS_RANGE = re.compile(r"([0-9]{3})\s*-\s*([0-9]{3})")
+_STATUS_CODE = re.compile(r"[0-9]{3}")
+#: What the HTTP status forms above accept, codes limited to 100..599 (as the check
+#: does after parsing; only "low <= high" of a range is left to the check).
+_STATUS_PATTERN = r"^\s*(?:[1-5][xX][xX]|[1-5][0-9]{2}\s*-\s*[1-5][0-9]{2}|[1-5][0-9]{2})\s*$"
+#: A dependency key: no surrounding whitespace (what ``str.strip`` would remove).
+_DEPENDENCY_KEY = re.compile(r"\S(?:[\s\S]*\S)?")
+#: A dependency template: text, ``{{``/``}}`` escapes, and ``{field}`` of TEMPLATE_FIELDS.
+_TEMPLATE = re.compile(r"(?:[^{}]|\{\{|\}\}|\{(?:" + "|".join(sorted(TEMPLATE_FIELDS)) + r")\})+")
 
 
 def _as_list(value: object) -> object:
@@ -78,28 +95,34 @@ def _check_ident(value: str) -> str:
 
 
 def _check_template(value: str) -> str:
-    """A dependency key, optionally with ``{field}`` placeholders from TEMPLATE_FIELDS."""
-    if not value or len(value) > 256:
-        raise ValueError("dependency must be 1-256 characters")
+    """A dependency key, optionally with ``{field}`` placeholders from TEMPLATE_FIELDS.
+
+    ``_TEMPLATE`` decides (the JSON Schema carries it); ``string.Formatter`` says why not.
+    """
+    if not value or len(value) > MAX_DEPENDENCY_LEN:
+        raise ValueError(f"dependency must be 1-{MAX_DEPENDENCY_LEN} characters")
+    if _TEMPLATE.fullmatch(value):
+        return value
     try:
         parts = list(string.Formatter().parse(value))
     except ValueError as exc:
         raise ValueError(f"bad dependency template {value!r}: {exc}") from None
     for _, field, spec, conversion in parts:
-        if field is None:
-            continue
-        if field not in TEMPLATE_FIELDS or spec or conversion:
-            allowed = ", ".join("{" + f + "}" for f in sorted(TEMPLATE_FIELDS))
-            raise ValueError(
-                f"bad dependency template {value!r}: placeholder {{{field}}}"
-                f" is not one of {allowed}"
-            )
-    return value
+        if field is not None and (field not in TEMPLATE_FIELDS or spec or conversion):
+            break
+    else:
+        field = "?"
+    allowed = ", ".join("{" + f + "}" for f in sorted(TEMPLATE_FIELDS))
+    raise ValueError(
+        f"bad dependency template {value!r}: placeholder {{{field}}} is not one of {allowed}"
+    )
 
 
 def _check_dependency_key(value: str) -> str:
-    if not value or len(value) > 256 or value.strip() != value:
-        raise ValueError(f"bad dependency {value!r}: 1-256 characters, no surrounding spaces")
+    if len(value) > MAX_DEPENDENCY_LEN or not _DEPENDENCY_KEY.fullmatch(value):
+        raise ValueError(
+            f"bad dependency {value!r}: 1-{MAX_DEPENDENCY_LEN} characters, no surrounding spaces"
+        )
     return value
 
 
@@ -117,7 +140,7 @@ def _http_status(value: object) -> tuple[int, int]:
             hi = lo + 99
         elif span := _STATUS_RANGE.fullmatch(text):
             lo, hi = int(span.group(1)), int(span.group(2))
-        elif text.isdigit() and len(text) == 3:
+        elif _STATUS_CODE.fullmatch(text):
             lo = hi = int(text)
         else:
             raise ValueError(f"bad HTTP status {value!r}: {hint}")
@@ -137,18 +160,12 @@ def _http_status(value: object) -> tuple[int, int]:
 def _grpc_code(value: object) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 16:
         return value
-    if isinstance(value, str) and value.upper() in GRPC_CODES:
+    # ASCII only: the dotless i upper-cases to "I", which no editor's case-folding does.
+    if isinstance(value, str) and value.isascii() and value.upper() in GRPC_CODES:
         return GRPC_CODES[value.upper()]
     raise ValueError(
         f"bad gRPC code {value!r}: use 0..16 or a name such as UNAVAILABLE or DEADLINE_EXCEEDED"
     )
-
-
-class RegexCondition(BaseModel):
-    """Only documents ``{regex: ...}`` in the JSON Schema; parsing is ``_attribute_condition``."""
-
-    model_config = ConfigDict(extra="forbid")
-    regex: str
 
 
 AttrScalar = str | int | float | bool
@@ -167,48 +184,139 @@ def _attribute_condition(value: object) -> tuple[str, AttrScalar]:
     raise ValueError("an attribute condition is a scalar or {regex: <pattern>}")
 
 
-def _list_of(item_input: Any) -> BeforeValidator:
-    return BeforeValidator(_as_list, json_schema_input_type=item_input | list[item_input])
+def _list_of(item: Any) -> BeforeValidator:
+    """One ``item`` or a list of them; the JSON Schema keeps the item's own constraints."""
+    return BeforeValidator(_as_list, json_schema_input_type=item | list[item])
+
+
+def _any_case(word: str) -> str:
+    """A regex matching ``word`` in any ASCII case (JSON Schema patterns have no flags)."""
+    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in word)
 
 
 Name = Annotated[
     str,
     AfterValidator(_check_name),
-    WithJsonSchema({"type": "string", "pattern": f"^{_NAME.pattern}$"}),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "pattern": f"^{_NAME.pattern}$",
+            "not": {"pattern": "^" + re.escape(BUILTIN_PREFIX)},
+        }
+    ),
 ]
 Kind = Annotated[
     str,
     AfterValidator(_check_kind),
     WithJsonSchema({"type": "string", "pattern": f"^{_KIND.pattern}$"}),
 ]
-Glob = Annotated[str, AfterValidator(check_glob)]
-Regex = Annotated[str, AfterValidator(check_regex)]
-DependencyKey = Annotated[str, AfterValidator(_check_dependency_key)]
-Template = Annotated[str, AfterValidator(_check_template)]
-HttpStatus = Annotated[
-    tuple[int, int], PlainValidator(_http_status, json_schema_input_type=int | str | list[int])
+Ident = Annotated[
+    str,
+    AfterValidator(_check_ident),
+    WithJsonSchema({"type": "string", "pattern": f"^{_IDENT.pattern}$"}),
 ]
-GrpcCode = Annotated[int, PlainValidator(_grpc_code, json_schema_input_type=int | str)]
+Glob = Annotated[
+    str,
+    AfterValidator(check_glob),
+    WithJsonSchema(
+        {"type": "string", "minLength": 1, "maxLength": MAX_GLOB_LEN, "pattern": GLOB_PATTERN}
+    ),
+]
+Regex = Annotated[
+    str,
+    AfterValidator(check_regex),
+    WithJsonSchema({"type": "string", "maxLength": MAX_REGEX_LEN}),
+]
+DependencyKey = Annotated[
+    str,
+    AfterValidator(_check_dependency_key),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "maxLength": MAX_DEPENDENCY_LEN,
+            "pattern": f"^{_DEPENDENCY_KEY.pattern}$",
+        }
+    ),
+]
+Template = Annotated[
+    str,
+    AfterValidator(_check_template),
+    WithJsonSchema(
+        {"type": "string", "maxLength": MAX_DEPENDENCY_LEN, "pattern": f"^{_TEMPLATE.pattern}$"}
+    ),
+]
+
+
+class RegexCondition(BaseModel):
+    """Only documents ``{regex: ...}`` in the JSON Schema; parsing is ``_attribute_condition``."""
+
+    model_config = ConfigDict(extra="forbid")
+    regex: Regex
+
+
+_STATUS_INT = {"type": "integer", "minimum": 100, "maximum": 599}
+HttpStatus = Annotated[
+    tuple[int, int],
+    PlainValidator(_http_status),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                _STATUS_INT,
+                {"type": "string", "pattern": _STATUS_PATTERN},
+                {"type": "array", "items": _STATUS_INT, "minItems": 2, "maxItems": 2},
+            ]
+        }
+    ),
+]
+GrpcCode = Annotated[
+    int,
+    PlainValidator(_grpc_code),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": 16},
+                {"enum": list(GRPC_CODES)},
+                {
+                    "type": "string",
+                    "pattern": "^(?:" + "|".join(_any_case(n) for n in GRPC_CODES) + ")$",
+                },
+            ]
+        }
+    ),
+]
 AttrCondition = Annotated[
     tuple[str, AttrScalar],
     PlainValidator(_attribute_condition, json_schema_input_type=AttrScalar | RegexCondition),
 ]
 Description = Annotated[str, Field(max_length=2000)]
+Word = Annotated[str, Field(min_length=1, max_length=128)]
 
-Globs = Annotated[list[Glob], _list_of(str), Field(min_length=1, max_length=MAX_ITEMS)]
-Regexes = Annotated[list[Regex], _list_of(str), Field(min_length=1, max_length=MAX_ITEMS)]
-Words = Annotated[
-    list[Annotated[str, Field(min_length=1, max_length=128)]],
-    _list_of(str),
-    Field(min_length=1, max_length=MAX_ITEMS),
-]
-Kinds = Annotated[list[Kind], _list_of(str), Field(min_length=1, max_length=MAX_ITEMS)]
-Classes = Annotated[list[ClassName], _list_of(str), Field(min_length=1, max_length=4)]
-Roles = Annotated[list[RoleName], _list_of(str), Field(min_length=1, max_length=6)]
+Globs = Annotated[list[Glob], _list_of(Glob), Field(min_length=1, max_length=MAX_ITEMS)]
+Regexes = Annotated[list[Regex], _list_of(Regex), Field(min_length=1, max_length=MAX_ITEMS)]
+Words = Annotated[list[Word], _list_of(Word), Field(min_length=1, max_length=MAX_ITEMS)]
+Kinds = Annotated[list[Kind], _list_of(Kind), Field(min_length=1, max_length=MAX_ITEMS)]
+Classes = Annotated[list[ClassName], _list_of(ClassName), Field(min_length=1, max_length=4)]
+Roles = Annotated[list[RoleName], _list_of(RoleName), Field(min_length=1, max_length=6)]
 HttpStatuses = Annotated[
-    list[HttpStatus], _list_of(int | str), Field(min_length=1, max_length=MAX_ITEMS)
+    list[HttpStatus], _list_of(HttpStatus), Field(min_length=1, max_length=MAX_ITEMS)
 ]
-GrpcCodes = Annotated[list[GrpcCode], _list_of(int | str), Field(min_length=1, max_length=17)]
+GrpcCodes = Annotated[list[GrpcCode], _list_of(GrpcCode), Field(min_length=1, max_length=17)]
+
+
+def _set(key: str) -> dict[str, Any]:
+    """JSON Schema: ``key`` is present and not null (how the models tell a field is set)."""
+    return {"required": [key], "properties": {key: {"not": {"type": "null"}}}}
+
+
+def _not_bool(value: object) -> object:
+    """``True == 1`` in Python, so a ``Literal[1]`` takes ``true``: the file means a number."""
+    if isinstance(value, bool):
+        raise ValueError(f"unknown value {value!r}; expected 1")
+    return value
+
+
+#: A file format's ``version: 1``.
+Version = Annotated[Literal[1], BeforeValidator(_not_bool)]
 
 
 class _Strict(BaseModel):

@@ -12,16 +12,18 @@ from typing import Annotated, Any, Final
 
 from pydantic import (
     AfterValidator,
+    ConfigDict,
     Field,
     PlainValidator,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import WithJsonSchema
 
 from policies._json_schema import check_json_schema
 from policies._regex import RegexFlag, check_regex
-from policies._schema_fields import Description, Globs, Name, Roles, _list_of, _Strict
+from policies._schema_fields import Description, Globs, Name, Roles, _list_of, _set, _Strict
 from supervisor.records import Role
 
 __all__ = [
@@ -75,7 +77,9 @@ def _number(value: object) -> int | float:
     return value
 
 
-TrueOnly = Annotated[bool, AfterValidator(_true_only)]
+TrueOnly = Annotated[
+    bool, AfterValidator(_true_only), WithJsonSchema({"type": "boolean", "const": True})
+]
 Number = int | float
 Bound = Annotated[Number, PlainValidator(_number, json_schema_input_type=float)]
 JsonSchemaDict = Annotated[dict[str, Any], AfterValidator(check_json_schema)]
@@ -93,7 +97,7 @@ class OutputRegexSpec(_Strict):
     """A regex searched in the span's output."""
 
     # Declared before ``pattern`` so the pattern's validator can compile with them.
-    flags: Annotated[list[RegexFlag], _list_of(str), Field(max_length=5)] = Field(
+    flags: Annotated[list[RegexFlag], _list_of(RegexFlag), Field(max_length=5)] = Field(
         default_factory=list
     )
     pattern: Annotated[str, Field(min_length=1)]
@@ -111,6 +115,8 @@ class OutputRegexSpec(_Strict):
 class AttributeRangeSpec(_Strict):
     """A numeric span attribute within [min, max] (either bound may be left out)."""
 
+    model_config = ConfigDict(json_schema_extra={"anyOf": [_set("min"), _set("max")]})
+
     key: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_check_key)]
     min: Bound | None = None
     max: Bound | None = None
@@ -125,8 +131,32 @@ class AttributeRangeSpec(_Strict):
         return self
 
 
+def _one_check(schema: dict[str, Any]) -> None:
+    """JSON Schema of ``_one_check`` below: one check set; final_answer_empty's roles."""
+    finals = sorted(role.value for role in FINAL_ROLES)
+    schema["oneOf"] = [_set(check) for check in CHECKS]
+    schema["if"] = _set("final_answer_empty")
+    schema["then"] = {
+        "properties": {
+            "match": {
+                "properties": {
+                    "role": {
+                        "anyOf": [
+                            {"type": "null"},
+                            {"enum": finals},
+                            {"type": "array", "contains": {"enum": finals}},
+                        ]
+                    }
+                }
+            }
+        }
+    }
+
+
 class VerifierSpec(_Strict):
     """One semantic verifier: spans it looks at, and the one check their output must pass."""
+
+    model_config = ConfigDict(json_schema_extra=_one_check)
 
     name: Name
     description: Description | None = None
