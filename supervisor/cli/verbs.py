@@ -75,7 +75,7 @@ is the last LLM or tool call's span name. A status is one of:
            while open or told to go on
   paused   the sidecar paused it (for a person's answer, or a breaker) until a deadline
   ended    its root span ended, or it was aborted
---status and --service filter the 1000 most recently active runs. Run ids longer than
+--status and --service filter every tracked run. Run ids longer than
 12 characters are shortened: --json and --output jsonl show them whole.
 """
 
@@ -173,10 +173,24 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_argument("--service")
     commands.add_argument("--limit", type=int, default=50)
 
+    for listing, limit in ((incidents, None), (approvals, 100), (breakers, 1000), (commands, None)):
+        _add_paging(listing, limit=limit)
+
     verbs.add_parser(
         "reload", parents=[remote], help="make a running sidecar reload its policy file"
     )
     return parser
+
+
+def _add_paging(verb: argparse.ArgumentParser, *, limit: int | None = None) -> None:
+    """``--all`` for a list verb, and ``--limit`` (default ``limit``) when it has none yet."""
+    if limit is not None:
+        verb.add_argument(
+            "--limit", type=int, default=limit, help=f"list at most this many (default {limit})"
+        )
+    verb.add_argument(
+        "--all", action="store_true", help="list every one, page after page (ignores --limit)"
+    )
 
 
 def _add_demo(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -251,6 +265,7 @@ def _add_remediations(
     remediations.add_argument(
         "--limit", type=int, default=50, help="list at most this many (default 50)"
     )
+    _add_paging(remediations)
     remediations.add_argument(
         "--json", action="store_true", help="print the control API's JSON answer as is"
     )
@@ -281,6 +296,7 @@ def _add_runs(
     runs.add_argument(
         "--limit", type=int, default=100, help="show at most this many, 1 to 1000 (default 100)"
     )
+    _add_paging(runs)
     runs.add_argument(
         "--json", action="store_true", help="print the control API's JSON answer as is"
     )
