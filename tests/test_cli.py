@@ -255,3 +255,28 @@ def test_explain_tells_a_span_that_did_not_fail_from_one_that_is_not_there(
 
     code, _, err = run_cli(capsys, "explain", str(json_file), "--span", "xyz")
     assert code == 2 and "16 hex digits" in err
+
+
+def test_progress_on_a_terminal_redraws_one_line_and_ends_it() -> None:
+    import io
+
+    from supervisor.cli.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    now = [0.0]
+    screen = Terminal()
+    progress = Progress("replay x", stream=screen, clock=lambda: now[0])
+    progress.add(spans=10)  # before the first half second: nothing
+    assert screen.getvalue() == ""
+    now[0] = 0.6
+    progress.add(spans=20, failures=1)
+    now[0] = 1.2
+    progress.add(spans=30)
+    progress.done()
+
+    lines = screen.getvalue().split("\r")
+    assert lines[0] == "spanvisor: replay x: 30 spans, 1 failures, 0.6 s (50 spans/s)"
+    assert lines[-1] == "spanvisor: replay x: 60 spans, 1 failures, 1.2 s (50 spans/s)\n"
