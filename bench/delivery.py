@@ -470,7 +470,7 @@ def report(
         delays.append(arrival.not_before - arrival.created_at)
     missing = len(sent.at) - len(latencies)
     delivery = after["delivery"]
-    decisions = after["decisions"]["emitted"] - before["decisions"]["emitted"]
+    decisions = after["pipeline"]["failures"] - before["pipeline"]["failures"]
     print()
     print(
         f"{len(sent.at):,} failing spans (1 per request, with {args.successes} successful"
@@ -499,8 +499,9 @@ def report(
         f" receipt -> decision p50/p99 {after['decisions']['latency_ms']['p50']}"
         f"/{after['decisions']['latency_ms']['p99']} ms,"
         f" due -> delivered {delivery['latency_ms']};"
-        f" delivered {delivery['delivered']:,}, failed attempts {delivery['failed_attempts']},"
-        f" dead-lettered {delivery['dead_lettered']}"
+        f" delivered {delivery['commands']['delivered']:,},"
+        f" failed attempts {delivery['push']['failed_attempts']},"
+        f" dead-lettered {delivery['commands']['dead']}"
     )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(

@@ -244,8 +244,7 @@ def _counters(before: dict[str, object], after: dict[str, object]) -> str:
         ("accepted", ("ingest", "accepted_spans")),
         ("throttled", ("ingest", "throttled_spans")),
         ("processed", ("pipeline", "processed_spans")),
-        ("pipeline failures", ("pipeline", "failures")),
-        ("decisions", ("decisions", "emitted")),
+        ("failures judged and decided", ("pipeline", "failures")),
         ("remediations started", ("remediations", "dispatched")),
         ("refused as too many running", ("remediations", "busy")),
     ):

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
     latency = after["decisions"]["latency_ms"]
-    decisions = after["decisions"]["emitted"] - before["decisions"]["emitted"]
+    decisions = after["pipeline"]["failures"] - before["pipeline"]["failures"]
     remediations = _started(after) - _started(before)
     throttled_spans = after["ingest"]["throttled_spans"] - before["ingest"]["throttled_spans"]
     p99 = latency["p99"]

@@ -479,11 +479,14 @@ def report_latency(args: argparse.Namespace, result: LatencyResult) -> float | N
         f" first tool: {', '.join(f'{k} {v:,}' for k, v in tools.most_common())};"
         f" failures with no remediation spans within {args.timeout:g} s: {missing}"
     )
-    counters = {k: v for k, v in described.items() if k not in ("database", "running")}
+    counters = {
+        k: v for k, v in described.items() if k not in ("database", "running", "state", "why")
+    }
     print(f"sidecar remediations: {json.dumps(counters, sort_keys=True)}")
     decisions = stats.get("decisions") or {}
+    judged = (stats.get("pipeline") or {}).get("failures", "?")
     print(
-        f"sidecar: decisions {decisions.get('emitted', '?')}, receipt -> decision latency"
+        f"sidecar: decisions {judged}, receipt -> decision latency"
         f" {decisions.get('latency_ms')} ms (its own window, warm-up included);"
         f" recorder received {index.spans:,} spans"
     )

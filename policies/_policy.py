@@ -147,6 +147,10 @@ class Policy:
                 return entry.action.decide(failure, attempt, entry.name, entry.observe)
         raise AssertionError("unreachable: the last entry is a catch-all")  # pragma: no cover
 
+    def decision_entries(self) -> tuple[tuple[str, str], ...]:
+        """(name, action) of each decision entry, in the order they are tried."""
+        return tuple((e.name, e.action.action.value) for e in self._entries)
+
     def remediator(self, name: str) -> RemediatorSpec | None:
         """The remediator ``name`` as the policy defines it; a built-in with its defaults."""
         found = self.remediators.get(name)

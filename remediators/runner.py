@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import datetime
 import functools
 import logging
 import threading
@@ -409,10 +410,26 @@ class DurableRunner:
             raise ConfigError("the remediation runner is not running")
         return fut.result(timeout_s)
 
-    def list(self, limit: int = 50, status: str | None = None) -> list[dict[str, Any]]:
+    def list(
+        self, limit: int = 50, status: str | None = None, created_before: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Newest first; ``created_before`` (Unix seconds, inclusive): those created by then."""
+        end_time = None
+        if created_before is not None:
+            # DBOS keeps milliseconds and truncates the bound to one: half a millisecond
+            # more keeps the bound's own millisecond in, and no later one.
+            utc = datetime.timezone.utc
+            end = datetime.datetime.fromtimestamp(created_before + 0.0005, tz=utc)
+            end_time = end.isoformat()
+
         async def query() -> list[dict[str, Any]]:
             found = await DBOS.list_workflows_async(
-                name=_WORKFLOW, status=status, limit=limit, sort_desc=True, load_output=True
+                name=_WORKFLOW,
+                status=status,
+                limit=limit,
+                sort_desc=True,
+                load_output=True,
+                end_time=end_time,
             )
             return [_summary(w) for w in found]
 

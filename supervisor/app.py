@@ -27,7 +27,7 @@ from policies import Governor, Policy, load_policy, regex_timeouts
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
-from supervisor.act.dispatch import Dispatcher
+from supervisor.act.dispatch import Dispatcher, DispatchStats
 from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
 from supervisor.act.store_writer import StoreHealth, StoreWriter
@@ -227,7 +227,6 @@ class Sidecar:
         self._run_watch: asyncio.Task[None] | None = None
         self._deadlines: asyncio.Task[None] | None = None
         self._remediations_up: asyncio.Task[None] | None = None
-        self._decisions = 0
         self._errors = 0
         self._ready = False
         self._busy = False
@@ -321,7 +320,7 @@ class Sidecar:
             actor=self.actor,
             governor=self.governor,
             policy=self.policy_in_force,
-            failures=self.failures.latest,
+            failures=self.failures,
             stats=self.stats,
             ready=self.ready,
             degraded=self.degraded,
@@ -570,7 +569,6 @@ class Sidecar:
             for outcome in chunk:
                 self.failures.add(outcome)
                 self.tracer.emit(outcome.failure, outcome.decision)
-                self._decisions += 1
                 if received_ns is not None:
                     self.latency.add((time.time_ns() - received_ns) / 1e6)
             yield
@@ -700,20 +698,20 @@ class Sidecar:
             "ingest": asdict(self.queue.stats()),
             "ingest_log": asdict(self.ingest_log.stats()),
             "pipeline": {**asdict(self.pipeline.stats()), "errors": self._errors},
+            # One count per fact: failures judged (each has one decision) are
+            # pipeline.failures; commands by status are the store's rows.
             "decisions": {
-                "emitted": self._decisions,
                 "latency_ms": {
                     "p50": None if p50 is None else round(p50, 3),
                     "p99": None if p99 is None else round(p99, 3),
                     "count": self.latency.count,
                 },
             },
-            "failures": {"total": self.failures.total, "dropped_from_list": self.failures.dropped},
+            "failures": {"dropped_from_list": self.failures.dropped},
             "forward": asdict(self.forwarder.stats()) if self.forwarder is not None else None,
             "delivery": {
-                **asdict(self.dispatcher.stats()),
+                "push": _push_stats(self.dispatcher.stats()),
                 **self.actor.describe(),
-                "store_errors": self.writer.errors,
                 "store_backlog": self.writer.backlog,
                 "store": _store_health(self.writer.health()),
                 "latency_ms": _percentiles(self.dispatcher.latency),
@@ -765,6 +763,12 @@ def _stamp(path: object) -> tuple[int, int] | None:
     except OSError:
         return None
     return (info.st_mtime_ns, info.st_size)
+
+
+def _push_stats(stats: DispatchStats) -> dict[str, int]:
+    """What only push delivery knows; what was delivered or dead-lettered is the store's
+    (``delivery.commands``: every channel, the same rows the command lists show)."""
+    return {"failed_attempts": stats.failed_attempts, "in_flight": stats.in_flight}
 
 
 def _store_health(health: StoreHealth) -> dict[str, Any]:

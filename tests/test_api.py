@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from policies import load_policy
 from policies._governor import Governor
 from supervisor.act.actor import Actor
+from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
 from supervisor.api.control import Control
 from supervisor.api.server import build_control_app, ensure_token
@@ -33,6 +34,20 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class _Listed:
+    """Recent failures as a plain list (what the route shows of them is the point here)."""
+
+    def __init__(self, items: list[dict[str, Any]]) -> None:
+        self.items = items
+
+    def page(
+        self, limit: int, before: int | None = None
+    ) -> tuple[list[dict[str, Any]], int | None]:
+        end = len(self.items) if before is None else before
+        start = max(0, end - limit)
+        return self.items[start:end], start or None
 
 
 @pytest.fixture
@@ -53,7 +68,7 @@ def parts() -> tuple[TestClient, Actor, Governor]:
         actor=actor,
         governor=governor,
         policy=lambda: policy,
-        failures=lambda limit: items[-limit:],
+        failures=_Listed(items),
         stats=lambda: {"pipeline": {"processed_spans": 7}},
         ready=lambda: True,
         reload=lambda: {"reloaded": False, "source": "<string>", "error": "no file"},
@@ -134,7 +149,7 @@ def test_liveness_stays_up_and_readiness_says_degraded_while_the_store_fails() -
         actor=Actor(store, {}),
         governor=Governor(load_policy()),
         policy=load_policy,
-        failures=lambda limit: [],
+        failures=RecentFailures(10),
         stats=dict,
         ready=lambda: True,
         reload=dict,
@@ -151,9 +166,10 @@ def test_liveness_stays_up_and_readiness_says_degraded_while_the_store_fails() -
 def test_inputs_are_checked_with_clear_errors(parts: tuple[TestClient, Actor, Governor]) -> None:
     client, _, _ = parts
 
-    assert client.get("/v1/failures?limit=2", headers=AUTH).json() == {
-        "failures": [{"n": 3}, {"n": 4}]
-    }
+    assert client.get("/v1/failures?limit=2", headers=AUTH).json()["failures"] == [
+        {"n": 3},
+        {"n": 4},
+    ]
     for bad in ("/v1/failures?limit=abc", "/v1/failures?limit=0", "/v1/incidents?limit=5000"):
         answer = client.get(bad, headers=AUTH)
         assert answer.status_code == 400 and "limit" in answer.json()["error"], bad
@@ -253,3 +269,27 @@ def test_threads_lists_each_threads_cpu_time(parts: tuple[TestClient, Actor, Gov
     assert set(body) == {"supported", "process_cpu_s", "listed_cpu_s", "threads"}
     if body["supported"]:
         assert "MainThread" in {t["name"] for t in body["threads"]}
+
+
+def test_an_ack_without_a_body_says_which_field_it_needs(
+    parts: tuple[TestClient, Actor, Governor],
+) -> None:
+    client, actor, _ = parts
+    actor.record([_outcome(Action.ESCALATE)])
+    [paused] = client.get("/v1/commands?service=agent", headers=AUTH).json()["commands"]
+    path = f"/v1/commands/{paused['id']}/ack"
+
+    bare = client.post(path, headers=AUTH)
+    assert bare.status_code == 400
+    assert bare.json() == {
+        "error": 'an ack needs a JSON body naming the service: {"service": "<service>"}'
+    }
+    empty = client.post(path, headers=AUTH, json={})
+    assert (empty.status_code, empty.json()) == (400, {"error": "service: Field required"})
+    listed = client.post(path, headers=AUTH, json=["agent"])
+    assert listed.status_code == 400 and listed.json()["error"].startswith("the request body")
+    garbled = client.post(
+        path, headers={**AUTH, "Content-Type": "application/json"}, content=b"{service"
+    )
+    assert garbled.json() == {"error": "the request body is not valid JSON"}
+    assert client.post(path, headers=AUTH, json={"service": "agent"}).status_code == 200

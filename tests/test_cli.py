@@ -164,8 +164,12 @@ def test_explain_without_a_file_lists_the_rules_in_order(
     code, out, _ = run_cli(capsys, "explain")
 
     assert code == 0
-    assert "first match wins" in out
-    assert "  1. " in out
+    rules, _, policies = out.partition("decision policies, first match wins:\n")
+    assert "classification rules, first match wins:" in rules and "  1. " in rules
+    assert policies, out  # the decision policies are listed too, with their actions
+    entries = policies.splitlines()
+    assert entries[0].lstrip().startswith("1. ") and " -> " in entries[0]
+    assert all(" -> " in line for line in entries)
 
 
 def test_validate_accepts_a_good_policy_and_lists_every_error_of_a_bad_one(
@@ -199,7 +203,80 @@ def test_schema_is_json_schema_for_the_policy_file(capsys: pytest.CaptureFixture
 def test_replay_of_a_missing_file_is_a_clear_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    code, _, err = run_cli(capsys, "replay", str(tmp_path / "nope.jsonl"))
+    code, out, err = run_cli(capsys, "replay", str(tmp_path / "nope.jsonl"))
 
     assert code == 2
-    assert "nope.jsonl" in err
+    assert "no such file" in err and "nope.jsonl" in err
+    assert out == ""  # checked before the table's header is printed
+    code, out, err = run_cli(capsys, "explain", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert "is a directory" in err
+
+
+def test_a_long_replay_says_how_far_it_got_on_stderr(
+    capsys: pytest.CaptureFixture[str], json_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from supervisor.cli import progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)  # a line after every request
+    code, out, err = run_cli(capsys, "replay", str(json_file), "--output", "jsonl")
+
+    assert code == 0
+    assert len(out.splitlines()) == 3  # stdout is the failures only
+    lines = err.splitlines()
+    assert len(lines) >= 4, err
+    assert all(line.startswith(f"spanvisor: replay {json_file}: ") for line in lines)
+    assert "3 failures" in lines[-1] and "spans/s" in lines[-1]
+
+
+def test_a_replay_that_ends_quickly_prints_no_progress(
+    capsys: pytest.CaptureFixture[str], json_file: Path
+) -> None:
+    code, _, err = run_cli(capsys, "replay", str(json_file))
+
+    assert (code, err) == (0, "")
+
+
+def test_explain_tells_a_span_that_did_not_fail_from_one_that_is_not_there(
+    capsys: pytest.CaptureFixture[str], json_file: Path, recorded: list[ExportTraceServiceRequest]
+) -> None:
+    # The third call answered "fine": its span is in the file and did not fail.
+    [ok] = [s for rs in recorded[2].resource_spans for ss in rs.scope_spans for s in ss.spans]
+    code, out, err = run_cli(capsys, "explain", str(json_file), "--span", ok.span_id.hex())
+    assert code == 0, err
+    assert out.strip() == (
+        f"span {ok.span_id.hex()} ('{ok.name}', service 'replayed-agent') did not fail:"
+        " no verdict to explain"
+    )
+
+    code, out, err = run_cli(capsys, "explain", str(json_file), "--span", "00000000000000ff")
+    assert (code, out) == (1, "")
+    assert f"no span 00000000000000ff in {json_file}" in err
+
+    code, _, err = run_cli(capsys, "explain", str(json_file), "--span", "xyz")
+    assert code == 2 and "16 hex digits" in err
+
+
+def test_progress_on_a_terminal_redraws_one_line_and_ends_it() -> None:
+    import io
+
+    from supervisor.cli.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    now = [0.0]
+    screen = Terminal()
+    progress = Progress("replay x", stream=screen, clock=lambda: now[0])
+    progress.add(spans=10)  # before the first half second: nothing
+    assert screen.getvalue() == ""
+    now[0] = 0.6
+    progress.add(spans=20, failures=1)
+    now[0] = 1.2
+    progress.add(spans=30)
+    progress.done()
+
+    lines = screen.getvalue().split("\r")
+    assert lines[0] == "spanvisor: replay x: 30 spans, 1 failures, 0.6 s (50 spans/s)"
+    assert lines[-1] == "spanvisor: replay x: 60 spans, 1 failures, 1.2 s (50 spans/s)\n"

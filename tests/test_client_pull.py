@@ -31,6 +31,7 @@ import uvicorn
 from policies import load_policy
 from policies._governor import Governor
 from supervisor.act.actor import Actor
+from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import NewIncident, Store, StoredCommand
 from supervisor.api.control import Control
 from supervisor.api.server import build_control_app
@@ -86,7 +87,7 @@ class Sidecar:
             actor=self.actor,
             governor=Governor(policy),
             policy=lambda: policy,
-            failures=lambda limit: [],
+            failures=RecentFailures(10),
             stats=dict,
             ready=lambda: True,
             reload=lambda: {"reloaded": False},

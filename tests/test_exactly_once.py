@@ -128,7 +128,10 @@ def settled(sidecar: Sidecar, delivered: int) -> bool:
     status may be seconds old.
     """
     statuses = Counter(c["status"] for c in sidecar.commands())
-    return statuses == {"delivered": delivered} and sidecar.stats()["delivery"]["in_flight"] == 0
+    return (
+        statuses == {"delivered": delivered}
+        and sidecar.stats()["delivery"]["push"]["in_flight"] == 0
+    )
 
 
 def test_an_exporter_resending_the_same_spans_gets_each_command_delivered_once(

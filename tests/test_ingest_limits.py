@@ -9,6 +9,7 @@ is answered 408. Real sockets where the behaviour is the network's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import os
 import socket
@@ -237,10 +238,10 @@ def test_a_trickled_body_gets_408_and_the_connection_closes(impatient: Receivers
         answer = b""
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            try:
-                sock.sendall(b"\x0a")  # one byte at a time, never the whole body
-            except OSError:
-                pass  # closed by the server: its answer may still be there to read
+            # One byte at a time, never the whole body. Once the server closed, its
+            # answer may still be there to read.
+            with contextlib.suppress(OSError):
+                sock.sendall(b"\x0a")
             try:
                 got = sock.recv(4096)
             except TimeoutError:

@@ -129,7 +129,7 @@ def test_the_exposition_parses_and_moves_when_a_failing_span_arrives(
     assert value(after, "spanvisor_breaker_series_cut") == 0
     # /v1/stats reads the same counters.
     stats = httpx.get(f"http://127.0.0.1:{running.ports.api}/v1/stats", headers=AUTH).json()
-    assert stats["failures"]["total"] == value(after, "spanvisor_failures_total", **failure)
+    assert stats["pipeline"]["failures"] == value(after, "spanvisor_failures_total", **failure)
     assert stats["ingest"]["accepted_spans"] == sum(
         v for (name, _), v in after.items() if name == "spanvisor_spans_received_total"
     )

@@ -450,3 +450,45 @@ def test_a_recovery_while_the_remediator_is_still_at_work_counts(
     assert waited.attributes["spanvisor.wait.recovered_by"] == "ab" * 8
     assert waited.attributes["spanvisor.wait.recovery"] == "openai:gpt-4o"
     assert waited.attributes["spanvisor.wait.recovered_before_s"] >= 0
+
+
+def test_the_list_pages_by_creation_time_for_the_control_api(
+    rig: tuple[DurableRunner, InMemorySpanExporter],
+) -> None:
+    """Over the real DBOS tables: ``created_before`` keeps those created by then, and
+    the control API's pages (keyed on time and id) show each remediation once."""
+    import asyncio
+
+    from supervisor.api.control import Control
+
+    runner, _ = rig
+    ids: list[str] = []
+    for _ in range(3):
+        request = _request(f"{__name__}:Sleeper", tools=frozenset({"retry_step"}))
+        started = runner.dispatch(request)
+        assert started is not None
+        started.result(10)
+        ids.append(request["id"])
+    every = runner.list(limit=1000)
+    created = {w["id"]: w["created_at"] for w in every}
+    ours = [created[i] for i in ids]
+    assert not set(ids) & {w["id"] for w in runner.list(1000, None, min(ours) - 1)}
+    assert set(ids) <= {w["id"] for w in runner.list(1000, None, max(ours))}  # inclusive
+
+    control = Control.__new__(Control)  # only the remediations part is asked
+    control.remediations = type("R", (), {"runner": runner, "describe": dict})()
+    shown: list[str] = []
+    cursor = None
+    while True:
+        # One a page: DBOS may keep whole seconds, so these share a time; ids order them.
+        page = asyncio.run(control.remediation_list(status=None, limit=1, cursor=cursor))
+        shown += [r["id"] for r in page["remediations"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert shown == [
+        w["id"] for w in sorted(every, key=lambda w: (w["created_at"], w["id"]), reverse=True)
+    ]
+    assert set(ids) <= set(shown)
+    for rid in ids:
+        runner.cancel(rid)

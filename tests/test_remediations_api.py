@@ -27,6 +27,7 @@ from fastapi.testclient import TestClient
 from policies import load_policy
 from policies._governor import Governor
 from supervisor.act.actor import Actor
+from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
 from supervisor.api.control import Control
 from supervisor.api.server import build_control_app
@@ -130,13 +131,16 @@ class FakeRunner:
             raise ConfigError("the remediation runner is not running")
         self.calls.append(what)
 
-    def list(self, limit: int = 50, status: str | None = None) -> list[dict[str, Any]]:
+    def list(
+        self, limit: int = 50, status: str | None = None, created_before: float | None = None
+    ) -> list[dict[str, Any]]:
         self._called("list")
         found = sorted(self.items.values(), key=lambda r: r["created_at"], reverse=True)
         return [
             {k: v for k, v in r.items() if k not in ("request", "steps")}
             for r in found
-            if status is None or r["status"] == status
+            if (status is None or r["status"] == status)
+            and (created_before is None or r["created_at"] <= created_before)
         ][:limit]
 
     def show(self, remediation_id: str) -> dict[str, Any] | None:
@@ -156,12 +160,14 @@ class FakeRunner:
 class FakeRemediations:
     """``supervisor.remediation.engine.Remediations`` as the control API sees it."""
 
-    def __init__(self, runner: FakeRunner | None) -> None:
+    def __init__(self, runner: FakeRunner | None, why: str = "") -> None:
         self.runner = runner
+        self.why = why
 
     def describe(self) -> dict[str, Any]:
         return {
             "running": self.runner is not None,
+            **({"state": "unused", "why": self.why} if self.why else {}),
             "database": "sqlite:////tmp/remediations.sqlite" if self.runner else None,
             "undispatched": 0,
             "watched": 1,
@@ -177,7 +183,7 @@ def _control(remediations: FakeRemediations | None, **overrides: Any) -> Control
         "actor": Actor(store, {}),
         "governor": Governor(policy),
         "policy": lambda: policy,
-        "failures": lambda limit: [],
+        "failures": RecentFailures(10),
         "stats": lambda: {"pipeline": {"processed_spans": 7}},
         "ready": lambda: True,
         "reload": lambda: {"reloaded": False},
@@ -319,13 +325,23 @@ def test_unknown_and_malformed_ids_are_refused(client: TestClient, runner: FakeR
 
 
 def test_without_remediations_running_the_list_is_empty_and_the_rest_refused() -> None:
-    for remediations in (FakeRemediations(None), None):
+    why = "no remediations: the policy in force has no `remediate` action (<string>)"
+    for remediations, state, said in (
+        (FakeRemediations(None, why), "unused", why),
+        (None, "off", "remediations are not running on this sidecar"),
+    ):
         client = TestClient(_app(remediations))
 
         listed = client.get("/v1/remediations", headers=AUTH)
         assert (listed.status_code, listed.json()) == (
             200,
-            {"remediations": [], "running": False},
+            {
+                "remediations": [],
+                "running": False,
+                "state": state,
+                "why": said,
+                "next_cursor": None,
+            },
         )
         for method, path in [
             ("GET", f"/v1/remediations/{RUNNING}"),
@@ -333,8 +349,7 @@ def test_without_remediations_running_the_list_is_empty_and_the_rest_refused() -
         ]:
             answer = client.request(method, path, headers=AUTH)
             assert answer.status_code == 409, path
-            error = answer.json()["error"]
-            assert "not running" in error and "`remediate`" in error and "state" in error
+            assert answer.json()["error"] == said
         # a malformed id is still a malformed id
         assert client.get("/v1/remediations/nope", headers=AUTH).status_code == 400
 
@@ -480,10 +495,11 @@ def test_the_cli_cancels_and_says_why_it_cannot(
 def test_the_cli_says_when_remediations_are_not_running(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    served = _Served(_app(FakeRemediations(None)))
+    why = "no remediations: the policy in force has no `remediate` action (policy.yaml)"
+    served = _Served(_app(FakeRemediations(None, why)))
     try:
         assert main(["remediations", *served.remote]) == 0
-        assert "remediations are not running" in capsys.readouterr().out
+        assert capsys.readouterr().out.strip() == why
         assert main(["remediations", "show", RUNNING, *served.remote]) == 2
         err = capsys.readouterr().err
         assert "409" in err and "`remediate` action" in err
@@ -504,3 +520,29 @@ def test_the_cli_help_explains_the_verb(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "remediations" in capsys.readouterr().out
+
+
+def test_remediations_page_through_many_created_at_the_same_time(runner: FakeRunner) -> None:
+    # DBOS may keep whole seconds: 40 remediations of one second, and two older ones.
+    at = time.time() // 1
+    runner.items = {
+        f"rem_{n:04x}": _remediation(f"rem_{n:04x}", "SUCCESS", "succeeded", at, None)
+        for n in range(40)
+    }
+    runner.items.update(
+        {r: _remediation(r, "ERROR", None, at - 60, None) for r in ("rem_ff01", "rem_ff02")}
+    )
+    client = TestClient(_app(FakeRemediations(runner)))
+    shown: list[str] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 5, **({"cursor": cursor} if cursor else {})}
+        answer = client.get("/v1/remediations", headers=AUTH, params=params).json()
+        shown += [r["id"] for r in answer["remediations"]]
+        cursor = answer["next_cursor"]
+        if cursor is None:
+            break
+
+    assert len(shown) == len(set(shown)) == 42
+    assert shown[:40] == sorted(shown[:40], reverse=True)  # equal times: by id
+    assert shown[40:] == ["rem_ff02", "rem_ff01"]

@@ -29,6 +29,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from policies import load_policy
 from policies._governor import Governor
 from supervisor.act.actor import Actor
+from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
 from supervisor.api.control import Control, RunsView
 from supervisor.api.server import build_control_app
@@ -135,13 +136,28 @@ class FakeRuns:
         self.evicted = 2
         self.expired = 0
 
-    def snapshot(self, limit: int = 100, now: float | None = None) -> list[RunView]:
+    def snapshot(
+        self,
+        limit: int = 100,
+        now: float | None = None,
+        *,
+        before: tuple[float, str] | None = None,
+        service: str | None = None,
+        status: str | None = None,
+    ) -> list[RunView]:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             raise AssertionError("the run tracker was read off the event loop") from None
         self.asked.append(limit)
-        return sorted(self.views, key=lambda v: v.last_seen_at, reverse=True)[:limit]
+        found = sorted(self.views, key=lambda v: (v.last_seen_at, v.run_id), reverse=True)
+        if before is not None:
+            found = [v for v in found if (v.last_seen_at, v.run_id) < before]
+        return [
+            v
+            for v in found
+            if (service is None or v.service == service) and (status is None or v.status == status)
+        ][:limit]
 
     def stats(self) -> dict[str, int]:
         return {"tracked": len(self.views), "evicted": self.evicted, "expired": self.expired}
@@ -155,7 +171,7 @@ def _control(runs: RunsView | None) -> Control:
         actor=Actor(store, {}),
         governor=Governor(policy),
         policy=lambda: policy,
-        failures=lambda limit: [],
+        failures=RecentFailures(10),
         stats=lambda: {"pipeline": {"processed_spans": 7}},
         ready=lambda: True,
         reload=lambda: {"reloaded": False},
@@ -193,7 +209,7 @@ def test_the_runs_route_needs_the_bearer_token(client: TestClient, runs: FakeRun
         ), headers
     assert runs.asked == []
     described = client.get("/openapi.json").json()["paths"]["/v1/runs"]["get"]
-    assert {p["name"] for p in described["parameters"]} == {"status", "service", "limit"}
+    assert {p["name"] for p in described["parameters"]} == {"status", "service", "limit", "cursor"}
 
 
 def test_runs_are_listed_most_recently_active_first(client: TestClient, runs: FakeRuns) -> None:
@@ -206,11 +222,11 @@ def test_runs_are_listed_most_recently_active_first(client: TestClient, runs: Fa
     assert _ids(body) == [TRACE, LONG, "r4", "r3"]
     assert body["runs"][1] == runs.views[1].to_json()
     assert body["runs"][1]["spans_per_minute"] == 28.63
-    assert runs.asked == [100]  # unfiltered: the tracker builds no more than asked
+    assert runs.asked == [101]  # one more than shown: whether there is a next page
 
     one = client.get("/v1/runs?limit=1", headers=AUTH).json()
     assert _ids(one) == [TRACE]
-    assert runs.asked[-1] == 1
+    assert runs.asked[-1] == 2
 
 
 def test_runs_are_filtered_by_status_and_service_after_the_snapshot(
@@ -227,9 +243,9 @@ def test_runs_are_filtered_by_status_and_service_after_the_snapshot(
     assert listed("service=checkout&status=running") == [LONG]
     assert listed("service=check") == []
     assert listed("service=checkout&limit=1") == [LONG]  # filtered, then cut to the limit
-    assert runs.asked[-1] == 1000  # a filter looks at the 1000 most recently active
+    assert runs.asked[-1] == 2  # the tracker filters as it walks: one more than shown
     assert listed("status=failing&limit=1000") == ["r4"]
-    assert runs.asked[-1] == 1000
+    assert runs.asked[-1] == 1001
 
 
 def test_bad_filters_and_limits_are_refused(client: TestClient, runs: FakeRuns) -> None:
@@ -249,9 +265,12 @@ def test_without_a_tracker_no_runs_are_tracked() -> None:
     client = TestClient(_app(None))
 
     listed = client.get("/v1/runs", headers=AUTH)
-    assert (listed.status_code, listed.json()) == (200, {"runs": [], "tracking": False})
+    assert (listed.status_code, listed.json()) == (
+        200,
+        {"runs": [], "tracking": False, "next_cursor": None},
+    )
     filtered = client.get("/v1/runs?status=stalled&service=x", headers=AUTH)
-    assert filtered.json() == {"runs": [], "tracking": False}
+    assert filtered.json() == {"runs": [], "tracking": False, "next_cursor": None}
     assert client.get("/v1/runs?status=sleeping", headers=AUTH).status_code == 400
 
 

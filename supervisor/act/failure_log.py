@@ -78,9 +78,24 @@ class RecentFailures:
             )
 
     def latest(self, limit: int) -> list[dict[str, Any]]:
+        return self.page(limit)[0]
+
+    def page(
+        self, limit: int, before: int | None = None
+    ) -> tuple[list[dict[str, Any]], int | None]:
+        """The newest ``limit`` failures numbered below ``before`` (newest last), and the
+        number to pass as ``before`` for the older ones (None: none are kept).
+
+        Failure n is the n-th added since start, so a number stays the same
+        failure while new ones arrive: a page never shifts under a reader.
+        """
         items = list(self._items)
-        chosen = items[-limit:] if limit > 0 else []
-        return [{**outcome_json(o), "received_ns": o.failure.received_ns} for o in chosen]
+        first = self.total - len(items) + 1  # the number of items[0]
+        end = len(items) if before is None else max(0, min(len(items), before - first))
+        start = max(0, end - limit) if limit > 0 else end
+        chosen = items[start:end]
+        more = first + start if start > 0 else None
+        return [{**outcome_json(o), "received_ns": o.failure.received_ns} for o in chosen], more
 
     @property
     def dropped(self) -> int:

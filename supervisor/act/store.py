@@ -34,8 +34,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import orjson
 
@@ -60,6 +61,7 @@ __all__ = [
     "ApprovalError",
     "Incident",
     "NewIncident",
+    "Page",
     "Store",
     "StoredCommand",
 ]
@@ -83,6 +85,21 @@ _INSERT_APPROVAL = (
 )
 #: What an expired approval request's run gets: the command, built from the request.
 TimedOut = Callable[[Approval, float], Command]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Generic[T]):
+    """One page of a list, newest stored first, and where the next one starts.
+
+    Pages are keyed on the row id (SQLite's insertion order): a row stored
+    while someone pages is newer than every page's start, so it shifts none.
+    """
+
+    items: list[T]
+    #: The row id to pass as ``before`` for the next page; None: this page is the last.
+    next_before: int | None
 
 
 class Store:
@@ -289,13 +306,41 @@ class Store:
         return created
 
     def incidents(self, limit: int = 100) -> list[Incident]:
+        return self.incident_page(limit).items
+
+    def incident_page(self, limit: int = 100, before: int | None = None) -> Page[Incident]:
+        """Incidents newest first (insertion order), from row ``before`` on when given."""
+        # Insertion order: an index on created_at would cost every failure an insert.
+        rows, more = self._page_rows(
+            "SELECT rowid AS seq, key, body, created_at FROM incidents", [], [], before, limit
+        )
+        found = [Incident(r["key"], orjson.loads(r["body"]), r["created_at"]) for r in rows]
+        return Page(found, more)
+
+    def _page_rows(
+        self,
+        select: str,
+        clauses: list[str],
+        args: list[Any],
+        before: int | None,
+        limit: int,
+    ) -> tuple[list[sqlite3.Row], int | None]:
+        """``limit`` rows of ``select`` (which names the rowid ``seq``), newest first.
+
+        One more row is read than asked: whether there is a next page is known
+        without a second query, and an exact last page answers no cursor.
+        """
+        if before is not None:
+            clauses, args = [*clauses, "rowid < ?"], [*args, before]
+        where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
         with self._lock:
             rows = self._db.execute(
-                # Insertion order: an index on created_at would cost every failure an insert.
-                "SELECT key, body, created_at FROM incidents ORDER BY rowid DESC LIMIT ?",
-                (limit,),
+                f"{select}{where} ORDER BY rowid DESC LIMIT ?",
+                (*args, limit + 1),
             ).fetchall()
-        return [Incident(r["key"], orjson.loads(r["body"]), r["created_at"]) for r in rows]
+        if len(rows) > limit:
+            return rows[:limit], int(rows[limit - 1]["seq"])
+        return rows, None
 
     def incident(self, key: str) -> Incident | None:
         with self._lock:
@@ -363,19 +408,29 @@ class Store:
     def commands(
         self, *, status: str | None = None, service: str | None = None, limit: int = 100
     ) -> list[StoredCommand]:
-        sql = "SELECT * FROM commands WHERE 1 = 1"
+        return self.command_page(status=status, service=service, limit=limit).items
+
+    def command_page(
+        self,
+        *,
+        status: str | None = None,
+        service: str | None = None,
+        limit: int = 100,
+        before: int | None = None,
+    ) -> Page[StoredCommand]:
+        """Commands newest stored first, of ``status`` and ``service`` when given."""
+        clauses: list[str] = []
         args: list[Any] = []
         if status is not None:
-            sql += " AND status = ?"
+            clauses.append("status = ?")
             args.append(status)
         if service is not None:
-            sql += " AND service = ?"
+            clauses.append("service = ?")
             args.append(service)
-        sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
-        args.append(limit)
-        with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
-        return [command_from_row(r) for r in rows]
+        rows, more = self._page_rows(
+            "SELECT *, rowid AS seq FROM commands", clauses, args, before, limit
+        )
+        return Page([command_from_row(r) for r in rows], more)
 
     def command(self, command_id: str) -> StoredCommand | None:
         with self._lock:
@@ -523,16 +578,17 @@ class Store:
         return [Incident(r["key"], orjson.loads(r["body"]), r["created_at"]) for r in rows]
 
     def approvals(self, *, status: str | None = None, limit: int = 100) -> list[Approval]:
-        sql = "SELECT * FROM approvals"
-        args: list[Any] = []
-        if status is not None:
-            sql += " WHERE status = ?"
-            args.append(status)
-        sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
-        args.append(limit)
-        with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
-        return [approval_from_row(r) for r in rows]
+        return self.approval_page(status=status, limit=limit).items
+
+    def approval_page(
+        self, *, status: str | None = None, limit: int = 100, before: int | None = None
+    ) -> Page[Approval]:
+        """Approval requests newest first, of ``status`` when given."""
+        clauses, args = (["status = ?"], [status]) if status is not None else ([], [])
+        rows, more = self._page_rows(
+            "SELECT *, rowid AS seq FROM approvals", clauses, list(args), before, limit
+        )
+        return Page([approval_from_row(r) for r in rows], more)
 
     def approval(self, approval_id: str) -> Approval | None:
         with self._lock:

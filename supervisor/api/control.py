@@ -28,6 +28,7 @@ from supervisor.act.actor import Actor
 from supervisor.act.store import ApprovalError, Store
 from supervisor.act.store_rows import APPROVAL_STATUSES
 from supervisor.api.inline import Question, decide
+from supervisor.api.paging import CursorError, Key, decode_cursor, encode_cursor
 from supervisor.api.thread_cpu import thread_cpu
 from supervisor.errors import ConfigError
 from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
@@ -35,15 +36,17 @@ from supervisor.settings import AgentDelivery, PullChannel
 
 MAX_WAIT_S = 30.0
 MAX_LIMIT = 1000
+#: Remediations read past a page's end, to order those created at the same time.
+_SAME_TIME_MARGIN = 16
+#: The most remediations one page reads (many created in one second grow the read).
+_MAX_REMEDIATIONS_READ = 20_000
 
 #: A remediation's id, as :func:`supervisor.records.remediation_ids` makes it.
 REMEDIATION_ID = re.compile(r"^rem_[0-9a-f]{1,64}$")
 #: States in which a remediation is over: nothing left to cancel.
 FINISHED = frozenset({"SUCCESS", "ERROR", "CANCELLED"})
-NOT_RUNNING = (
-    "remediations are not running on this sidecar: the policy has no `remediate` action,"
-    " or there is no state database (state_path is ':memory:')"
-)
+#: Why remediations are unavailable when the control API has no remediations at all.
+NOT_RUNNING = "remediations are not running on this sidecar"
 
 
 T = TypeVar("T")
@@ -60,7 +63,9 @@ class RemediationRunner(Protocol):
 
     def cancel(self, remediation_id: str) -> bool: ...
 
-    def list(self, limit: int = 50, status: str | None = None) -> builtins.list[dict[str, Any]]: ...
+    def list(
+        self, limit: int = 50, status: str | None = None, created_before: float | None = None
+    ) -> builtins.list[dict[str, Any]]: ...
 
 
 class RemediationsView(Protocol):
@@ -81,6 +86,12 @@ class RunEntry(Protocol):
     @property
     def status(self) -> str: ...
 
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def last_seen_at(self) -> float: ...
+
     def to_json(self) -> dict[str, Any]: ...
 
 
@@ -91,9 +102,25 @@ class RunsView(Protocol):
     there) and is not thread-safe: call these on the loop, never on a worker.
     """
 
-    def snapshot(self, limit: int = 100, now: float | None = None) -> Sequence[RunEntry]: ...
+    def snapshot(
+        self,
+        limit: int = 100,
+        now: float | None = None,
+        *,
+        before: tuple[float, str] | None = None,
+        service: str | None = None,
+        status: str | None = None,
+    ) -> Sequence[RunEntry]: ...
 
     def stats(self) -> dict[str, int]: ...
+
+
+class FailureList(Protocol):
+    """What the control API reads of :class:`supervisor.act.failure_log.RecentFailures`."""
+
+    def page(
+        self, limit: int, before: int | None = None
+    ) -> tuple[builtins.list[dict[str, Any]], int | None]: ...
 
 
 class ControlError(ValueError):
@@ -112,7 +139,8 @@ class Control:
     actor: Actor
     governor: Governor
     policy: Callable[[], Policy]
-    failures: Callable[[int], list[dict[str, Any]]]
+    #: The recent failures in memory (the incidents are the store's).
+    failures: FailureList
     stats: Callable[[], dict[str, Any]]
     ready: Callable[[], bool]
     reload: Callable[[], dict[str, Any]]
@@ -141,11 +169,19 @@ class Control:
 
     # -- incidents and commands -------------------------------------------
 
-    def incidents(self, limit: int) -> list[dict[str, Any]]:
-        return [
-            {"key": i.key, "created_at": i.created_at, **i.body}
-            for i in self.store.incidents(_limit(limit))
-        ]
+    def failure_page(self, limit: int, cursor: str | None) -> dict[str, Any]:
+        """Recent failures in memory, newest last; ``next_cursor`` leads to older ones."""
+        before = _row_cursor(cursor, "failures")
+        found, more = self.failures.page(limit, before)  # the route bounds it (10,000)
+        return {"failures": found, "next_cursor": _next_row(more, "failures")}
+
+    def incidents(self, limit: int, cursor: str | None = None) -> dict[str, Any]:
+        """Stored incidents, newest first: what survives a restart (until ``retention_s``)."""
+        page = self.store.incident_page(_limit(limit), _row_cursor(cursor, "incidents"))
+        return {
+            "incidents": [{"key": i.key, "created_at": i.created_at, **i.body} for i in page.items],
+            "next_cursor": _next_row(page.next_before, "incidents"),
+        }
 
     def incident(self, key: str) -> dict[str, Any]:
         found = self.store.incident(key)
@@ -154,15 +190,25 @@ class Control:
         return {"key": found.key, "created_at": found.created_at, **found.body}
 
     def commands(
-        self, *, status: str | None, service: str | None, limit: int
-    ) -> list[dict[str, Any]]:
+        self, *, status: str | None, service: str | None, limit: int, cursor: str | None = None
+    ) -> dict[str, Any]:
+        """Commands of every channel, newest first; ``dead`` ones are the dead letters."""
         if status is not None and status not in ("pending", "leased", "delivered", "dead"):
             raise ControlError("status must be pending, leased, delivered or dead")
-        found = self.store.commands(status=status, service=service, limit=_limit(limit))
-        return [c.to_json() for c in found]
+        page = self.store.command_page(
+            status=status,
+            service=service,
+            limit=_limit(limit),
+            before=_row_cursor(cursor, "commands"),
+        )
+        return {
+            "commands": [c.to_json() for c in page.items],
+            "next_cursor": _next_row(page.next_before, "commands"),
+        }
 
-    def dead_letters(self, limit: int) -> list[dict[str, Any]]:
-        return self.commands(status="dead", service=None, limit=limit)
+    def dead_letters(self, limit: int, cursor: str | None = None) -> dict[str, Any]:
+        answer = self.commands(status="dead", service=None, limit=limit, cursor=cursor)
+        return {"dead_letters": answer["commands"], "next_cursor": answer["next_cursor"]}
 
     def _pull_settings(self, service: str) -> PullChannel:
         delivery: AgentDelivery | None = self.actor.agents.get(service) or self.actor.agents.get(
@@ -219,10 +265,18 @@ class Control:
 
     # -- approvals ----------------------------------------------------------
 
-    def approvals(self, status: str | None, limit: int) -> list[dict[str, Any]]:
+    def approvals(
+        self, status: str | None, limit: int, cursor: str | None = None
+    ) -> dict[str, Any]:
         if status is not None and status not in APPROVAL_STATUSES:
             raise ControlError("status must be one of " + ", ".join(APPROVAL_STATUSES))
-        return [a.to_json() for a in self.store.approvals(status=status, limit=_limit(limit))]
+        page = self.store.approval_page(
+            status=status, limit=_limit(limit), before=_row_cursor(cursor, "approvals")
+        )
+        return {
+            "approvals": [a.to_json() for a in page.items],
+            "next_cursor": _next_row(page.next_before, "approvals"),
+        }
 
     def approval(self, approval_id: str) -> dict[str, Any]:
         found = self.store.approval(approval_id)
@@ -239,8 +293,19 @@ class Control:
 
     # -- breakers -------------------------------------------------------------
 
-    def breakers(self) -> list[dict[str, Any]]:
-        return [_breaker_json(asdict(i)) for i in self.governor.board.snapshot()]
+    def breakers(self, limit: int = MAX_LIMIT, cursor: str | None = None) -> dict[str, Any]:
+        """Tracked breakers by dependency name; ``next_cursor`` past the page's last name."""
+        limit = _limit(limit)
+        after = _cursor(cursor, "breakers", (str,))
+        found = self.governor.board.snapshot()  # sorted by dependency
+        if after is not None:
+            found = [b for b in found if b.dependency > str(after[0])]
+        page = found[:limit]
+        more = len(found) > limit
+        return {
+            "breakers": [_breaker_json(asdict(i)) for i in page],
+            "next_cursor": encode_cursor("breakers", (page[-1].dependency,)) if more else None,
+        }
 
     def breaker(self, dependency: str) -> dict[str, Any]:
         self.governor.breaker_state(dependency)  # moves an elapsed open breaker to half-open
@@ -268,7 +333,8 @@ class Control:
         remediations = self._remediations()
         runner = remediations.runner if remediations is not None else None
         if runner is None:
-            raise ControlError(NOT_RUNNING, 409)
+            why = remediations.describe().get("why") if remediations is not None else None
+            raise ControlError(str(why or NOT_RUNNING), 409)
         return runner
 
     async def _ask(self, fn: Callable[..., T], *args: Any) -> T:
@@ -282,19 +348,66 @@ class Control:
                 "the remediation runner did not answer in time; try again", 503
             ) from None
 
-    async def remediation_list(self, *, status: str | None, limit: int) -> dict[str, Any]:
-        """Newest first; ``running`` false (and none listed) when remediations are off."""
+    async def remediation_list(
+        self, *, status: str | None, limit: int, cursor: str | None = None
+    ) -> dict[str, Any]:
+        """Newest first; ``running`` false (and none listed) when the runner is not up,
+        with ``state`` and ``why`` saying what is the case."""
         if status is not None:
             status = status.upper()
             if status not in REMEDIATION_STATUSES:
                 raise ControlError("status must be one of " + ", ".join(REMEDIATION_STATUSES))
         limit = _limit(limit)
+        after = _cursor(cursor, "remediations", (float, str))
         remediations = self._remediations()
         runner = remediations.runner if remediations is not None else None
         if runner is None:
-            return {"remediations": [], "running": False}
-        found = await self._ask(runner.list, limit, status)
-        return {"remediations": _jsonable(found), "running": True}
+            described = remediations.describe() if remediations is not None else {}
+            return {
+                "remediations": [],
+                "running": False,
+                "state": described.get("state", "off"),
+                "why": described.get("why", NOT_RUNNING),
+                "next_cursor": None,
+            }
+        page, more = await self._remediation_page(runner, status, limit, after)
+        next_cursor = (
+            encode_cursor("remediations", (_created(page[-1]), str(page[-1].get("id", ""))))
+            if more and page
+            else None
+        )
+        return {"remediations": page, "running": True, "next_cursor": next_cursor}
+
+    async def _remediation_page(
+        self, runner: RemediationRunner, status: str | None, limit: int, after: Key | None
+    ) -> tuple[builtins.list[dict[str, Any]], bool]:
+        """``limit`` remediations after the cursor's (time, id), newest first; and whether
+        more are left.
+
+        DBOS keeps creation times to the second or the millisecond, bounds a list
+        by time only, and orders equal times arbitrarily: the page is read with a
+        margin and ordered here by (time, id). When the read was cut (more were
+        there), its oldest time may be cut through, so that time is left for the
+        next page; the read grows until the page fills.
+        """
+        created_before = None if after is None else float(after[0])
+        size = limit + 1 + _SAME_TIME_MARGIN
+        while True:
+            found: builtins.list[dict[str, Any]] = _jsonable(
+                await self._ask(runner.list, size, status, created_before)
+            )
+            ordered = sorted(found, key=_remediation_key, reverse=True)
+            if after is not None:
+                ordered = [r for r in ordered if _remediation_key(r) < after]
+            complete = len(found) < size
+            if not complete and ordered:
+                oldest = _created(ordered[-1])
+                whole = [r for r in ordered if _created(r) > oldest]
+                if whole or size < _MAX_REMEDIATIONS_READ:
+                    ordered = whole
+            if len(ordered) > limit or complete or size >= _MAX_REMEDIATIONS_READ:
+                return ordered[:limit], len(ordered) > limit or not complete
+            size = min(size * 4, _MAX_REMEDIATIONS_READ)
 
     async def remediation(self, remediation_id: str) -> dict[str, Any]:
         """One remediation with its request (the workflow input) and its recorded steps."""
@@ -324,32 +437,45 @@ class Control:
 
     # -- runs -------------------------------------------------------------------
 
-    def run_list(self, *, status: str | None, service: str | None, limit: int) -> dict[str, Any]:
+    def run_list(
+        self,
+        *,
+        status: str | None,
+        service: str | None,
+        limit: int,
+        cursor: str | None = None,
+    ) -> dict[str, Any]:
         """The most recently active runs first; ``tracking`` false (none listed) without a tracker.
 
         Synchronous on purpose: the tracker is the event loop's (see :class:`RunsView`).
+        Pages are keyed on (last span time, run id): a run active again after its
+        page was read moves ahead of the cursor and is not shown twice.
         """
         if status is not None:
             status = status.lower()
             if status not in RUN_STATUSES:
                 raise ControlError("status must be one of " + ", ".join(RUN_STATUSES))
         limit = _limit(limit)
+        after = _cursor(cursor, "runs", (float, str))
         runs = self.runs
         if runs is None:
-            return {"runs": [], "tracking": False}
-        # The tracker has no filtered view: filtering happens after the snapshot.
-        # With a filter, take the MAX_LIMIT most recently active runs (the bound on
-        # the time spent on the loop), keep those that match, then cut to ``limit``:
-        # a filter sees only those MAX_LIMIT runs. Without one, ``limit`` is enough.
-        filtered = status is not None or service is not None
-        views = runs.snapshot(limit=max(limit, MAX_LIMIT) if filtered else limit)
-        found = [
-            view.to_json()
-            for view in views
-            if (status is None or view.status == status)
-            and (service is None or view.service == service)
-        ][:limit]
-        answer: dict[str, Any] = {"runs": found, "tracking": True, "stats": dict(runs.stats())}
+            return {"runs": [], "tracking": False, "next_cursor": None}
+        views = runs.snapshot(
+            limit=limit + 1,
+            before=None if after is None else (float(after[0]), str(after[1])),
+            service=service,
+            status=status,
+        )
+        page = list(views[:limit])
+        more = len(views) > limit
+        answer: dict[str, Any] = {
+            "runs": [view.to_json() for view in page],
+            "tracking": True,
+            "stats": dict(runs.stats()),
+            "next_cursor": encode_cursor("runs", (page[-1].last_seen_at, page[-1].run_id))
+            if more
+            else None,
+        }
         slo_status = getattr(runs, "slo_status", None)  # the tracker's SLOs, when it has them
         if callable(slo_status):
             answer["slo"] = slo_status()
@@ -386,6 +512,31 @@ def _finished(remediation_id: str, found: dict[str, Any]) -> str:
 def _jsonable(value: Any) -> Any:
     """Workflow inputs and step outputs as plain JSON (anything else as its text)."""
     return json.loads(json.dumps(value, default=str))
+
+
+def _cursor(cursor: str | None, list_name: str, shape: tuple[type, ...]) -> Key | None:
+    try:
+        return decode_cursor(cursor, list_name, shape)
+    except CursorError as exc:
+        raise ControlError(str(exc)) from None
+
+
+def _row_cursor(cursor: str | None, list_name: str) -> int | None:
+    """The row id (or sequence number) in a store list's cursor."""
+    key = _cursor(cursor, list_name, (int,))
+    return None if key is None else int(key[0])
+
+
+def _next_row(before: int | None, list_name: str) -> str | None:
+    return None if before is None else encode_cursor(list_name, (before,))
+
+
+def _created(remediation: dict[str, Any]) -> float:
+    return float(remediation.get("created_at") or 0.0)
+
+
+def _remediation_key(remediation: dict[str, Any]) -> tuple[float, str]:
+    return (_created(remediation), str(remediation.get("id", "")))
 
 
 def _limit(limit: int) -> int:

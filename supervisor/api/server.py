@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -127,8 +128,33 @@ class AckBody(_Body):
     service: str = Field(min_length=1, max_length=256)
 
 
+#: The ``cursor`` of every list route: the previous page's ``next_cursor``, as it came.
+Cursor = Annotated[
+    str | None,
+    Query(
+        max_length=512,
+        description="The previous page's next_cursor (with the same filters); none: the first"
+        " page. Every list answers next_cursor: null on its last page.",
+    ),
+]
+
+
 class _Unauthorized(Exception):
     pass
+
+
+def _problem(error: Mapping[str, Any]) -> str:
+    """One validation error for people: the field's path, or what of the request is wrong."""
+    loc = [str(p) for p in error.get("loc", ())]
+    msg = str(error.get("msg", ""))
+    if error.get("type") == "json_invalid":  # its loc is a character's offset
+        return "the request body is not valid JSON"
+    field = ".".join(p for p in loc if p != "body")
+    if field:
+        return f"{field}: {msg}"
+    if loc == ["body"] and error.get("type") == "missing":
+        return "the request needs a JSON body"
+    return f"the request body: {msg}" if loc[:1] == ["body"] else msg
 
 
 def build_control_app(*, token: str, control: Control) -> FastAPI:
@@ -167,10 +193,7 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
         errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg', '')}"
-            for e in errors
-        )
+        problems = "; ".join(_problem(e) for e in errors)
         return JSONResponse({"error": problems or "invalid request"}, status_code=400)
 
     @app.get("/healthz", summary="Liveness: 200 while it serves, even degraded")
@@ -209,13 +232,25 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     async def threads() -> dict[str, Any]:
         return control.threads()
 
-    @app.get("/v1/failures", dependencies=auth, summary="Recent failures (in memory)")
-    async def failures(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> dict[str, Any]:
-        return {"failures": control.failures(limit)}
+    @app.get(
+        "/v1/failures",
+        dependencies=auth,
+        summary="Recent failures (in memory, newest last; next_cursor: older ones)",
+    )
+    async def failures(
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100, cursor: Cursor = None
+    ) -> dict[str, Any]:
+        return control.failure_page(limit, cursor)
 
-    @app.get("/v1/incidents", dependencies=auth, summary="Stored incidents and their decisions")
-    async def incidents(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict[str, Any]:
-        return {"incidents": control.incidents(limit)}
+    @app.get(
+        "/v1/incidents",
+        dependencies=auth,
+        summary="Stored incidents and their decisions, newest first",
+    )
+    async def incidents(
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: Cursor = None
+    ) -> dict[str, Any]:
+        return control.incidents(limit, cursor)
 
     @app.get("/v1/incidents/{key}", dependencies=auth, summary="One incident")
     async def incident(key: str) -> dict[str, Any]:
@@ -236,8 +271,17 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     ) -> dict[str, Any]:
         return {"commands": await control.pull(service, wait_s=wait, limit=limit)}
 
-    @app.post("/v1/commands/{command_id}/ack", dependencies=auth, summary="Acknowledge a command")
-    async def ack(command_id: str, body: AckBody) -> dict[str, Any]:
+    @app.post(
+        "/v1/commands/{command_id}/ack",
+        dependencies=auth,
+        summary="Acknowledge a command",
+        description='The body names the service the command was leased to: {"service": "..."}.',
+    )
+    async def ack(command_id: str, body: AckBody | None = None) -> dict[str, Any]:
+        if body is None:
+            raise ControlError(
+                'an ack needs a JSON body naming the service: {"service": "<service>"}'
+            )
         return control.ack(command_id, body.service)
 
     @app.get("/v1/commands/log", dependencies=auth, summary="Commands of every channel")
@@ -245,18 +289,23 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         status: str | None = None,
         service: str | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        cursor: Cursor = None,
     ) -> dict[str, Any]:
-        return {"commands": control.commands(status=status, service=service, limit=limit)}
+        return control.commands(status=status, service=service, limit=limit, cursor=cursor)
 
     @app.get("/v1/dead-letters", dependencies=auth, summary="Commands that could not be delivered")
-    async def dead_letters(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict[str, Any]:
-        return {"dead_letters": control.dead_letters(limit)}
-
-    @app.get("/v1/approvals", dependencies=auth, summary="Approval requests")
-    async def approvals(
-        status: str | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    async def dead_letters(
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: Cursor = None
     ) -> dict[str, Any]:
-        return {"approvals": control.approvals(status, limit)}
+        return control.dead_letters(limit, cursor)
+
+    @app.get("/v1/approvals", dependencies=auth, summary="Approval requests, newest first")
+    async def approvals(
+        status: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        cursor: Cursor = None,
+    ) -> dict[str, Any]:
+        return control.approvals(status, limit, cursor)
 
     @app.get("/v1/approvals/{approval_id}", dependencies=auth, summary="One approval request")
     async def approval(approval_id: str) -> dict[str, Any]:
@@ -272,9 +321,11 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         answer = body or AnswerBody()
         return control.answer(approval_id, approved=False, by=answer.by, note=answer.note)
 
-    @app.get("/v1/breakers", dependencies=auth, summary="Every tracked circuit breaker")
-    async def breakers() -> dict[str, Any]:
-        return {"breakers": control.breakers()}
+    @app.get("/v1/breakers", dependencies=auth, summary="Tracked circuit breakers, by dependency")
+    async def breakers(
+        limit: Annotated[int, Query(ge=1, le=1000)] = 1000, cursor: Cursor = None
+    ) -> dict[str, Any]:
+        return control.breakers(limit, cursor)
 
     @app.post(
         "/v1/breakers/{dependency:path}/isolate",
@@ -300,14 +351,19 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         "/v1/remediations",
         dependencies=auth,
         summary="Remediations, newest first",
-        description="`running` is false, and the list empty, when remediations are not"
-        " running (no `remediate` action in the policy, or no state database). `status`"
-        " is a workflow state: " + ", ".join(REMEDIATION_STATUSES) + ".",
+        description="`running` is false, and the list empty, when the remediation runner"
+        " is not up; `state` says why in a word (idle: none decided yet, the runner starts"
+        " at the first; unused: no `remediate` action in the policy; off: no database;"
+        " starting; failed) and `why` in a sentence. `status` is a workflow state: "
+        + ", ".join(REMEDIATION_STATUSES)
+        + ".",
     )
     async def remediations(
-        status: str | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50
+        status: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+        cursor: Cursor = None,
     ) -> dict[str, Any]:
-        return await control.remediation_list(status=status, limit=limit)
+        return await control.remediation_list(status=status, limit=limit, cursor=cursor)
 
     @app.get(
         "/v1/remediations/{remediation_id}",
@@ -334,16 +390,17 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         description="Each run (a trace, or the session it names): its status ("
         + ", ".join(RUN_STATUSES)
         + "), spans, LLM and tool calls, errors, tokens, current step, rate and idle"
-        " time. `status` and `service` filter the 1000 most recently active runs."
+        " time. `status` and `service` filter every tracked run."
         " `tracking` is false, and the list empty, when the sidecar tracks no runs.",
     )
     async def runs(
         status: Annotated[str | None, Query(max_length=16)] = None,
         service: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        cursor: Cursor = None,
     ) -> dict[str, Any]:
         # On the loop, no worker thread: the run tracker is the loop's (and bounded).
-        return control.run_list(status=status, service=service, limit=limit)
+        return control.run_list(status=status, service=service, limit=limit, cursor=cursor)
 
     @app.post("/v1/policy/reload", dependencies=auth, summary="Reload the policy file")
     async def reload() -> dict[str, Any]:

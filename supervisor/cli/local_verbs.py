@@ -16,9 +16,20 @@ import signal
 import sys
 from pathlib import Path
 
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
 from policies import Policy, json_schema, load_policy
 from supervisor.api_access import CONFIG_ENV
-from supervisor.judge.replay import BadRecord, jsonl_line, replay, table_header, table_row
+from supervisor.cli.progress import Progress
+from supervisor.errors import ConfigError
+from supervisor.judge.replay import (
+    BadRecord,
+    jsonl_line,
+    replay,
+    span_count,
+    table_header,
+    table_row,
+)
 from supervisor.logs import configure_logging
 
 log = logging.getLogger("spanvisor.cli")
@@ -26,6 +37,23 @@ log = logging.getLogger("spanvisor.cli")
 
 def _policy(path: Path | None) -> Policy:
     return load_policy(path)
+
+
+def _traces(path: Path) -> Path:
+    """``path`` when it is a file that can be read; a ConfigError (exit 2) saying why not.
+
+    Checked before anything is printed: no table header above the error.
+    """
+    try:
+        with path.open("rb"):
+            pass
+    except FileNotFoundError:
+        raise ConfigError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory, not a file of recorded traces") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return path
 
 
 def run_sidecar(args: argparse.Namespace) -> int:
@@ -88,37 +116,71 @@ def validate(args: argparse.Namespace) -> int:
 
 def replay_traces(args: argparse.Namespace) -> int:
     """Each failure in recorded traces and its decision; 1 when a record could not be read."""
-    path, policy, output = args.path, _policy(args.policy), args.output
+    path, policy, output = _traces(args.path), _policy(args.policy), args.output
     bad = 0
     out = sys.stdout
+    progress = Progress(f"replay {path}")
     if output == "table":
         out.write(table_header() + "\n")
-    for item in replay(path, policy):
+
+    def counted(request: ExportTraceServiceRequest) -> None:
+        progress.add(spans=span_count(request))
+
+    for item in replay(path, policy, on_request=counted):
         if isinstance(item, BadRecord):
             bad += 1
             print(f"spanvisor: {path}: {item.where}: {item.message}", file=sys.stderr)
             continue
+        progress.add(failures=1)
         out.write((jsonl_line(item) if output == "jsonl" else table_row(item)) + "\n")
     out.flush()
+    progress.done()
     return 1 if bad else 0
 
 
 def explain(args: argparse.Namespace) -> int:
-    """The policy's rules in order, or why each failure in a file got its verdict."""
+    """The policy's rules and decision policies in order, or why each failure in a file
+    got its verdict."""
     policy = _policy(args.policy)
     if args.path is None:
         print(f"policy: {policy.source}")
         print("classification rules, first match wins:")
         for number, name in enumerate(policy.rules, start=1):
             print(f"  {number:3d}. {name}")
+        print("decision policies, first match wins:")
+        for number, (name, action) in enumerate(policy.decision_entries(), start=1):
+            print(f"  {number:3d}. {name}  -> {action}")
         return 0
+    path = _traces(args.path)
+    wanted = args.span.lower() if args.span else None
+    wanted_id = _span_id(wanted) if wanted else None
+    seen: list[str] = []  # the span's name and service, once it is found in the file
+
+    def look(request: ExportTraceServiceRequest) -> None:
+        if wanted_id is None or seen:
+            return
+        for resource_spans in request.resource_spans:
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    if span.span_id == wanted_id:
+                        service = next(
+                            (
+                                a.value.string_value
+                                for a in resource_spans.resource.attributes
+                                if a.key == "service.name"
+                            ),
+                            "",
+                        )
+                        seen.append(f"{span.name!r}, service {service!r}")
+                        return
+
     found = 0
-    for item in replay(args.path, policy):
+    for item in replay(path, policy, on_request=look):
         if isinstance(item, BadRecord):
-            print(f"spanvisor: {args.path}: {item.where}: {item.message}", file=sys.stderr)
+            print(f"spanvisor: {path}: {item.where}: {item.message}", file=sys.stderr)
             continue
         f, d = item.failure, item.decision
-        if args.span and f.span_id != args.span.lower():
+        if wanted and f.span_id != wanted and wanted not in f.attributed:
             continue
         found += 1
         ev = f.evidence
@@ -147,10 +209,25 @@ def explain(args: argparse.Namespace) -> int:
         if d.reason:
             print(f"  why          {d.reason}")
         print()
-    if args.span and not found:
-        print(f"spanvisor: no failure at span {args.span} in {args.path}", file=sys.stderr)
+    if wanted and not found:
+        if seen:
+            # In the file, and judged: it showed no failure (or one the policy ignores).
+            print(f"span {wanted} ({seen[0]}) did not fail: no verdict to explain")
+            return 0
+        print(f"spanvisor: no span {wanted} in {path}", file=sys.stderr)
         return 1
     return 0
+
+
+def _span_id(text: str) -> bytes:
+    """A span id as given to --span: 16 hex digits (8 bytes); ConfigError otherwise."""
+    try:
+        found = bytes.fromhex(text)
+    except ValueError:
+        found = b""
+    if len(found) != 8:
+        raise ConfigError(f"--span takes a span id of 16 hex digits, not {text!r}")
+    return found
 
 
 def schema() -> int:

@@ -78,8 +78,39 @@ def api(
     return answer
 
 
+#: The most items the control API answers in one page.
+PAGE_LIMIT = 1000
+
+
+def listed(
+    args: argparse.Namespace, path: str, key: str, params: dict[str, object] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Items of the list at ``path``: ``--limit`` of them (following pages past the API's
+    1,000 a page) or, with ``--all``, every one; and the last page's answer.
+
+    When more are left, stderr says so (stdout stays the list, for scripts).
+    """
+    wanted: int | None = None if getattr(args, "all", False) else args.limit
+    items: list[dict[str, Any]] = []
+    cursor: str | None = None
+    while True:
+        size = PAGE_LIMIT if wanted is None else min(PAGE_LIMIT, wanted - len(items))
+        answer = api(args, "GET", path, params={**(params or {}), "limit": size, "cursor": cursor})
+        items += answer.get(key) or []
+        cursor = answer.get("next_cursor")
+        if not cursor or (wanted is not None and len(items) >= wanted):  # (the API refuses < 1)
+            break
+    if cursor:
+        print(
+            f"spanvisor: the first {len(items)} shown; more with --limit N or --all",
+            file=sys.stderr,
+        )
+    return items, answer
+
+
 def incidents(args: argparse.Namespace) -> int:
-    failures = api(args, "GET", "/v1/failures", params={"limit": args.limit})["failures"]
+    """The stored incidents, newest first: what the store kept, across restarts."""
+    failures, _ = listed(args, "/v1/incidents", "incidents")
     if args.output == "jsonl":
         for entry in failures:
             print(json.dumps(entry, sort_keys=True))
@@ -105,7 +136,7 @@ def approvals(args: argparse.Namespace) -> int:
         )
         print(f"{answered['id']}: {answered['status']} by {answered['answered_by']}")
         return 0
-    found = api(args, "GET", "/v1/approvals", params={"status": args.status})["approvals"]
+    found, _ = listed(args, "/v1/approvals", "approvals", {"status": args.status})
     if args.output == "jsonl":
         print_jsonl(found)
         return 0
@@ -129,7 +160,7 @@ def breakers(args: argparse.Namespace) -> int:
         changed = api(args, "POST", path)
         print(f"{changed['dependency']}: {changed['state']}")
         return 0
-    found = api(args, "GET", "/v1/breakers")["breakers"]
+    found, _ = listed(args, "/v1/breakers", "breakers")
     if args.output == "jsonl":
         print_jsonl(found)
         return 0
@@ -164,21 +195,17 @@ def remediations(args: argparse.Namespace) -> int:
         return 0
     if args.id:
         raise ConfigError("remediations list takes no id: use `remediations show ID`")
-    answer = api(
-        args, "GET", "/v1/remediations", params={"status": args.status, "limit": args.limit}
-    )
+    found, answer = listed(args, "/v1/remediations", "remediations", {"status": args.status})
     if args.json:
-        print(json.dumps(answer, indent=2, sort_keys=True))
+        print(json.dumps({**answer, "remediations": found}, indent=2, sort_keys=True))
         return 0
-    found: list[dict[str, Any]] = answer.get("remediations", [])
     if args.output == "jsonl":
         print_jsonl(found)
         return 0
     if not answer.get("running", True):
-        print(
-            "remediations are not running on this sidecar: the policy has no `remediate`"
-            " action, or there is no state database (state_path is ':memory:')"
-        )
+        # What is the case, as the sidecar says it: not started yet, no `remediate`
+        # action in the policy, no database, or a start that failed.
+        print(one_line(answer.get("why") or "remediations are not running on this sidecar", 300))
         return 0
     if not found:
         print("no remediations" + (f" in state {args.status}" if args.status else ""))
@@ -209,7 +236,8 @@ def runs(args: argparse.Namespace) -> int:
         "limit": args.limit,
     }
     if args.watch is None:
-        _print_runs(args, api(args, "GET", "/v1/runs", params=params), fit_screen=False)
+        found, last = listed(args, "/v1/runs", "runs", params)
+        _print_runs(args, {**last, "runs": found}, fit_screen=False)
         return 0
     # Redraw in place on a terminal; anywhere else (a file, a pipe), append each
     # table after a blank line. JSON is a stream of answers, one a line, never cleared.
@@ -303,10 +331,9 @@ def _print_runs(args: argparse.Namespace, answer: dict[str, Any], *, fit_screen:
 
 def commands(args: argparse.Namespace) -> int:
     if args.dead:
-        found = api(args, "GET", "/v1/dead-letters", params={"limit": args.limit})["dead_letters"]
+        found, _ = listed(args, "/v1/dead-letters", "dead_letters")
     else:
-        params = {"service": args.service, "limit": args.limit}
-        found = api(args, "GET", "/v1/commands/log", params=params)["commands"]
+        found, _ = listed(args, "/v1/commands/log", "commands", {"service": args.service})
     if args.output == "jsonl":
         print_jsonl(found)
         return 0

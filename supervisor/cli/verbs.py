@@ -84,8 +84,9 @@ examples:
   spanvisor remediations cancel rem_3f2a9c0d1e4b
   spanvisor remediations --json                 the API's answer, for scripts
 status is the workflow's state (PENDING while it runs); outcome is what the remediation
-concluded: succeeded, failed, escalated or refused. Remediations run only when the policy
-has a `remediate` action and the sidecar keeps state in a file (not ':memory:').
+concluded: succeeded, failed, escalated or refused. With none listed, the answer says why:
+the runner starts at the first `remediate` decision (idle until then), and remediations
+need a policy with a `remediate` action and state kept in a file (not ':memory:').
 """
 
 
@@ -106,7 +107,7 @@ is the last LLM or tool call's span name. A status is one of:
            while open or told to go on
   paused   the sidecar paused it (for a person's answer, or a breaker) until a deadline
   ended    its root span ended, or it was aborted
---status and --service filter the 1000 most recently active runs. Run ids longer than
+--status and --service filter every tracked run. Run ids longer than
 12 characters are shortened: --json and --output jsonl show them whole.
 """
 
@@ -239,9 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     incidents = _verb(
         verbs,
         "incidents",
-        "list recent failures of a running sidecar",
+        "list the incidents a running sidecar stored, and their decisions",
         _examples(
             "spanvisor incidents                          the latest 50",
+            "spanvisor incidents --all                    every one kept, page after page",
             "spanvisor incidents --limit 200 --output jsonl",
             notes=ADDRESS_NOTE,
         ),
@@ -324,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit", type=int, default=50, help="show at most this many, newest first (default 50)"
     )
 
+    for listing, limit in ((incidents, None), (approvals, 100), (breakers, 1000), (commands, None)):
+        _add_paging(listing, limit=limit)
+
     _verb(
         verbs,
         "reload",
@@ -385,6 +390,17 @@ def _remote_options() -> argparse.ArgumentParser:
         f" (default: {CONFIG_ENV})",
     )
     return sidecar
+
+
+def _add_paging(verb: argparse.ArgumentParser, *, limit: int | None = None) -> None:
+    """``--all`` for a list verb, and ``--limit`` (default ``limit``) when it has none yet."""
+    if limit is not None:
+        verb.add_argument(
+            "--limit", type=int, default=limit, help=f"list at most this many (default {limit})"
+        )
+    verb.add_argument(
+        "--all", action="store_true", help="list every one, page after page (ignores --limit)"
+    )
 
 
 def _add_demo(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -463,6 +479,7 @@ def _add_remediations(
     remediations.add_argument(
         "--limit", type=int, default=50, help="list at most this many (default 50)"
     )
+    _add_paging(remediations)
     remediations.add_argument(
         "--json", action="store_true", help="print the control API's JSON answer as is"
     )
@@ -490,9 +507,8 @@ def _add_runs(
         help="only runs in this status: " + ", ".join(RUN_STATUSES),
     )
     runs.add_argument("--service", help="only the runs of this service (its exact name)")
-    runs.add_argument(
-        "--limit", type=int, default=100, help="show at most this many, 1 to 1000 (default 100)"
-    )
+    runs.add_argument("--limit", type=int, default=100, help="show at most this many (default 100)")
+    _add_paging(runs)
     runs.add_argument(
         "--json", action="store_true", help="print the control API's JSON answer as is"
     )

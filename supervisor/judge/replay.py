@@ -14,7 +14,7 @@ judged in file order and nothing depends on the clock.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -110,8 +110,15 @@ def _validated(
     yield request
 
 
-def replay(path: Path, policy: Policy) -> Iterator[Outcome | BadRecord]:
+def replay(
+    path: Path,
+    policy: Policy,
+    on_request: Callable[[ExportTraceServiceRequest], None] | None = None,
+) -> Iterator[Outcome | BadRecord]:
     """Judge every request of the file in order, as the running sidecar would.
+
+    ``on_request`` sees each decoded request before it is judged (progress,
+    looking for a span).
 
     The run detectors see the recording's own clock: a request counts as
     received when its last span ended, and a run is stalled when the
@@ -130,10 +137,16 @@ def replay(path: Path, policy: Policy) -> Iterator[Outcome | BadRecord]:
         if isinstance(item, BadRecord):
             yield item
             continue
+        if on_request is not None:
+            on_request(item)
         clock_ns = max(clock_ns, _last_end_ns(item))
         yield from pipeline.process(item, received_ns=clock_ns)
         yield from _stalls(pipeline, runs, clock_ns)
     yield from _stalls(pipeline, runs, clock_ns)
+
+
+def span_count(request: ExportTraceServiceRequest) -> int:
+    return sum(len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans)
 
 
 def _last_end_ns(request: ExportTraceServiceRequest) -> int:

@@ -89,6 +89,9 @@ class Remediations:
         self._starting = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failed = False
+        #: Why the runner could not start (for the control API), when it could not.
+        self._failure = ""
+        self._launching = False
 
     @property
     def running(self) -> bool:
@@ -118,8 +121,12 @@ class Remediations:
         start-up while the store writer may start it for a first decision;
         the second caller waits for the first.
         """
-        with self._starting:
-            self._start_locked(loop, redispatch=redispatch)
+        self._launching = True
+        try:
+            with self._starting:
+                self._start_locked(loop, redispatch=redispatch)
+        finally:
+            self._launching = False
 
     def start_in_background(self) -> None:
         """:meth:`start` for a background thread: a failure is logged and remembered."""
@@ -127,6 +134,7 @@ class Remediations:
             self.start()
         except Exception as exc:  # the sidecar goes on; remediate decisions are counted
             self._failed = True  # not retried for every decision; a restart retries
+            self._failure = str(exc)
             log.error("cannot start remediations: %s", exc)
 
     def _start_locked(self, loop: asyncio.AbstractEventLoop | None, *, redispatch: bool) -> None:
@@ -186,6 +194,7 @@ class Remediations:
                 self.start(redispatch=False)
             except Exception as exc:
                 self._failed = True  # not again for every decision; a restart retries
+                self._failure = str(exc)
                 log.error("cannot start remediations: %s", exc)
         runner = self.runner
         if runner is None:
@@ -291,10 +300,45 @@ class Remediations:
         if self.runner is not None:
             self.runner.notify_recovery(remediation_id, evidence)
 
+    def state(self) -> tuple[str, str]:
+        """What is the case, as a word and a sentence for people.
+
+        ``running``; ``starting`` (launching the runner); ``idle`` (nothing
+        decided yet: the runner starts at the first ``remediate`` decision);
+        ``unused`` (the policy in force has no ``remediate`` action); ``failed``
+        (it could not start); ``off`` (no database to keep them in).
+        """
+        if self.runner is not None:
+            return "running", "remediations are running"
+        if self.database_url is None:
+            return "off", (
+                "remediations are off on this sidecar: there is no database to keep them in"
+                " (state_path is ':memory:' and remediation_database_url is unset)"
+            )
+        if self._failed:
+            return "failed", (
+                f"remediations could not start: {self._failure or 'see the log'}"
+                " (the next start of the sidecar tries again)"
+            )
+        if self._launching:
+            return "starting", "remediations are starting; ask again in a few seconds"
+        if not self._policy().remediators_used:
+            return "unused", (
+                "no remediations: the policy in force has no `remediate` action"
+                f" ({self._policy().source})"
+            )
+        return "idle", (
+            "no remediation has been decided since this sidecar started; the runner"
+            " starts at the first `remediate` decision"
+        )
+
     def describe(self) -> dict[str, Any]:
         runner = self.runner
+        state, why = self.state()
         return {
             "running": runner is not None,
+            "state": state,
+            "why": why,
             "database": redact_url(self.database_url) if self.database_url else None,
             "undispatched": self.undispatched,
             "watched": len(self.watch),

@@ -605,16 +605,36 @@ class RunTracker:
 
     # -- views ---------------------------------------------------------------
 
-    def snapshot(self, limit: int = 100, now: float | None = None) -> list[RunView]:
-        """The most recently active runs first."""
+    def snapshot(
+        self,
+        limit: int = 100,
+        now: float | None = None,
+        *,
+        before: tuple[float, str] | None = None,
+        service: str | None = None,
+        status: str | None = None,
+    ) -> list[RunView]:
+        """The most recently active runs first: ``limit`` of them, of ``service`` and in
+        ``status`` when given.
+
+        ``before`` (last span time, run id) starts after that run, for the
+        control API's pages: runs are kept in the order of their last span. A
+        filter is checked before a run's view is built: a filter that matches
+        few runs walks all of them (``max_runs``) in a few milliseconds.
+        """
         now = self._clock() if now is None else now
         views: list[RunView] = []
         for run in reversed(self._runs.values()):
             if len(views) >= limit:
                 break
+            if before is not None and (run.last_seen, run.run_id) >= before:
+                continue
+            if service is not None and run.service != service:
+                continue
             stalls = self.settings_for(run.service).stalls
-            status = phase.status(run, now, self.idle_limit(run) if stalls else None)
-            views.append(view(run, now, status))
+            found = phase.status(run, now, self.idle_limit(run) if stalls else None)
+            if status is None or found == status:
+                views.append(view(run, now, found))
         return views
 
     # -- the journal: what a restart must not forget --------------------------
