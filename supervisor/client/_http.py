@@ -32,6 +32,7 @@ from supervisor.client._advice import (
     UnreadableAnswer,
     advice_from_json,
 )
+from supervisor.client._auth import SidecarAuth
 from supervisor.client._evidence import exception_type_name, retry_after_of, status_of
 from supervisor.client._local import MAX_MESSAGE_CHARS, LocalPolicy
 from supervisor.errors import ConfigError, SupervisorError
@@ -102,7 +103,7 @@ class SupervisorClient:
         #: The address and token, and where each came from.
         self.access = client_access(base_url, token)
         self.base_url = self.access.url
-        self._token = self.access.token
+        self._auth = SidecarAuth(self.access)
         self.timeout_s = timeout_s
         # The agent's spans name it by OTEL_SERVICE_NAME; its questions should too.
         self.service = service or os.environ.get("OTEL_SERVICE_NAME", "")
@@ -148,12 +149,10 @@ class SupervisorClient:
         await self.aclose()
 
     def _options(self) -> dict[str, Any]:
-        headers = {"Accept": "application/json", "User-Agent": "spanvisor-client"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
         return {
             "base_url": self.base_url,
-            "headers": headers,
+            "headers": {"Accept": "application/json", "User-Agent": "spanvisor-client"},
+            "auth": self._auth,
             "timeout": httpx.Timeout(self.timeout_s),
             # An agent's HTTP(S)_PROXY must not capture calls to a loopback sidecar.
             "trust_env": False,

@@ -34,6 +34,7 @@ from urllib.parse import quote
 import httpx
 
 from supervisor.act.commands import PAUSE_OUTCOMES, PauseTimeout
+from supervisor.client._auth import SidecarAuth
 from supervisor.client._http import client_access, refused
 
 __all__ = ["Command", "CommandPuller", "MalformedCommand", "PauseTimeout"]
@@ -192,12 +193,10 @@ class CommandPuller:
         self._down = False
         self._unsent_acks: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
-        headers = {"Accept": "application/json", "User-Agent": "spanvisor-client"}
-        if self.access.token:
-            headers["Authorization"] = f"Bearer {self.access.token}"
         self._http = httpx.Client(
             base_url=self.base_url,
-            headers=headers,
+            headers={"Accept": "application/json", "User-Agent": "spanvisor-client"},
+            auth=SidecarAuth(self.access),
             trust_env=False,
             follow_redirects=False,
             transport=transport,
