@@ -2,9 +2,9 @@
 
 A misspelt ``SPANVISOR_*`` variable is only a warning in the sidecar's log, a
 wrong flag only fails when the pod starts, and a wrong port only shows as spans
-that go nowhere: so the names, flags, files and ports in the Kubernetes manifest,
-the example settings file and the collector config are checked against the real
-settings model, CLI parser and policy loader here.
+that go nowhere: so the names, flags, files and ports in the Kubernetes sidecar
+manifest and the example settings file are checked against the real settings
+model, CLI parser and policy loader here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from supervisor.settings import LOOPBACK, Settings, load_settings
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "config" / "kubernetes-sidecar.yaml"
 EXAMPLE_SETTINGS = ROOT / "config" / "spanvisor.yaml"
-COLLECTOR = ROOT / "config" / "otel-collector-loadbalancing.yaml"
 
 ENV_PREFIX = str(Settings.model_config.get("env_prefix"))
 #: Every variable the settings loader reads: one per field of the model.
@@ -293,26 +292,7 @@ def test_example_settings_file_loads(no_spanvisor_env: pytest.MonkeyPatch) -> No
     }
 
 
-# -------------------------------------------------------------------- collector
-
-
-def test_collector_routes_by_trace_to_spanvisor_otlp() -> None:
-    config = yaml.safe_load(COLLECTOR.read_text(encoding="utf-8"))
-    exporter = config["exporters"]["loadbalancing"]
-    assert exporter["routing_key"] == "traceID"
-    assert "otlp" in exporter["protocol"]
-    assert "endpoint" not in exporter["protocol"]["otlp"]  # the resolver fills it in
-    # spanvisor listens beyond loopback there, so only with its OTLP token.
-    headers = exporter["protocol"]["otlp"]["headers"]
-    assert headers["authorization"] == "Bearer ${env:SPANVISOR_OTLP_TOKEN}"
-    dns = exporter["resolver"]["dns"]
-    assert dns["port"] == _default("otlp_grpc_port")  # the exporter speaks OTLP/gRPC
-    assert "spanvisor" in dns["hostname"]
-    pipeline = config["service"]["pipelines"]["traces"]
-    assert pipeline["exporters"] == ["loadbalancing"]  # spanvisor forwards to the backend
-    assert set(pipeline["receivers"]) <= set(config["receivers"])
-    assert set(pipeline.get("processors", [])) <= set(config.get("processors") or {})
-    assert set(config["service"].get("extensions", [])) <= set(config.get("extensions") or {})
+# The collector's config: tests/test_config_deploy.py, with the central manifest.
 
 
 # -------------------------------------------------------------------- documents
