@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Collection
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -220,8 +220,21 @@ def _failures_by_span(outcomes: Collection[Outcome]) -> dict[str, Failure]:
     return {o.failure.span_id: o.failure for o in outcomes if o.failure.rule.startswith("builtin.")}
 
 
+_TOOL = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "search"}
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(span_specs)
+# A loop found in a trace's first spans, before a later span of the batch named its
+# session: the loop is the session's run's, as the trace's run became it.
+@example(
+    specs=[
+        (_TOOL, {}, False, 0),
+        (_TOOL, {}, False, 0),
+        (GENAI_CHAT, {"gen_ai.conversation.id": "s1"}, True, 0),
+        (_TOOL, {}, False, 0),
+    ]
+)
 def test_every_stage_sees_the_records_run_and_dependency(
     specs: list[tuple[dict[str, object], dict[str, object], bool, int]],
 ) -> None:

@@ -244,7 +244,12 @@ class Pipeline:
             quiet = yield from self._book_quiet_successes(quiet, calls, verify)
         outcomes = yield from self._judge_spans(first, received_ns, calls)
         if detected:
-            found = [detected_failure(d, received_ns) for d in detected]
+            # Found while the batch was read: a span read later may have named the
+            # trace's session since, and the trace's run became the session's.
+            found = [
+                replace(detected_failure(d, received_ns), run_id=self._run_of(d.trace_id, ""))
+                for d in detected
+            ]
             outcomes += yield from self.judge_detected_steps(found)
         return outcomes, Remainder(quiet, verify, received_ns)
 
