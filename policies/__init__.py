@@ -15,7 +15,7 @@ Everything the sidecar uses from here is exported below; the ``policies._*``
 modules are private.
 """
 
-from policies._breakers import BreakerChange, BreakerState
+from policies._breakers import BreakerChange, BreakerState, SharedStorage
 from policies._cascade import Cascade
 from policies._detectors import DetectorSettings
 from policies._governor import RUN_KINDS, Governor, counts_for_breaker
@@ -44,6 +44,7 @@ __all__ = [
     "RemediatorBudgetSpec",
     "RemediatorSpec",
     "RunSpend",
+    "SharedStorage",
     "SloSpec",
     "SloTracker",
     "VerificationFailure",

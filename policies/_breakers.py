@@ -23,6 +23,7 @@ import logging
 import math
 import threading
 import time
+from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -154,6 +155,48 @@ class BreakerInfo:
     reopens_at: float | None
 
 
+class SharedStorage(pybreaker.CircuitBreakerStorage):
+    """A pybreaker storage that boards of several processes share, with isolation besides.
+
+    pybreaker's storage has no notion of an operator's isolation, so a board
+    keeps the flag here too: ``isolate`` and ``close`` then act on every board
+    sharing the storage. ``isolated()`` answers as of the last read of
+    ``state`` (one round trip reads both).
+    """
+
+    @abstractmethod
+    def isolated(self) -> bool:
+        """Whether an operator isolated the breaker (as of the last read of ``state``)."""
+
+    @abstractmethod
+    def set_isolated(self, isolated: bool) -> None:
+        """Record an operator's isolate (True) or close (False)."""
+
+
+class _Breaker(pybreaker.CircuitBreaker):
+    """pybreaker's breaker, except that a state noticed in a shared storage is adopted silently.
+
+    pybreaker adopts another process's change as if it made it: noticing
+    half-open resets the shared success count, noticing closed the shared
+    failure count, so each board that looked undid trials and failures the
+    others had counted. The process that made the change did those resets;
+    the board reports what it noticed itself (reason ``shared_storage``).
+    """
+
+    @property
+    def state(self) -> Any:
+        current = self.current_state
+        if current != self._state.name:
+            with self._lock:
+                self._state = self._create_new_state(current, prev_state=self._state)
+        return self._state
+
+    @state.setter
+    def state(self, state_str: str) -> None:
+        with self._lock:
+            self._state = self._create_new_state(state_str, prev_state=self._state, notify=True)
+
+
 class _ObservedFailure(Exception):
     """A failure seen in a span, replayed through pybreaker so that it counts."""
 
@@ -192,12 +235,15 @@ class _Entry:
         "isolated",
         "opened_at",
         "settings",
+        "shared",
         "state",
         "trial_failures",
     )
 
-    def __init__(self, settings: BreakerSettings) -> None:
+    def __init__(self, settings: BreakerSettings, shared: SharedStorage | None) -> None:
         self.settings = settings
+        #: The storage, when other processes share it (isolation is then read from it).
+        self.shared = shared
         self.breaker: Any = None  # pybreaker.CircuitBreaker, set once its listener exists
         #: The state last reported through on_change (a change is a difference from it).
         self.state = BreakerState.CLOSED
@@ -259,11 +305,13 @@ class BreakerBoard:
     ``storage_factory(dependency)`` gives each breaker's pybreaker storage
     (default: in memory); with a shared one, changes made by other processes are
     reported with reason ``shared_storage`` when this board notices them (only
-    for dependencies it has a breaker for: ``state`` never creates one).
-    ``isolate`` is local to the board: the shared storage shows the breaker
-    open, and other boards half-open it after their own timeout. So is the
-    count of failed trials a half-open breaker absorbed (``half_open_trials``):
-    each board tolerates its own, and the one that re-opens it opens it for all.
+    for dependencies it has a breaker for). ``state`` and ``info`` of a
+    dependency the board does not track read the shared storage, and track it
+    from then on when it is not closed there (a closed one is not tracked, so
+    reads cannot fill the board). With a :class:`SharedStorage`, ``isolate``
+    and ``close`` act on every board sharing it. The count of failed trials a
+    half-open breaker absorbed (``half_open_trials``) is each board's own: each
+    tolerates its own, and the one that re-opens it opens it for all.
     """
 
     def __init__(
@@ -351,9 +399,10 @@ class BreakerBoard:
         with self._lock:
             entry = self._entries.get(dependency)
             if entry is None:
-                return BreakerState.CLOSED
-            self._entries.move_to_end(dependency)
-            state = self._refresh(dependency, entry, self._now(), changes)
+                entry, state = self._peek(dependency, changes)
+            else:
+                self._entries.move_to_end(dependency)
+                state = self._refresh(dependency, entry, self._now(), changes)
         self._emit(changes)
         return state
 
@@ -363,8 +412,11 @@ class BreakerBoard:
         with self._lock:
             entry = self._entries.get(dependency)
             if entry is None:
-                return BreakerInfo(dependency, BreakerState.CLOSED, 0, None, None)
-            result = self._info(dependency, entry, self._now(), changes)
+                entry, state = self._peek(dependency, changes)
+            if entry is None:
+                result = BreakerInfo(dependency, state, 0, None, None)
+            else:
+                result = self._info(dependency, entry, self._now(), changes)
         self._emit(changes)
         return result
 
@@ -395,6 +447,8 @@ class BreakerBoard:
                 return False
             if self._refresh(dependency, entry, now, changes) is not BreakerState.ISOLATED:
                 entry.isolated = True
+                if entry.shared is not None:
+                    entry.shared.set_isolated(True)
                 # Open in pybreaker too, so boards sharing its storage see it open.
                 entry.breaker.open()
                 self._change(
@@ -437,6 +491,8 @@ class BreakerBoard:
                 return  # untracked reads as closed anyway
             old = self._refresh(dependency, entry, now, changes)
             entry.isolated = False
+            if entry.shared is not None:
+                entry.shared.set_isolated(False)
             entry.breaker.close()  # resets pybreaker's failure and success counts
             entry.opened_at = None
             if old is BreakerState.CLOSED:
@@ -464,7 +520,25 @@ class BreakerBoard:
         """The time of the operation in progress, for the listener's ``opened_at``."""
         return self._last_now
 
-    def _get_or_create(self, dependency: str) -> _Entry | None:
+    def _peek(
+        self, dependency: str, changes: list[BreakerChange]
+    ) -> tuple[_Entry | None, BreakerState]:
+        """An untracked dependency's state in the shared storage; tracked if not closed there."""
+        if self._storage_factory is None:
+            return None, BreakerState.CLOSED
+        storage = self._storage_factory(dependency)
+        name = storage.state  # one round trip; isolation comes with it
+        isolated = isinstance(storage, SharedStorage) and storage.isolated()
+        if name == pybreaker.STATE_CLOSED and not isolated:
+            return None, BreakerState.CLOSED
+        entry = self._get_or_create(dependency, storage)
+        if entry is None:  # full: answered all the same, never as closed
+            return None, BreakerState.ISOLATED if isolated else _FROM_PYBREAKER[name]
+        return entry, self._refresh(dependency, entry, self._now(), changes)
+
+    def _get_or_create(
+        self, dependency: str, storage: pybreaker.CircuitBreakerStorage | None = None
+    ) -> _Entry | None:
         entries = self._entries
         entry = entries.get(dependency)
         if entry is not None:
@@ -479,9 +553,10 @@ class BreakerBoard:
         if len(entries) >= self.max_breakers and not self._evict_one():
             self.untracked += 1
             return None
-        storage = self._storage_factory(dependency) if self._storage_factory else None
-        entry = _Entry(settings)
-        entry.breaker = pybreaker.CircuitBreaker(
+        if storage is None and self._storage_factory is not None:
+            storage = self._storage_factory(dependency)
+        entry = _Entry(settings, storage if isinstance(storage, SharedStorage) else None)
+        entry.breaker = _Breaker(
             fail_max=settings.fail_max,
             reset_timeout=settings.reset_timeout_s,
             success_threshold=settings.success_threshold,
@@ -505,11 +580,28 @@ class BreakerBoard:
         self, dependency: str, entry: _Entry, now: float, changes: list[BreakerChange]
     ) -> BreakerState:
         """The entry's state now: catches up with the storage and the reset timeout."""
-        if entry.isolated:
+        shared = entry.shared
+        if shared is None and entry.isolated:
             return BreakerState.ISOLATED
-        # Reading .state re-reads the storage (and notifies listeners if it changed).
+        # Reading .state re-reads the storage (and adopts what another process changed).
         state = _FROM_PYBREAKER[entry.breaker.state.name]
+        if shared is not None:
+            # Isolated or closed by an operator through any board sharing the storage.
+            entry.isolated = shared.isolated()
+            if entry.isolated:
+                if entry.state is not BreakerState.ISOLATED:
+                    self._change(
+                        dependency,
+                        entry,
+                        BreakerState.ISOLATED,
+                        "shared_storage",
+                        now=now,
+                        changes=changes,
+                    )
+                return BreakerState.ISOLATED
         if state is not entry.state:
+            if state is BreakerState.OPEN:
+                entry.opened_at = now  # opened elsewhere, noticed now: a full wait from now
             self._change(dependency, entry, state, "shared_storage", now=now, changes=changes)
         if state is BreakerState.OPEN:
             opened_at = entry.opened_at

@@ -242,7 +242,11 @@ class Governor:
     def breaker_state(self, dependency: str) -> BreakerState:
         if not self.policy.limits.breakers_enabled or not dependency:
             return BreakerState.CLOSED
-        return self.board.state(dependency)
+        state = self.board.state(dependency)
+        if state is not BreakerState.CLOSED:
+            # Perhaps opened by another sidecar: its trials seen here must count.
+            self._watch(dependency)
+        return state
 
     def isolate(self, dependency: str) -> bool:
         self._watch(dependency)

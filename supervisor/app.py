@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Generator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -55,6 +55,9 @@ from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
 from supervisor.runs.journal import RunJournal
 from supervisor.settings import Settings
+
+if TYPE_CHECKING:
+    from supervisor.shared_breakers import RedisLink
 
 log = logging.getLogger("spanvisor.app")
 
@@ -129,6 +132,8 @@ class SidecarParts:
     token: str
     #: The OTLP receivers' token check (None: they take spans without one).
     otlp_auth: ReceiverAuth | None = None
+    #: The Redis the breakers share (None: they are this sidecar's own).
+    breaker_link: RedisLink | None = None
 
 
 class Sidecar:
@@ -200,6 +205,7 @@ class Sidecar:
         self.journal = parts.journal
         self.governor = parts.governor
         self.breakers = parts.breakers
+        self.breaker_link = parts.breaker_link
         self.store = parts.store
         self.actuators = parts.actuators
         self.dispatcher = parts.dispatcher
@@ -687,6 +693,7 @@ class Sidecar:
             writer=self.writer,
             governor=self.governor,
             breakers=self.breakers,
+            breaker_link=self.breaker_link,
             remediations=self.remediations,
             forwarder=self.forwarder,
             otlp_auth=self._otlp_auth,
@@ -723,6 +730,10 @@ class Sidecar:
                 "changes": self.breakers.changes,
                 "not_closed": sum(
                     1 for b in self.governor.board.snapshot() if b.state.value != "closed"
+                ),
+                # None: not shared; else whether Redis answers, and how often it did not.
+                "shared": (
+                    asdict(self.breaker_link.stats()) if self.breaker_link is not None else None
                 ),
             },
             "retry_budget": {"denied": self.governor.budget.denied},

@@ -214,6 +214,31 @@ class Settings(BaseSettings):
         description="Share breaker state with every sidecar using this Redis (redis://host:6379/0);"
         " unset: breakers are this sidecar's own.",
     )
+    breaker_redis_required: bool = Field(
+        default=False,
+        description="Refuse to start when the breakers' Redis does not answer; otherwise the"
+        " sidecar starts (and runs) with its own breaker state until Redis answers.",
+    )
+    breaker_redis_timeout_s: float = Field(
+        default=0.25,
+        gt=0,
+        le=5,
+        description="Longest wait for one Redis operation on breaker state.",
+    )
+    breaker_redis_retry_s: float = Field(
+        default=5.0,
+        ge=0.1,
+        le=600,
+        description="After a Redis error or timeout, how long breakers use local state"
+        " before Redis is asked again.",
+    )
+    breaker_redis_namespace: str = Field(
+        default="spanvisor",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="Prefix of the breakers' Redis keys; sidecars that share breakers share it.",
+    )
     remediation_database_url: str | None = Field(
         default=None,
         pattern=r"^(sqlite:///|postgresql(\+psycopg)?://)",

@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pybreaker
 from opentelemetry.sdk.metrics.export import MetricReader
@@ -53,6 +54,9 @@ from supervisor.runs import RunTracker
 from supervisor.runs.journal import RunJournal
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
 
+if TYPE_CHECKING:
+    from supervisor.shared_breakers import RedisLink
+
 _log = logging.getLogger("spanvisor.wiring")
 
 
@@ -76,7 +80,7 @@ def build_sidecar(
     _check_api_exposure(settings)
     _check_otlp_exposure(settings)
     _check_remediators(policy)
-    breaker_storage = _shared_breakers(settings.breaker_redis_url)
+    breaker_storage, breaker_link = _shared_breakers(settings)
     actuators = _actuators(settings.agents)
 
     in_force = PolicyInForce(policy)
@@ -206,6 +210,7 @@ def build_sidecar(
             failures=RecentFailures(settings.recent_failures),
             collector=Collector(),
             token=token,
+            breaker_link=breaker_link,
         )
     )
 
@@ -353,24 +358,24 @@ def _actuators(agents: Mapping[str, AgentDelivery]) -> dict[str, Actuator]:
     return built
 
 
-def _shared_breakers(url: str | None) -> Callable[[str], pybreaker.CircuitBreakerStorage] | None:
-    """pybreaker's Redis storage per dependency, so a fleet of sidecars shares its breakers."""
+def _shared_breakers(
+    settings: Settings,
+) -> tuple[Callable[[str], pybreaker.CircuitBreakerStorage] | None, RedisLink | None]:
+    """Breaker storage shared through Redis (so a fleet shares its breakers), and its link."""
+    url = settings.breaker_redis_url
     if url is None:
-        return None
+        return None, None
     try:
-        import redis  # the `fleet` extra: only sidecars that share breakers need it
+        from supervisor.shared_breakers import shared_breakers  # needs the `fleet` extra
     except ImportError as exc:
         raise ConfigError(
             "breaker_redis_url needs the redis package: pip install 'spanvisor[fleet]'"
         ) from exc
-    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        raise ConfigError(f"cannot reach the breakers' Redis at {url}: {exc}") from exc
-
-    def storage(dependency: str) -> pybreaker.CircuitBreakerStorage:
-        namespace = f"spanvisor:breaker:{dependency}"
-        return pybreaker.CircuitRedisStorage(pybreaker.STATE_CLOSED, client, namespace=namespace)
-
-    return storage
+    storage, link = shared_breakers(
+        url,
+        namespace=settings.breaker_redis_namespace,
+        timeout_s=settings.breaker_redis_timeout_s,
+        retry_s=settings.breaker_redis_retry_s,
+        required=settings.breaker_redis_required,
+    )
+    return storage, link

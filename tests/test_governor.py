@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -172,31 +173,48 @@ def test_observe_only_decisions_spend_nothing(governor: Governor) -> None:
     assert governor.intensity.actions("r1") == 0
 
 
-def test_two_sidecars_share_breakers_through_redis() -> None:
+def test_two_sidecars_share_breakers_through_redis(tmp_path: Path) -> None:
     import uuid
 
-    from supervisor.errors import ConfigError
     from supervisor.wiring import _shared_breakers
+    from tests.test_app import settings
 
-    try:
-        storage = _shared_breakers("redis://127.0.0.1:6379/0")
-    except ConfigError as exc:
-        pytest.skip(f"no Redis: {exc}")
-    assert storage is not None
-    dependency = f"openai:test-{uuid.uuid4().hex}"  # a fresh key: tests may share the server
+    namespace = f"spanvisor-test-{uuid.uuid4().hex}"  # keys of its own: tests may share Redis
+    storage, link = _shared_breakers(
+        settings(
+            tmp_path,
+            breaker_redis_url="redis://127.0.0.1:6379/0",
+            breaker_redis_namespace=namespace,
+        )
+    )
+    assert storage is not None and link is not None
+    if not link.stats().reachable:
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    dependency = "openai:gpt-4o"
     policy = load_policy(text=POLICY)
     first, second = (
         Governor(policy, breaker_storage=storage),
         Governor(policy, breaker_storage=storage),
     )
+    try:
+        fail(first, dependency, 2)
+        fail(second, dependency, 1)  # the third failure in the fleet trips it for both
 
-    fail(first, dependency, 2)
-    fail(second, dependency, 1)  # the third failure in the fleet trips it for both
+        assert second.breaker_state(dependency).value == "open"
+        assert first.breaker_state(dependency).value == "open"
+        fail(first, "openai:gpt-4o-mini", 3)  # the first alternative is down too
+        # A third that has seen nothing of either reviews against both open breakers.
+        third = Governor(policy, breaker_storage=storage)
+        decision = third.review(failure(), Decision(action=Action.RETRY, policy="p", reason=""))
+        assert (decision.action, decision.params["to"]) == (Action.FALLBACK, "anthropic:claude")
+    finally:
+        import redis
 
-    assert second.breaker_state(dependency).value == "open"
-    assert first.breaker_state(dependency).value == "open"
-    with pytest.raises(ConfigError, match="cannot reach"):
-        _shared_breakers("redis://127.0.0.1:1/0")
+        client = redis.Redis(host="127.0.0.1", port=6379)
+        keys = list(client.scan_iter(match=f"{namespace}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
 
 
 def test_an_outage_asks_no_person_escalations_become_fallbacks(governor: Governor) -> None:

@@ -28,6 +28,7 @@ def test_policies_exports() -> None:
         "RemediatorBudgetSpec",
         "RemediatorSpec",
         "RunSpend",
+        "SharedStorage",
         "SloSpec",
         "SloTracker",
         "VerificationFailure",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -43,6 +44,9 @@ from supervisor.ingest.queue import IngestQueue
 from supervisor.ingest.wal import IngestLog, NoLog
 from supervisor.records import Action
 from supervisor.remediation.engine import Remediations
+
+if TYPE_CHECKING:
+    from supervisor.shared_breakers import RedisLink
 
 __all__ = ["CONTENT_TYPE", "MAX_BREAKER_SERIES", "MetricSources", "SidecarCollector", "exposition"]
 
@@ -76,6 +80,8 @@ class MetricSources:
     remediations: Remediations
     forwarder: Forwarder | None = None
     otlp_auth: ReceiverAuth | None = None
+    #: The Redis the breakers share (None: they are this sidecar's own).
+    breaker_link: RedisLink | None = None
     #: Wall clock, for the age of pending approvals (stored in wall-clock seconds).
     clock: Callable[[], float] = time.time
 
@@ -311,6 +317,19 @@ class SidecarCollector(Collector):
         for (old, new), n in sorted(self._s.breakers.transitions.items()):
             transitions.add_metric([old, new], n)
         yield transitions
+        link = self._s.breaker_link
+        if link is not None:
+            shared = link.stats()
+            yield _gauge(
+                "spanvisor_breaker_redis_up",
+                "1 while the breakers' shared Redis answers, 0 while they use local state.",
+                int(shared.reachable),
+            )
+            yield _counter(
+                "spanvisor_breaker_redis_outages",
+                "Times the breakers' Redis stopped answering.",
+                value=shared.outages,
+            )
 
     def _remediations(self) -> Iterator[Metric]:
         described = self._s.remediations.describe()
