@@ -9,10 +9,12 @@ from __future__ import annotations
 import random
 import socket
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+import psycopg
 import pytest
 from pydantic import ValidationError
 
@@ -254,6 +256,28 @@ def test_max_pending_bounds_what_waits_in_the_whole_fleet(url: str) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_store_whose_connection_the_server_dropped_connects_again(url: str) -> None:
+    name = f"drop-{uuid.uuid4().hex[:8]}"
+    store = Store.open(url, instance_id=name)
+    try:
+        store.record([make_incident(span(1), [make_command(span(1))])], T0)
+        with psycopg.connect(url, autocommit=True) as admin:
+            (dropped,) = admin.execute(
+                "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = %s",
+                (f"spanvisor {name}",),
+            ).fetchone()
+        assert dropped == 1  # a server restart, a failover, an idle timeout
+        # The call that meets the dropped connection fails (the store writer keeps its
+        # batch and tries again; the dispatcher looks again); the next one connects.
+        with pytest.raises(psycopg.OperationalError):
+            store.record([make_incident(span(2), [make_command(span(2))])], T0)
+        assert len(store.record([make_incident(span(2), [make_command(span(2))])], T0)) == 1
+        assert len(store.incidents()) == 2
+    finally:
+        store.close()
 
 
 def test_an_unreachable_database_is_a_clear_error_naming_it_without_its_password() -> None:

@@ -167,7 +167,7 @@ class Store:
             from supervisor.act.store_pg import connect_postgres
 
             return cls(
-                connect_postgres(target),
+                connect_postgres(target, instance_id),
                 max_pending=max_pending,
                 retention_s=retention_s,
                 instance_id=instance_id,
@@ -239,12 +239,16 @@ class Store:
                 # (it waits for that transaction, then does nothing), not what was read.
                 # In key order: two batches sharing keys wait for each other, never
                 # deadlock. What waits to be delivered is the whole fleet's.
-                fresh.sort(key=lambda incident: incident.key)
-                rows = [self._incident_row(i, now) for i in fresh]
+                # (The batch's own order stays that of its commands: past max_pending,
+                # the later ones are dead.)
                 self._waiting = self._count_waiting(db)
-                inserted = [bool(db.execute(_INSERT_INCIDENT, row).rowcount) for row in rows]
-                self.duplicates += inserted.count(False)
-                fresh = [i for i, new in zip(fresh, inserted, strict=True) if new]
+                inserted = {
+                    i.key
+                    for i in sorted(fresh, key=lambda incident: incident.key)
+                    if db.execute(_INSERT_INCIDENT, self._incident_row(i, now)).rowcount
+                }
+                self.duplicates += len(fresh) - len(inserted)
+                fresh = [i for i in fresh if i.key in inserted]
             else:
                 db.executemany(_INSERT_INCIDENT, [self._incident_row(i, now) for i in fresh])
             rows = []

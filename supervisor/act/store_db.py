@@ -130,8 +130,10 @@ class PostgresDatabase:
     shared = True
     lock_rows = " FOR UPDATE SKIP LOCKED"
 
-    def __init__(self, url: str, where: str) -> None:
+    def __init__(self, url: str, where: str, name: str = "spanvisor") -> None:
         self._url = url
+        #: What ``pg_stat_activity`` shows as its ``application_name``: which sidecar.
+        self.name = name[:63]
         self.where = where
         self._conn: Any = None
         self._connect()
@@ -140,7 +142,11 @@ class PostgresDatabase:
         import psycopg
 
         self._conn = psycopg.connect(
-            self._url, autocommit=True, row_factory=_pg_rows, connect_timeout=10
+            self._url,
+            autocommit=True,
+            row_factory=_pg_rows,
+            connect_timeout=10,
+            application_name=self.name,
         )
         return self._conn
 

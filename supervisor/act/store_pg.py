@@ -87,7 +87,7 @@ CREATE TABLE IF NOT EXISTS approvals (
 _SCHEMA_LOCK = 0x5350414E  # "SPAN"
 
 
-def connect_postgres(url: str) -> PostgresDatabase:
+def connect_postgres(url: str, instance_id: str = "") -> PostgresDatabase:
     """The shared store at ``url`` (``postgresql://``), its tables created if missing."""
     where = redact_url(url)
     try:
@@ -97,7 +97,11 @@ def connect_postgres(url: str) -> PostgresDatabase:
             f"database_url {where} needs psycopg: pip install 'spanvisor[fleet]'"
         ) from None
     try:
-        db = PostgresDatabase(url.replace("postgresql+psycopg://", "postgresql://", 1), where)
+        db = PostgresDatabase(
+            url.replace("postgresql+psycopg://", "postgresql://", 1),
+            where,
+            f"spanvisor {instance_id}".strip(),
+        )
     except psycopg.Error as exc:
         raise ConfigError(f"cannot connect to the store at database_url {where}: {exc}") from exc
     try:
