@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+import orjson
 import pytest
 
 from supervisor import records
@@ -489,6 +490,69 @@ def test_a_store_made_before_the_pull_indexes_gets_them_when_opened(sqlite_path:
         )
     assert {"commands_pull_pending", "commands_pull_leased"} <= names
     assert "commands_pull_pending" in plan
+
+
+#: The tables as a store made before instances were recorded had them (approvals without
+#: their deadline columns either: those came one release earlier still).
+EARLIER_SCHEMA = """
+CREATE TABLE incidents (key TEXT PRIMARY KEY, trace_id TEXT NOT NULL, span_id TEXT NOT NULL,
+    rule TEXT NOT NULL, service TEXT NOT NULL, run_id TEXT NOT NULL, action TEXT NOT NULL,
+    body TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE commands (id TEXT PRIMARY KEY, key TEXT NOT NULL, incident_key TEXT NOT NULL,
+    service TEXT NOT NULL, type TEXT NOT NULL, channel TEXT NOT NULL, status TEXT NOT NULL,
+    body TEXT NOT NULL, not_before REAL NOT NULL, next_attempt_at REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0, lease_until REAL, last_error TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL, finished_at REAL);
+CREATE TABLE approvals (id TEXT PRIMARY KEY, incident_key TEXT NOT NULL UNIQUE,
+    service TEXT NOT NULL, run_id TEXT NOT NULL, status TEXT NOT NULL, body TEXT NOT NULL,
+    created_at REAL NOT NULL, answered_at REAL, answered_by TEXT NOT NULL DEFAULT '',
+    note TEXT NOT NULL DEFAULT '');
+"""
+
+
+def test_a_store_made_by_an_earlier_release_keeps_its_rows_and_records_instances(
+    sqlite_path: Path,
+) -> None:
+    old = make_command(span(1))
+    sqlite_path.parent.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(sqlite_path)) as db:
+        db.executescript(EARLIER_SCHEMA)
+        db.execute(
+            "INSERT INTO incidents VALUES (?, ?, ?, 'rule', 'agent', 'run-1', 'retry', '{}', ?)",
+            (make_incident(span(1)).key, TRACE, span(1), T0),
+        )
+        db.execute(
+            "INSERT INTO commands VALUES (?, ?, ?, 'agent', 'retry_step', 'webhook', 'pending',"
+            " ?, ?, ?, 0, NULL, '', ?, NULL)",
+            (
+                old.id,
+                old.idempotency_key,
+                make_incident(span(1)).key,
+                orjson.dumps(old.to_json()).decode(),
+                T0,
+                T0,
+                T0,
+            ),
+        )
+        db.commit()
+
+    store = Store.open(sqlite_path, instance_id="sidecar-a")
+    try:
+        new = make_command(span(2))
+        store.record([make_incident(span(2), [new], approval={"question": "go on?"})], T0)
+        store.delivered(old.id, T0 + 1)
+        kept, made = store.command(old.id), store.command(new.id)
+        (approval,) = store.approvals()
+        store.answer(approval.id, approved=True, by="oncall", note="", now=T0 + 2)
+        answered = store.approval(approval.id)
+        judged = {i.key: i.judged_by for i in store.incidents()}
+    finally:
+        store.close()
+    assert kept is not None and made is not None and answered is not None
+    assert (kept.status, kept.judged_by, kept.delivered_by) == ("delivered", "", "sidecar-a")
+    assert (made.status, made.judged_by) == ("pending", "sidecar-a")
+    assert judged == {make_incident(span(1)).key: "", make_incident(span(2)).key: "sidecar-a"}
+    assert (answered.judged_by, answered.answered_on) == ("sidecar-a", "sidecar-a")
 
 
 def test_ack_marks_the_command_delivered_only_for_its_own_service(store: Store) -> None:
