@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 
@@ -46,7 +47,7 @@ def tables(url: str) -> set[str]:
         }
 
 
-def start(tmp_path: Path, name: str, url: str, webhook_url: str) -> Sidecar:
+def start(tmp_path: Path, name: str, url: str, webhook_url: str, policy: str = POLICY) -> Sidecar:
     directory = tmp_path / name
     directory.mkdir()
     settings = {
@@ -59,7 +60,7 @@ def start(tmp_path: Path, name: str, url: str, webhook_url: str) -> Sidecar:
         "seen_failure_spans": 1,
         "agents": {"*": {"webhook": {"url": webhook_url, "secret": SECRET}, "max_attempts": 5}},
     }
-    return Sidecar(settings, directory, policy=POLICY, name=name, startup_timeout_s=15).start()
+    return Sidecar(settings, directory, policy=policy, name=name, startup_timeout_s=15).start()
 
 
 def test_two_sidecars_on_one_database_store_and_deliver_each_failure_once(
@@ -100,3 +101,56 @@ def test_two_sidecars_on_one_database_store_and_deliver_each_failure_once(
     keys = Counter(d.key for d in seen)
     assert set(keys) == expected_keys(incidents_a)
     assert keys.most_common(1)[0][1] == 1  # each command reached the agent once
+
+
+ESCALATE = """\
+version: 1
+breakers: {enabled: false}
+retry_budget: {enabled: false}
+restart_intensity: {enabled: false}
+policies:
+  - name: ask
+    match: {class: [transient, model, permanent, semantic]}
+    action: escalate
+"""
+
+
+def test_an_approval_opened_by_one_sidecar_is_answered_through_the_other_once(
+    tmp_path: Path, url: str
+) -> None:
+    payloads = make_requests(2, 40, failure_rate=0.25, seed=3)
+    with WebhookReceiver() as receiver:
+        a = start(tmp_path, "sidecar-a", url, receiver.url, ESCALATE)
+        try:
+            b = start(tmp_path, "sidecar-b", url, receiver.url, ESCALATE)
+            try:
+                a.send(payloads)
+                b.send(payloads)  # the same failures: no second request for any
+                wait_until(
+                    lambda: len(b.get("/v1/approvals", limit=1000)["approvals"]) == FAILURES,
+                    20,
+                    "an approval request per failure",
+                )
+                pending = b.get("/v1/approvals", status="pending", limit=1000)["approvals"]
+                first = pending[0]["id"]
+                a.post(f"/v1/approvals/{first}/approve", {"by": "oncall", "note": "go"})
+                seen_by_b = b.get(f"/v1/approvals/{first}")
+                with pytest.raises(httpx.HTTPStatusError) as again:
+                    b.post(f"/v1/approvals/{first}/deny", {"by": "someone else"})
+                still = a.get(f"/v1/approvals/{first}")
+                total = len(a.get("/v1/approvals", limit=1000)["approvals"])
+            finally:
+                b.stop()
+        finally:
+            a.stop()
+
+    assert len(pending) == FAILURES == total
+    assert (seen_by_b["status"], seen_by_b["answered_by"], seen_by_b["answered_on"]) == (
+        "approved",
+        "oncall",
+        "sidecar-a",
+    )
+    assert seen_by_b["judged_by"] in {"sidecar-a", "sidecar-b"}
+    assert again.value.response.status_code == 409
+    assert "already answered: approved" in again.value.response.text
+    assert still["status"] == "approved"
