@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sqlite3
 import types
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import parse_qs, urlsplit
 
 log = logging.getLogger("spanvisor.remediate")
 
@@ -90,3 +92,19 @@ def redact_url(url: str) -> str:
         user = credentials.split(":", 1)[0]
         return f"{scheme}://{user}:***@{host}" if ":" in credentials else url
     return url
+
+
+def search_path_schema(url: str) -> str | None:
+    """The schema a ``postgresql://`` URL puts first (``?options=-csearch_path%3Dname``), or None.
+
+    DBOS keeps its tables in its own schema (``dbos``) whatever the search
+    path: told this one, a fleet's remediations sit beside its store's tables.
+    """
+    parts = urlsplit(url)
+    if not parts.scheme.startswith("postgres"):
+        return None
+    for options in parse_qs(parts.query).get("options", []):
+        found = re.search(r"-c\s*search_path\s*=\s*([^,\s]+)", options)
+        if found:
+            return found[1].strip('"')
+    return None

@@ -41,7 +41,13 @@ from dbos import DBOS, DBOSConfig, SetWorkflowID
 from opentelemetry import trace
 
 from remediators.base import Budget, BudgetSpent, Remediator, Trigger, Verdict
-from remediators.dbos_database import SQLITE_NORMAL_SYNC, redact_url, use_wal, wake_waiters
+from remediators.dbos_database import (
+    SQLITE_NORMAL_SYNC,
+    redact_url,
+    search_path_schema,
+    use_wal,
+    wake_waiters,
+)
 from remediators.durable_context import APPROVAL_TOPIC, DurableContext
 from remediators.gateway import Gateway
 from remediators.registry import resolve
@@ -234,6 +240,8 @@ class DurableRunner:
             "notification_listener_polling_interval_sec": s.poll_interval_s,
             "max_executor_threads": s.db_threads,
         }
+        if schema := search_path_schema(s.database_url):
+            config["dbos_system_schema"] = schema
         if s.database_url.startswith("sqlite:"):
             # DBOS pings every connection it takes from its pool (a SELECT 1), which
             # guards against a Postgres server that dropped it; a SQLite file's

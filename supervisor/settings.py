@@ -14,6 +14,7 @@ the CLI only.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -208,6 +209,20 @@ class Settings(BaseSettings):
         default_factory=lambda: Path.home() / ".spanvisor" / "state.db",
         description="SQLite file of incidents, commands and approvals (':memory:' for none).",
     )
+    database_url: str | None = Field(
+        default=None,
+        pattern=r"^postgres(ql)?(\+psycopg)?://",
+        description="Keep incidents, commands and approvals in this PostgreSQL database,"
+        " shared by every sidecar given it (postgresql://user@host:5432/db; a schema by"
+        " ?options=-csearch_path%3Dname); unset: the SQLite file state_path.",
+    )
+    instance_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="This sidecar's name in the rows it writes (who judged, who delivered)"
+        " and its remediation executor's in a fleet; unset: hostname:api_port.",
+    )
     breaker_redis_url: str | None = Field(
         default=None,
         pattern=r"^rediss?://",
@@ -299,6 +314,25 @@ class Settings(BaseSettings):
         default=60.0, ge=1, le=3600, description="Seconds between full garbage collections."
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @model_validator(mode="after")
+    def _fleet_remediations(self) -> Settings:
+        """A fleet's remediations are shared too, or two sidecars would run one twice."""
+        if (
+            self.database_url
+            and self.remediation_database_url
+            and self.remediation_database_url.startswith("sqlite:")
+        ):
+            raise ValueError(
+                "database_url shares incidents between sidecars, but remediation_database_url"
+                f" {self.remediation_database_url} is this sidecar's own: set it to a"
+                " postgresql:// URL too, or leave it unset to use database_url"
+            )
+        return self
+
+    def instance(self) -> str:
+        """This sidecar's name in the store's rows: ``instance_id``, else hostname:api_port."""
+        return self.instance_id or f"{socket.gethostname()}:{self.api_port}"
 
     @field_validator("token_file", "policy", "state_path")
     @classmethod

@@ -120,9 +120,10 @@ def build_sidecar(
         otlp_http.add_middleware(BearerMiddleware, auth=otlp_auth)
 
     store = Store.open(
-        settings.state_path,
+        settings.database_url or settings.state_path,
         max_pending=settings.max_pending_commands,
         retention_s=settings.retention_s,
+        instance_id=settings.instance(),
     )
     dispatcher = Dispatcher(
         store,

@@ -49,6 +49,7 @@ from supervisor.records import (
 )
 from supervisor.records import Command as SidecarCommand
 from supervisor.settings import AgentDelivery, PullChannel
+from tests.postgres import fresh_schema
 
 TOKEN = "pull-test-token-0123456789"
 SERVICE = "pull-agent"
@@ -71,11 +72,12 @@ class Sidecar:
         port: int = 0,
         services: tuple[str, ...] = (SERVICE,),
         clock: Callable[[], float] = time.time,
+        store: str = ":memory:",
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="sidecar", daemon=True)
         self.thread.start()
-        self.store = Store.open(":memory:")
+        self.store = Store.open(store, instance_id="served")
         policy = load_policy()
         self.actor = Actor(
             self.store,
@@ -252,6 +254,33 @@ def test_a_long_poll_is_held_until_a_command_arrives(
     assert command.type == "retry_step"
     assert 0.25 <= waited < 3.0  # held by the sidecar, answered when the command came
     assert puller.ack(command) is True
+
+
+def test_a_long_poll_on_a_fleet_s_store_is_answered_when_another_sidecar_stores_a_command() -> None:
+    with fresh_schema() as url:
+        served = Sidecar(store=url)
+        other = Store.open(url, instance_id="other")
+        try:
+            actor = Actor(other, {SERVICE: AgentDelivery(pull=PullChannel())})
+            timer = threading.Timer(0.3, lambda: actor.record([retry()]))
+            timer.start()
+            with CommandPuller(SERVICE, served.url, TOKEN) as puller:
+                started = time.monotonic()
+                [command] = puller.poll(wait_s=10)
+                waited = time.monotonic() - started
+                assert puller.ack(command) is True
+            timer.join()
+            stored = served.store.command(command.id)
+        finally:
+            other.close()
+            served.stop()
+    assert 0.25 <= waited < 2.0  # not the whole wait: nothing announces it on this sidecar
+    assert stored is not None
+    assert (stored.status, stored.judged_by, stored.delivered_by) == (
+        "delivered",
+        "other",
+        "served",
+    )
 
 
 def test_a_long_poll_without_commands_ends_empty_after_its_wait(

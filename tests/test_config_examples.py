@@ -32,6 +32,8 @@ FLEET_BEGIN = "# >>> fleet variant"
 FLEET_END = "# <<< fleet variant"
 FLEET_VARS = {
     "SPANVISOR_BREAKER_REDIS_URL",
+    "SPANVISOR_DATABASE_URL",
+    "SPANVISOR_INSTANCE_ID",
     "SPANVISOR_REMEDIATION_DATABASE_URL",
     "SPANVISOR_REMEDIATION_EXECUTOR_ID",
 }
@@ -143,7 +145,7 @@ def test_manifest_parses_as_kubernetes_documents(variant: str) -> None:
         assert doc["apiVersion"] and doc["metadata"]["name"]
     spanvisor = _container(_pod(docs), "spanvisor")
     named = {name for name in _env(spanvisor) if name.startswith(ENV_PREFIX)}
-    # The fleet block adds exactly its three variables, and nothing else changes.
+    # The fleet block adds exactly its variables, and nothing else changes.
     expected = {"SPANVISOR_API_TOKEN"} | (FLEET_VARS if variant == "fleet" else set())
     assert named == expected
 
@@ -167,8 +169,10 @@ def test_fleet_environment_loads_with_the_real_settings(
     settings = _settings(docs, tmp_path)
     assert settings.api_token == SECRET_VALUES["api-token"]
     assert settings.breaker_redis_url == SECRET_VALUES["redis-url"]
+    assert settings.database_url == SECRET_VALUES["postgres-url"]
     assert settings.remediation_database_url == SECRET_VALUES["postgres-url"]
     assert settings.remediation_executor_id == POD_NAME
+    assert settings.instance() == POD_NAME
     # The own spans say which pod they came from.
     assert env["OTEL_RESOURCE_ATTRIBUTES"] == f"k8s.pod.name={POD_NAME}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -577,6 +578,50 @@ def test_while_a_delivery_hangs_the_dispatcher_does_not_poll_the_store_in_a_tigh
     looks = asyncio.run(scenario())
 
     assert looks <= 10
+
+
+class UnreachableStore(WatchedStore):
+    """A store whose reads fail while ``failing`` (a database server that is down)."""
+
+    failing = True
+
+    def due(self, channels: Sequence[str], now: float, limit: int) -> list[StoredCommand]:
+        if self.failing:
+            self.looks.append((now, []))
+            raise OSError("connection refused")
+        return super().due(channels, now, limit)
+
+
+def test_a_store_that_fails_every_read_is_logged_once_then_once_when_it_reads_again(
+    tmp_path: Path, receiver: WebhookReceiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = UnreachableStore.open(tmp_path / "state.db")
+    assert isinstance(store, UnreachableStore)
+    store.looks = []
+    command = make_command(1)
+    record(store, command)
+
+    async def scenario() -> StoredCommand:
+        async with Harness(store, receiver) as h:
+            for _ in range(5):
+                await h.advance(1.0)
+            store.failing = False
+            await h.advance(1.0)
+            return await h.attempts(command, 1)
+
+    with caplog.at_level(logging.INFO, logger="spanvisor.dispatch"):
+        try:
+            delivered = asyncio.run(scenario())
+        finally:
+            store.close()
+
+    assert delivered.status == "delivered"
+    said = [r for r in caplog.records if "due commands" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()) for r in said] == [
+        ("ERROR", "could not read due commands; trying again every second"),
+        ("WARNING", "due commands are read again"),
+    ]
+    assert getattr(said[1], "failed_reads", 0) >= 5  # every failed pass, counted
 
 
 def test_a_failed_attempt_is_retried_when_its_backoff_ends_not_at_the_next_idle_wake(

@@ -1,7 +1,8 @@
-"""The store's contract, on real SQLite files: what makes a decision reach its agent once.
+"""The store's contract, on SQLite files and PostgreSQL: what makes a decision reach its agent once.
 
-Each test opens a store on a file of its own (``tmp_path``) and drives it with
-explicit times (``now``), as the dispatcher, the actor and the pull API do.
+Each test opens a store of its own (an SQLite file in ``tmp_path``, or a
+fresh PostgreSQL schema: the tests taking ``path`` run on both) and drives it
+with explicit times (``now``), as the dispatcher, the actor and the pull API do.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+import orjson
 import pytest
 
 from supervisor import records
-from supervisor.act.store import ApprovalError, NewIncident, Store, StoredCommand
+from supervisor.act.store import CLAIM_S, ApprovalError, NewIncident, Store, StoredCommand
 from supervisor.errors import ConfigError
 from supervisor.records import Command, CommandType, command_key
+from tests.postgres import fresh_schema
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 T0 = 1_000.0
@@ -76,12 +79,22 @@ def span(n: int) -> str:
 
 
 @pytest.fixture
-def path(tmp_path: Path) -> Path:
+def sqlite_path(tmp_path: Path) -> Path:
     return tmp_path / "state" / "spanvisor.db"
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def path(request: pytest.FixtureRequest, sqlite_path: Path) -> Iterator[Path | str]:
+    """Where a store is: an SQLite file, or a PostgreSQL URL (a fleet's shared store)."""
+    if request.param == "sqlite":
+        yield sqlite_path
+        return
+    with fresh_schema() as url:
+        yield url
+
+
 @pytest.fixture
-def store(path: Path) -> Iterator[Store]:
+def store(path: Path | str) -> Iterator[Store]:
     opened = Store.open(path)
     try:
         yield opened
@@ -215,7 +228,7 @@ def test_the_same_incident_twice_in_one_batch_is_stored_once(store: Store) -> No
     assert store.counts()["pending"] == 1
 
 
-def test_past_max_pending_a_new_command_is_stored_dead_with_the_reason(path: Path) -> None:
+def test_past_max_pending_a_new_command_is_stored_dead_with_the_reason(path: Path | str) -> None:
     store = Store.open(path, max_pending=2)
     try:
         commands = [make_command(span(n)) for n in range(4)]
@@ -244,7 +257,7 @@ def test_past_max_pending_a_new_command_is_stored_dead_with_the_reason(path: Pat
         store.close()
 
 
-def test_a_leased_pull_command_counts_as_waiting_for_max_pending(path: Path) -> None:
+def test_a_leased_pull_command_counts_as_waiting_for_max_pending(path: Path | str) -> None:
     store = Store.open(path, max_pending=1)
     try:
         first, second = make_command(span(1)), make_command(span(2))
@@ -301,10 +314,18 @@ def test_due_lists_pending_commands_of_the_channels_whose_time_has_come_oldest_f
     )
 
     assert store.due(PUSH, T0 + 0.999, 10) == []
-    assert ids(store.due(PUSH, T0 + 4, 10)) == [early.id, by_command.id, middle.id]
-    assert ids(store.due(PUSH, T0 + 4, 2)) == [early.id, by_command.id]
-    assert ids(store.due(("webhook",), T0 + 5, 10)) == [early.id, middle.id, late.id]
-    assert store.next_due_at(PUSH) == T0 + 1
+    if not store.shared:  # one sidecar: what it reads is its own, again and again
+        assert ids(store.due(PUSH, T0 + 4, 10)) == [early.id, by_command.id, middle.id]
+        assert ids(store.due(PUSH, T0 + 4, 2)) == [early.id, by_command.id]
+        assert ids(store.due(("webhook",), T0 + 5, 10)) == [early.id, middle.id, late.id]
+        assert store.next_due_at(PUSH) == T0 + 1
+    else:  # a fleet: what is due is claimed, and is not due again for CLAIM_S
+        assert ids(store.due(PUSH, T0 + 4, 2)) == [early.id, by_command.id]
+        assert ids(store.due(("webhook",), T0 + 5, 10)) == [middle.id, late.id]
+        assert store.due(PUSH, T0 + 5, 10) == []
+        assert store.next_due_at(PUSH) == T0 + 4 + CLAIM_S
+        # The claim ran out (its sidecar died mid-attempt): another one may take them.
+        assert set(ids(store.due(PUSH, T0 + 4 + CLAIM_S, 10))) == {early.id, by_command.id}
     assert store.next_due_at(("pull",)) == T0
     assert store.next_due_at(("nothing",)) is None
 
@@ -327,7 +348,7 @@ def test_a_failed_attempt_counts_and_makes_the_command_due_again_at_the_given_ti
     ) == ("pending", 1, "503 Service Unavailable", T0 + 10)
     assert store.due(PUSH, T0 + 9.9, 10) == []
     assert ids(store.due(PUSH, T0 + 10, 10)) == [command.id]
-    assert store.next_due_at(PUSH) == T0 + 10
+    assert store.next_due_at(PUSH) == T0 + 10 + (CLAIM_S if store.shared else 0)
 
 
 def test_a_delivered_command_is_never_due_again_and_later_outcomes_do_not_change_it(
@@ -446,7 +467,8 @@ def test_next_lease_at_is_the_first_due_time_or_lease_end_of_the_service_s_own_p
     assert store.next_lease_at("other-agent") == T0
 
 
-def test_a_store_made_before_the_pull_indexes_gets_them_when_opened(path: Path) -> None:
+def test_a_store_made_before_the_pull_indexes_gets_them_when_opened(sqlite_path: Path) -> None:
+    path = sqlite_path
     Store.open(path).close()
     with contextlib.closing(sqlite3.connect(path)) as db:
         db.execute("DROP INDEX commands_pull_pending")
@@ -468,6 +490,69 @@ def test_a_store_made_before_the_pull_indexes_gets_them_when_opened(path: Path) 
         )
     assert {"commands_pull_pending", "commands_pull_leased"} <= names
     assert "commands_pull_pending" in plan
+
+
+#: The tables as a store made before instances were recorded had them (approvals without
+#: their deadline columns either: those came one release earlier still).
+EARLIER_SCHEMA = """
+CREATE TABLE incidents (key TEXT PRIMARY KEY, trace_id TEXT NOT NULL, span_id TEXT NOT NULL,
+    rule TEXT NOT NULL, service TEXT NOT NULL, run_id TEXT NOT NULL, action TEXT NOT NULL,
+    body TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE commands (id TEXT PRIMARY KEY, key TEXT NOT NULL, incident_key TEXT NOT NULL,
+    service TEXT NOT NULL, type TEXT NOT NULL, channel TEXT NOT NULL, status TEXT NOT NULL,
+    body TEXT NOT NULL, not_before REAL NOT NULL, next_attempt_at REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0, lease_until REAL, last_error TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL, finished_at REAL);
+CREATE TABLE approvals (id TEXT PRIMARY KEY, incident_key TEXT NOT NULL UNIQUE,
+    service TEXT NOT NULL, run_id TEXT NOT NULL, status TEXT NOT NULL, body TEXT NOT NULL,
+    created_at REAL NOT NULL, answered_at REAL, answered_by TEXT NOT NULL DEFAULT '',
+    note TEXT NOT NULL DEFAULT '');
+"""
+
+
+def test_a_store_made_by_an_earlier_release_keeps_its_rows_and_records_instances(
+    sqlite_path: Path,
+) -> None:
+    old = make_command(span(1))
+    sqlite_path.parent.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(sqlite_path)) as db:
+        db.executescript(EARLIER_SCHEMA)
+        db.execute(
+            "INSERT INTO incidents VALUES (?, ?, ?, 'rule', 'agent', 'run-1', 'retry', '{}', ?)",
+            (make_incident(span(1)).key, TRACE, span(1), T0),
+        )
+        db.execute(
+            "INSERT INTO commands VALUES (?, ?, ?, 'agent', 'retry_step', 'webhook', 'pending',"
+            " ?, ?, ?, 0, NULL, '', ?, NULL)",
+            (
+                old.id,
+                old.idempotency_key,
+                make_incident(span(1)).key,
+                orjson.dumps(old.to_json()).decode(),
+                T0,
+                T0,
+                T0,
+            ),
+        )
+        db.commit()
+
+    store = Store.open(sqlite_path, instance_id="sidecar-a")
+    try:
+        new = make_command(span(2))
+        store.record([make_incident(span(2), [new], approval={"question": "go on?"})], T0)
+        store.delivered(old.id, T0 + 1)
+        kept, made = store.command(old.id), store.command(new.id)
+        (approval,) = store.approvals()
+        store.answer(approval.id, approved=True, by="oncall", note="", now=T0 + 2)
+        answered = store.approval(approval.id)
+        judged = {i.key: i.judged_by for i in store.incidents()}
+    finally:
+        store.close()
+    assert kept is not None and made is not None and answered is not None
+    assert (kept.status, kept.judged_by, kept.delivered_by) == ("delivered", "", "sidecar-a")
+    assert (made.status, made.judged_by) == ("pending", "sidecar-a")
+    assert judged == {make_incident(span(1)).key: "", make_incident(span(2)).key: "sidecar-a"}
+    assert (answered.judged_by, answered.answered_on) == ("sidecar-a", "sidecar-a")
 
 
 def test_ack_marks_the_command_delivered_only_for_its_own_service(store: Store) -> None:
@@ -645,7 +730,7 @@ def test_every_planned_command_is_named_by_its_key_which_is_what_deduplicates_it
 # -- housekeeping and durability -------------------------------------------------
 
 
-def test_prune_drops_old_finished_rows_and_keeps_pending_work(path: Path) -> None:
+def test_prune_drops_old_finished_rows_and_keeps_pending_work(path: Path | str) -> None:
     store = Store.open(path, retention_s=100.0)
     try:
         delivered, dead, waiting, recent = (make_command(span(n)) for n in range(1, 5))
@@ -684,7 +769,7 @@ def test_prune_drops_old_finished_rows_and_keeps_pending_work(path: Path) -> Non
         store.close()
 
 
-def test_a_reopened_store_sees_everything_committed_before_it_was_closed(path: Path) -> None:
+def test_a_reopened_store_sees_everything_committed_before_it_was_closed(path: Path | str) -> None:
     delivered, failed, leased, dead = (make_command(span(n)) for n in range(1, 5))
     first = Store.open(path)
     try:

@@ -26,7 +26,8 @@ def make_store(path: Path) -> None:
     db.execute("BEGIN")
     for i in range(ROWS):
         db.execute(
-            "INSERT INTO incidents VALUES (?,?,?,?,?,?,?,?,?)",
+            "INSERT INTO incidents (key, trace_id, span_id, rule, service, run_id, action, body,"
+            " created_at) VALUES (?,?,?,?,?,?,?,?,?)",
             (f"k{i}", "t" * 32, "s" * 16, "rule", "svc", "run", "retry", "x" * 200, 0.0),
         )
         db.execute(

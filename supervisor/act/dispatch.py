@@ -73,6 +73,9 @@ class Dispatcher:
         self._delivered = 0
         self._failed = 0
         self._dead = 0
+        #: Since when reading due commands fails (None: it works), and how often it did.
+        self._store_failing_since: float | None = None
+        self._store_errors = 0
         #: Milliseconds from a command's due time to its delivery, last 10,000.
         self.latency = LatencyWindow()
         #: Called after each delivery with the command (for metrics and traces).
@@ -114,7 +117,23 @@ class Dispatcher:
             try:
                 self._launch_due()
             except Exception:  # a store error must not end delivery for good
-                log.exception("could not read due commands; trying again shortly")
+                # Said once per outage (a database down for minutes fails every pass),
+                # with what failed; the next pass that reads says it is over.
+                self._store_errors += 1
+                if self._store_failing_since is None:
+                    self._store_failing_since = time.monotonic()
+                    log.exception("could not read due commands; trying again every second")
+            else:
+                if self._store_failing_since is not None:
+                    log.warning(
+                        "due commands are read again",
+                        extra={
+                            "failing_s": round(time.monotonic() - self._store_failing_since, 3),
+                            "failed_reads": self._store_errors,
+                        },
+                    )
+                    self._store_failing_since = None
+                    self._store_errors = 0
             next_due = self._safe_next_due()
             timeout = 1.0 if next_due is None else min(max(next_due - self._clock(), 0.0), 1.0)
             with contextlib.suppress(asyncio.TimeoutError):

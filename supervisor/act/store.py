@@ -1,4 +1,4 @@
-"""Durable state: incidents, commands (with dead letters) and approvals, in SQLite.
+"""Durable state: incidents, commands (with dead letters) and approvals, in SQLite or PostgreSQL.
 
 Why it exists: a decision must reach its agent once, even when the sidecar is
 killed mid-way or an exporter sends the same span twice. Every incident is
@@ -22,14 +22,24 @@ Bounded: at most ``max_pending`` commands wait; past that a new command is
 stored dead with the reason, never dropped silently. Finished rows older than
 ``retention_s`` are pruned by :meth:`prune`.
 
-The file itself (tables, pragmas, lock) is :mod:`.store_schema`; the records
-and their rows are :mod:`.store_rows`; this module is the queries.
+**A fleet** (``database_url``: PostgreSQL, :mod:`.store_pg`) shares one
+store: the same span judged by two sidecars makes one incident (its key is
+inserted once: ``ON CONFLICT DO NOTHING`` decides, not what was read before),
+one command and one approval; a push command is claimed before it is sent
+(:meth:`Store.due` moves its due time past the longest attempt, on the rows it
+locked with ``SKIP LOCKED``), so one sidecar sends it; a pull lease and an
+answer change only rows still pending. Every row names the instance that
+judged it, and a command the one that delivered it.
+
+The SQLite file itself (tables, pragmas, lock) is :mod:`.store_schema`, the
+PostgreSQL tables :mod:`.store_pg`, what differs between the two
+:mod:`.store_db`; the records and their rows are :mod:`.store_rows`; this
+module is the queries, written once for both.
 """
 
 from __future__ import annotations
 
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -40,6 +50,7 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
+from supervisor.act.store_db import Database, SqliteDatabase
 from supervisor.act.store_rows import (
     Approval,
     CommandStatus,
@@ -68,21 +79,31 @@ __all__ = [
 
 #: How long :meth:`Store.counts` reuses its last count of the table.
 _COUNTS_TTL_S = 5.0
+#: How long a push command claimed by one sidecar of a fleet is not due for the others:
+#: past the longest attempt (an actuator's timeout is at most 60 s, plus a wait for a
+#: slot). A sidecar killed mid-attempt leaves it to be sent again after this.
+CLAIM_S = 120.0
 
 
 class ApprovalError(SupervisorError):
     """An approval that cannot be answered: unknown, or answered already."""
 
 
+_INSERT_INCIDENT = (
+    "INSERT INTO incidents (key, trace_id, span_id, rule, service, run_id, action, body,"
+    " created_at, judged_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
 _INSERT_COMMAND = (
-    "INSERT OR IGNORE INTO commands (id, key, incident_key, service, type, channel, status,"
-    " body, not_before, next_attempt_at, attempts, last_error, created_at, finished_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)"
+    "INSERT INTO commands (id, key, incident_key, service, type, channel, status,"
+    " body, not_before, next_attempt_at, attempts, last_error, created_at, finished_at,"
+    " judged_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
 )
 _INSERT_APPROVAL = (
-    "INSERT OR IGNORE INTO approvals (id, incident_key, service, run_id, status, body,"
-    " created_at, expires_at, on_timeout) VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, ?)"
+    "INSERT INTO approvals (id, incident_key, service, run_id, status, body,"
+    " created_at, expires_at, on_timeout, judged_by)"
+    " VALUES (?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
 )
+_SELECT_INCIDENTS = "SELECT key, body, created_at, judged_by FROM incidents"
 #: What an expired approval request's run gets: the command, built from the request.
 TimedOut = Callable[[Approval, float], Command]
 
@@ -93,8 +114,11 @@ T = TypeVar("T")
 class Page(Generic[T]):
     """One page of a list, newest stored first, and where the next one starts.
 
-    Pages are keyed on the row id (SQLite's insertion order): a row stored
-    while someone pages is newer than every page's start, so it shifts none.
+    Pages are keyed on the row id (insertion order): a row stored while
+    someone pages is newer than every page's start, so it shifts none. (On
+    PostgreSQL, ids are handed out at insert and rows become visible at
+    commit: a row of a transaction that commits late can land behind a page
+    already read.)
     """
 
     items: list[T]
@@ -105,11 +129,15 @@ class Page(Generic[T]):
 class Store:
     """The sidecar's durable state; see the module docstring for the guarantees."""
 
-    def __init__(self, db: sqlite3.Connection, *, max_pending: int, retention_s: float) -> None:
+    def __init__(
+        self, db: Database, *, max_pending: int, retention_s: float, instance_id: str = ""
+    ) -> None:
         self._db = db
         self._lock = threading.Lock()  # the API's thread pool and the loop may both read
         self.max_pending = max_pending
         self.retention_s = retention_s
+        #: Written in every row this instance judges or delivers (a fleet's rows say whose).
+        self.instance_id = instance_id
         #: Commands stored dead because ``max_pending`` were already waiting.
         self.overflowed = 0
         #: Incidents already stored when recorded again (the same span judged twice).
@@ -128,12 +156,36 @@ class Store:
         *,
         max_pending: int = 100_000,
         retention_s: float = 7 * 86_400.0,
+        instance_id: str = "",
     ) -> Store:
-        """Open (creating if needed) the store at ``path``; ``":memory:"`` for a private one."""
-        db, lock = connect(str(path))
-        store = cls(db, max_pending=max_pending, retention_s=retention_s)
+        """Open (creating if needed) the store at ``path``; ``":memory:"`` for a private one.
+
+        A ``postgresql://`` URL opens a fleet's shared store (see the module docstring).
+        """
+        target = str(path)
+        if is_database_url(target):
+            from supervisor.act.store_pg import connect_postgres
+
+            return cls(
+                connect_postgres(target, instance_id),
+                max_pending=max_pending,
+                retention_s=retention_s,
+                instance_id=instance_id,
+            )
+        connection, lock = connect(target)
+        store = cls(
+            SqliteDatabase(connection, target),
+            max_pending=max_pending,
+            retention_s=retention_s,
+            instance_id=instance_id,
+        )
         store._lock_fd = lock
         return store
+
+    @property
+    def shared(self) -> bool:
+        """Whether other sidecars write this store too (PostgreSQL)."""
+        return self._db.shared
 
     def close(self) -> None:
         with self._lock:
@@ -143,20 +195,9 @@ class Store:
             self._lock_fd = None
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                yield db
-                db.execute("COMMIT")
-            except BaseException:
-                # SQLite may have rolled back already (a full disk does): a ROLLBACK then
-                # fails and would hide the error that matters. A COMMIT that failed leaves
-                # the transaction open otherwise, and every later BEGIN would fail.
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
+    def _transaction(self) -> Iterator[Database]:
+        with self._lock, self._db.transaction():
+            yield self._db
 
     # -- incidents and the commands they lead to ---------------------------
 
@@ -193,24 +234,24 @@ class Store:
                     continue
                 known.add(incident.key)
                 fresh.append(incident)
-            db.executemany(
-                "INSERT INTO incidents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        i.key,
-                        i.trace_id,
-                        i.span_id,
-                        i.rule,
-                        i.service,
-                        i.run_id,
-                        i.action,
-                        dumps_json(i.body),
-                        now,
-                    )
-                    for i in fresh
-                ],
-            )
-            rows: list[tuple[object, ...]] = []
+            if db.shared:
+                # Another sidecar may store the same key meanwhile: the insert decides
+                # (it waits for that transaction, then does nothing), not what was read.
+                # In key order: two batches sharing keys wait for each other, never
+                # deadlock. What waits to be delivered is the whole fleet's.
+                # (The batch's own order stays that of its commands: past max_pending,
+                # the later ones are dead.)
+                self._waiting = self._count_waiting(db)
+                inserted = {
+                    i.key
+                    for i in sorted(fresh, key=lambda incident: incident.key)
+                    if db.execute(_INSERT_INCIDENT, self._incident_row(i, now)).rowcount
+                }
+                self.duplicates += len(fresh) - len(inserted)
+                fresh = [i for i in fresh if i.key in inserted]
+            else:
+                db.executemany(_INSERT_INCIDENT, [self._incident_row(i, now) for i in fresh])
+            rows = []
             for incident in fresh:
                 for command, channel in incident.commands:
                     status: CommandStatus = "pending"
@@ -222,11 +263,27 @@ class Store:
                         status = "dead"
                         error = f"{self.max_pending} commands were already waiting"
                         self.overflowed += 1
-                    rows.append(command_row(command, incident.key, channel, status, error))
+                    rows.append(
+                        command_row(
+                            command,
+                            incident.key,
+                            channel,
+                            status,
+                            error,
+                            judged_by=self.instance_id,
+                        )
+                    )
                     finished = command.created_at if status == "dead" else None
                     created.append(
                         StoredCommand(
-                            command, channel, status, 0, command.not_before, error, finished
+                            command,
+                            channel,
+                            status,
+                            0,
+                            command.not_before,
+                            error,
+                            finished,
+                            judged_by=self.instance_id,
                         )
                     )
                     self._waiting += status == "pending"
@@ -242,14 +299,37 @@ class Store:
                         dumps_json(i.approval),
                         now,
                         *approval_deadline(i.approval, now),
+                        self.instance_id,
                     )
                     for i in fresh
                     if i.approval is not None
                 ],
             )
 
+    def _incident_row(self, i: NewIncident, now: float) -> tuple[object, ...]:
+        return (
+            i.key,
+            i.trace_id,
+            i.span_id,
+            i.rule,
+            i.service,
+            i.run_id,
+            i.action,
+            dumps_json(i.body),
+            now,
+            self.instance_id,
+        )
+
     @staticmethod
-    def _stored_keys(db: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
+    def _count_waiting(db: Database) -> int:
+        return int(
+            db.execute(
+                "SELECT COUNT(*) FROM commands WHERE status IN ('pending', 'leased')"
+            ).fetchone()[0]
+        )
+
+    @staticmethod
+    def _stored_keys(db: Database, keys: Sequence[str]) -> set[str]:
         found: set[str] = set()
         for start in range(0, len(keys), 500):  # well under SQLite's bound on parameters
             chunk = keys[start : start + 500]
@@ -259,13 +339,13 @@ class Store:
                 for row in db.execute(
                     f"SELECT key FROM incidents WHERE key IN ({marks})",  # noqa: S608 - placeholders only
                     chunk,
-                )
+                ).fetchall()
             )
         return found
 
     def _insert_command(
         self,
-        db: sqlite3.Connection,
+        db: Database,
         command: Command,
         *,
         incident_key: str,
@@ -273,12 +353,21 @@ class Store:
         status: CommandStatus,
         error: str,
     ) -> StoredCommand | None:
-        row = command_row(command, incident_key, channel, status, error)
+        row = command_row(command, incident_key, channel, status, error, judged_by=self.instance_id)
         if not db.execute(_INSERT_COMMAND, row).rowcount:
             return None
         self._waiting += status == "pending"
         finished = command.created_at if status == "dead" else None
-        return StoredCommand(command, channel, status, 0, command.not_before, error, finished)
+        return StoredCommand(
+            command,
+            channel,
+            status,
+            0,
+            command.not_before,
+            error,
+            finished,
+            judged_by=self.instance_id,
+        )
 
     def add_commands(
         self, incident_key: str, commands: Iterable[tuple[Command, str]]
@@ -312,10 +401,13 @@ class Store:
         """Incidents newest first (insertion order), from row ``before`` on when given."""
         # Insertion order: an index on created_at would cost every failure an insert.
         rows, more = self._page_rows(
-            "SELECT rowid AS seq, key, body, created_at FROM incidents", [], [], before, limit
+            "SELECT rowid AS seq, key, body, created_at, judged_by FROM incidents",
+            [],
+            [],
+            before,
+            limit,
         )
-        found = [Incident(r["key"], orjson.loads(r["body"]), r["created_at"]) for r in rows]
-        return Page(found, more)
+        return Page([_incident(r) for r in rows], more)
 
     def _page_rows(
         self,
@@ -324,7 +416,7 @@ class Store:
         args: list[Any],
         before: int | None,
         limit: int,
-    ) -> tuple[list[sqlite3.Row], int | None]:
+    ) -> tuple[list[Any], int | None]:
         """``limit`` rows of ``select`` (which names the rowid ``seq``), newest first.
 
         One more row is read than asked: whether there is a next page is known
@@ -344,36 +436,47 @@ class Store:
 
     def incident(self, key: str) -> Incident | None:
         with self._lock:
-            row = self._db.execute(
-                "SELECT key, body, created_at FROM incidents WHERE key = ?", (key,)
-            ).fetchone()
-        return (
-            None
-            if row is None
-            else Incident(row["key"], orjson.loads(row["body"]), row["created_at"])
-        )
+            row = self._db.execute(f"{_SELECT_INCIDENTS} WHERE key = ?", (key,)).fetchone()
+        return None if row is None else _incident(row)
 
     # -- delivery ----------------------------------------------------------
 
     def due(self, channels: Sequence[str], now: float, limit: int) -> list[StoredCommand]:
-        """Pending commands of ``channels`` whose time has come, oldest first."""
+        """Pending commands of ``channels`` whose time has come, oldest first.
+
+        In a fleet they are claimed too: each is handed to one sidecar, and is
+        not due for the others for :data:`CLAIM_S` (its attempt's outcome then
+        sets the next due time, or ends it). One sidecar holds an SQLite file:
+        what it reads is its own.
+        """
         marks = ",".join("?" for _ in channels)
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT * FROM commands WHERE status = 'pending' AND channel IN ({marks})"  # noqa: S608 - placeholders only
-                " AND next_attempt_at <= ? ORDER BY next_attempt_at LIMIT ?",
-                (*channels, now, limit),
+        select = (
+            f"SELECT * FROM commands WHERE status = 'pending' AND channel IN ({marks})"  # noqa: S608 - placeholders only
+            " AND next_attempt_at <= ? ORDER BY next_attempt_at LIMIT ?"
+        )
+        if not self._db.shared:
+            with self._lock:
+                rows = self._db.execute(select, (*channels, now, limit)).fetchall()
+            return [command_from_row(r) for r in rows]
+        with self._transaction() as db:
+            # RETURNING the locked rows as they were read: the due time that was reached.
+            rows = db.execute(
+                f"WITH picked AS ({select}{db.lock_rows}) UPDATE commands SET"  # noqa: S608 - constants
+                " next_attempt_at = ? FROM picked WHERE commands.id = picked.id"
+                " RETURNING picked.*",
+                (*channels, now, limit, now + CLAIM_S),
             ).fetchall()
-        return [command_from_row(r) for r in rows]
+        claimed = [command_from_row(r) for r in rows]
+        return sorted(claimed, key=lambda stored: stored.next_attempt_at)
 
     def next_due_at(self, channels: Sequence[str], excluding: Sequence[str] = ()) -> float | None:
         """When the earliest pending command of ``channels`` (not in ``excluding``) is due."""
         marks = ",".join("?" for _ in channels)
-        skip = ",".join("?" for _ in excluding)
+        skip = f" AND id NOT IN ({','.join('?' for _ in excluding)})" if excluding else ""
         with self._lock:
             row = self._db.execute(
                 f"SELECT MIN(next_attempt_at) FROM commands WHERE status = 'pending'"  # noqa: S608 - placeholders only
-                f" AND channel IN ({marks}) AND id NOT IN ({skip})",
+                f" AND channel IN ({marks}){skip}",
                 (*channels, *excluding),
             ).fetchone()
         return None if row is None or row[0] is None else float(row[0])
@@ -382,9 +485,9 @@ class Store:
         with self._transaction() as db:
             self._waiting -= db.execute(
                 "UPDATE commands SET status = 'delivered', attempts = attempts + 1,"
-                " finished_at = ?, lease_until = NULL WHERE id = ?"
+                " finished_at = ?, lease_until = NULL, delivered_by = ? WHERE id = ?"
                 " AND status IN ('pending', 'leased')",
-                (now, command_id),
+                (now, self.instance_id, command_id),
             ).rowcount
 
     def attempt_failed(self, command_id: str, error: str, next_attempt_at: float) -> None:
@@ -453,7 +556,10 @@ class Store:
 
     @property
     def waiting(self) -> int:
-        """Commands pending or leased (exact; what ``max_pending`` bounds)."""
+        """Commands pending or leased (exact; what ``max_pending`` bounds; a fleet's: counted)."""
+        if self._db.shared:
+            with self._lock:
+                self._waiting = self._count_waiting(self._db)
         return self._waiting
 
     # -- the pull channel --------------------------------------------------
@@ -469,9 +575,11 @@ class Store:
                 " status = 'leased' AND channel = 'pull' AND service = ? AND lease_until <= ?",
                 (service, now),
             )
+            # Locked in a fleet: two sidecars' long polls never hand out one command twice.
             rows = db.execute(
-                "SELECT * FROM commands WHERE status = 'pending' AND channel = 'pull'"
-                " AND service = ? AND next_attempt_at <= ? ORDER BY next_attempt_at LIMIT ?",
+                "SELECT * FROM commands WHERE status = 'pending' AND channel = 'pull'"  # noqa: S608 - a constant
+                " AND service = ? AND next_attempt_at <= ? ORDER BY next_attempt_at"
+                f" LIMIT ?{db.lock_rows}",
                 (service, now, limit),
             ).fetchall()
             ids = [r["id"] for r in rows]
@@ -505,10 +613,10 @@ class Store:
         """Acknowledge a leased pull command; False when it is unknown or not leased to it."""
         with self._transaction() as db:
             changed = db.execute(
-                "UPDATE commands SET status = 'delivered', finished_at = ?, lease_until = NULL"
-                " WHERE id = ? AND service = ? AND channel = 'pull' AND status IN ('leased',"
-                " 'pending')",
-                (now, command_id, service),
+                "UPDATE commands SET status = 'delivered', finished_at = ?, lease_until = NULL,"
+                " delivered_by = ? WHERE id = ? AND service = ? AND channel = 'pull'"
+                " AND status IN ('leased', 'pending')",
+                (now, self.instance_id, command_id, service),
             ).rowcount
             self._waiting -= changed
         return bool(changed)
@@ -552,6 +660,7 @@ class Store:
                         dumps_json(body),
                         now,
                         *approval_deadline(body, now),
+                        self.instance_id,
                     ),
                 ).rowcount
             )
@@ -560,7 +669,7 @@ class Store:
         self, *, action: str | None = None, run_id: str | None = None, limit: int = 100
     ) -> list[Incident]:
         """The newest incidents with this action and/or run (a scan: for tools, not hot paths)."""
-        sql = "SELECT key, body, created_at FROM incidents"
+        sql = _SELECT_INCIDENTS
         clauses: list[str] = []
         args: list[Any] = []
         if action is not None:
@@ -575,7 +684,7 @@ class Store:
         args.append(limit)
         with self._lock:
             rows = self._db.execute(sql, args).fetchall()
-        return [Incident(r["key"], orjson.loads(r["body"]), r["created_at"]) for r in rows]
+        return [_incident(r) for r in rows]
 
     def approvals(self, *, status: str | None = None, limit: int = 100) -> list[Approval]:
         return self.approval_page(status=status, limit=limit).items
@@ -620,12 +729,24 @@ class Store:
                 raise ApprovalError(
                     f"approval request {approval_id!r} was already answered: {row['status']}"
                 )
-            db.execute(
-                "UPDATE approvals SET status = ?, answered_at = ?, answered_by = ?, note = ?"
-                " WHERE id = ?",
-                ("approved" if approved else "denied", now, by[:200], note[:2000], approval_id),
-            )
+            # Only while still pending: another sidecar of a fleet may answer it meanwhile.
+            answered = db.execute(
+                "UPDATE approvals SET status = ?, answered_at = ?, answered_by = ?, note = ?,"
+                " answered_on = ? WHERE id = ? AND status = 'pending'",
+                (
+                    "approved" if approved else "denied",
+                    now,
+                    by[:200],
+                    note[:2000],
+                    self.instance_id,
+                    approval_id,
+                ),
+            ).rowcount
             row = db.execute("SELECT * FROM approvals WHERE id = ?", (approval_id,)).fetchone()
+        if not answered:
+            raise ApprovalError(
+                f"approval request {approval_id!r} was already answered: {row['status']}"
+            )
         return approval_from_row(row)
 
     def pending_approvals(self) -> tuple[int, float | None]:
@@ -710,3 +831,12 @@ class Store:
                 (horizon,),
             ).rowcount
         return removed
+
+
+def is_database_url(target: str) -> bool:
+    """Whether ``target`` names a PostgreSQL server rather than an SQLite file."""
+    return target.startswith(("postgresql://", "postgresql+psycopg://", "postgres://"))
+
+
+def _incident(row: Any) -> Incident:
+    return Incident(row["key"], orjson.loads(row["body"]), row["created_at"], row["judged_by"])

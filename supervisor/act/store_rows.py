@@ -8,13 +8,13 @@ thread); a command's row repeats what the queries select and order on
 from __future__ import annotations
 
 import math
-import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 
+from supervisor.act.store_db import Row
 from supervisor.records import Command, CommandType
 
 CommandStatus = Literal["pending", "leased", "delivered", "dead"]
@@ -51,6 +51,9 @@ class StoredCommand:
     next_attempt_at: float
     last_error: str
     finished_at: float | None
+    #: The instances that judged it and delivered it ("" before delivery).
+    judged_by: str = ""
+    delivered_by: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,6 +70,8 @@ class Incident:
     key: str
     body: Mapping[str, Any]
     created_at: float
+    #: The instance that judged it (``instance_id``).
+    judged_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,9 @@ class Approval:
     #: When it expires unanswered (None: never), and what its run gets then.
     expires_at: float | None = None
     on_timeout: str = ""
+    #: The instance that opened it, and the one whose API took the answer.
+    judged_by: str = ""
+    answered_on: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -99,11 +107,13 @@ class Approval:
             "answered_at": self.answered_at,
             "answered_by": self.answered_by,
             "note": self.note,
+            "judged_by": self.judged_by,
+            "answered_on": self.answered_on,
         }
 
 
 def command_row(
-    command: Command, incident_key: str, channel: str, status: str, error: str
+    command: Command, incident_key: str, channel: str, status: str, error: str, *, judged_by: str
 ) -> tuple[object, ...]:
     return (
         command.id,
@@ -119,6 +129,7 @@ def command_row(
         error,
         command.created_at,
         command.created_at if status == "dead" else None,
+        judged_by,
     )
 
 
@@ -127,7 +138,7 @@ def dumps_json(value: object) -> str:
     return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-def command_from_row(row: sqlite3.Row) -> StoredCommand:
+def command_from_row(row: Row) -> StoredCommand:
     data = orjson.loads(row["body"])
     trigger = data.get("trigger", {})
     command = Command(
@@ -151,10 +162,12 @@ def command_from_row(row: sqlite3.Row) -> StoredCommand:
         next_attempt_at=row["next_attempt_at"],
         last_error=row["last_error"],
         finished_at=row["finished_at"],
+        judged_by=row["judged_by"],
+        delivered_by=row["delivered_by"],
     )
 
 
-def approval_from_row(row: sqlite3.Row) -> Approval:
+def approval_from_row(row: Row) -> Approval:
     return Approval(
         id=row["id"],
         incident_key=row["incident_key"],
@@ -168,6 +181,8 @@ def approval_from_row(row: sqlite3.Row) -> Approval:
         note=row["note"],
         expires_at=row["expires_at"],
         on_timeout=row["on_timeout"],
+        judged_by=row["judged_by"],
+        answered_on=row["answered_on"],
     )
 
 

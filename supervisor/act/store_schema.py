@@ -26,7 +26,9 @@ CREATE TABLE IF NOT EXISTS incidents (
     run_id TEXT NOT NULL,
     action TEXT NOT NULL,
     body TEXT NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    -- The instance that judged it (instance_id), as in every table below.
+    judged_by TEXT NOT NULL DEFAULT ''
 );
 -- A command's id is "cmd_" and the first 24 hex digits of its idempotency key, so the
 -- primary key refuses a second command for the same key: no index of its own on key
@@ -46,7 +48,10 @@ CREATE TABLE IF NOT EXISTS commands (
     lease_until REAL,
     last_error TEXT NOT NULL DEFAULT '',
     created_at REAL NOT NULL,
-    finished_at REAL
+    finished_at REAL,
+    judged_by TEXT NOT NULL DEFAULT '',
+    -- The instance that delivered it (a push attempt that succeeded, a pull ack).
+    delivered_by TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at);
 CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status);
@@ -73,7 +78,10 @@ CREATE TABLE IF NOT EXISTS approvals (
     -- When an unanswered request expires (NULL: never), and what its run gets then
     -- ("resume" or "abort"; "" for none).
     expires_at REAL,
-    on_timeout TEXT NOT NULL DEFAULT ''
+    on_timeout TEXT NOT NULL DEFAULT '',
+    judged_by TEXT NOT NULL DEFAULT '',
+    -- The instance whose API took the answer (answered_by is who gave it).
+    answered_on TEXT NOT NULL DEFAULT ''
 );
 """
 
@@ -82,6 +90,11 @@ CREATE TABLE IF NOT EXISTS approvals (
 ADDED_COLUMNS = (
     ("approvals", "expires_at", "REAL"),
     ("approvals", "on_timeout", "TEXT NOT NULL DEFAULT ''"),
+    ("incidents", "judged_by", "TEXT NOT NULL DEFAULT ''"),
+    ("commands", "judged_by", "TEXT NOT NULL DEFAULT ''"),
+    ("commands", "delivered_by", "TEXT NOT NULL DEFAULT ''"),
+    ("approvals", "judged_by", "TEXT NOT NULL DEFAULT ''"),
+    ("approvals", "answered_on", "TEXT NOT NULL DEFAULT ''"),
 )
 INDEXES = """
 CREATE INDEX IF NOT EXISTS approvals_expiry ON approvals (status, expires_at)

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from policies import Governor, Policy
 from supervisor.act.actor import Actor
-from supervisor.act.store import ApprovalError, Store
+from supervisor.act.store import ApprovalError, Incident, Store
 from supervisor.act.store_rows import APPROVAL_STATUSES
 from supervisor.api.inline import Question, decide
 from supervisor.api.paging import CursorError, Key, decode_cursor, encode_cursor
@@ -50,6 +50,10 @@ NOT_RUNNING = "remediations are not running on this sidecar"
 
 
 T = TypeVar("T")
+
+
+#: How often a long poll on a fleet's shared store looks for commands other sidecars stored.
+FLEET_LOOK_S = 0.5
 
 
 class RemediationRunner(Protocol):
@@ -179,7 +183,7 @@ class Control:
         """Stored incidents, newest first: what survives a restart (until ``retention_s``)."""
         page = self.store.incident_page(_limit(limit), _row_cursor(cursor, "incidents"))
         return {
-            "incidents": [{"key": i.key, "created_at": i.created_at, **i.body} for i in page.items],
+            "incidents": [_incident_view(i) for i in page.items],
             "next_cursor": _next_row(page.next_before, "incidents"),
         }
 
@@ -187,7 +191,7 @@ class Control:
         found = self.store.incident(key)
         if found is None:
             raise ControlError(f"no incident {key!r}", 404)
-        return {"key": found.key, "created_at": found.created_at, **found.body}
+        return _incident_view(found)
 
     def commands(
         self, *, status: str | None, service: str | None, limit: int, cursor: str | None = None
@@ -202,7 +206,11 @@ class Control:
             before=_row_cursor(cursor, "commands"),
         )
         return {
-            "commands": [c.to_json() for c in page.items],
+            # Which sidecar judged and delivered each: for operators, not sent to agents.
+            "commands": [
+                {**c.to_json(), "judged_by": c.judged_by, "delivered_by": c.delivered_by}
+                for c in page.items
+            ],
             "next_cursor": _next_row(page.next_before, "commands"),
         }
 
@@ -248,6 +256,9 @@ class Control:
             next_at = self.store.next_lease_at(service)
             if next_at is not None:
                 left = min(left, max(0.01, next_at - self.clock()))
+            if self.store.shared:
+                # A command another sidecar of the fleet stores is announced there only.
+                left = min(left, FLEET_LOOK_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout=left)
 
@@ -543,3 +554,12 @@ def _limit(limit: int) -> int:
     if not 1 <= limit <= MAX_LIMIT:
         raise ControlError(f"limit must be between 1 and {MAX_LIMIT}")
     return limit
+
+
+def _incident_view(incident: Incident) -> dict[str, Any]:
+    return {
+        "key": incident.key,
+        "created_at": incident.created_at,
+        "judged_by": incident.judged_by,
+        **incident.body,
+    }

@@ -44,6 +44,7 @@ __all__ = [
     "Remediations",
     "SidecarGateway",
     "database_url_for",
+    "executor_id",
     "slack_message",
 ]
 
@@ -52,9 +53,12 @@ _REDISPATCH_LIMIT = 1000
 
 
 def database_url_for(settings: Settings) -> str | None:
-    """The remediation database: the setting, else a SQLite file beside the state; None for none."""
+    """The remediation database: the setting, else the fleet's database, else a SQLite file
+    beside the state; None for none."""
     if settings.remediation_database_url:
         return settings.remediation_database_url
+    if settings.database_url:  # a fleet: its remediations are shared with its incidents
+        return settings.database_url
     if str(settings.state_path) == ":memory:":
         return None
     return f"sqlite:///{Path(settings.state_path).resolve().parent / 'remediations.sqlite'}"
@@ -158,7 +162,7 @@ class Remediations:
             self.gateway,
             RunnerSettings(
                 database_url=self.database_url,
-                executor_id=self.settings.remediation_executor_id,
+                executor_id=executor_id(self.settings),
                 max_active=self.settings.max_active_remediations,
             ),
             tracer=self._tracer,
@@ -344,3 +348,15 @@ class Remediations:
             "watched": len(self.watch),
             **(runner.stats() if runner is not None else {}),
         }
+
+
+def executor_id(settings: Settings) -> str:
+    """The remediation executor's id: unique per sidecar when a fleet shares the database.
+
+    DBOS recovers, at start, the unfinished workflows of its executor id: two
+    sidecars with the default ``local`` on one database would each take over
+    the other's.
+    """
+    if settings.database_url and settings.remediation_executor_id == "local":
+        return settings.instance()
+    return settings.remediation_executor_id

@@ -1,0 +1,115 @@
+"""The store's tables on PostgreSQL, shared by a fleet of sidecars (``database_url``).
+
+The same tables and columns as the SQLite file (:mod:`.store_schema`), in
+PostgreSQL's types: times are ``DOUBLE PRECISION`` (PostgreSQL's ``REAL`` is
+four bytes), and ``rowid``, SQLite's implicit insertion order that pages
+are keyed on, is an identity column. Created with ``IF NOT EXISTS`` under an
+advisory lock, so sidecars starting together do not race on the catalog.
+The tables go in the connection's schema: ``?options=-csearch_path%3Dname``
+in the URL puts them in ``name``.
+"""
+
+from __future__ import annotations
+
+from remediators.dbos_database import redact_url
+from supervisor.act.store_db import PostgresDatabase
+from supervisor.errors import ConfigError
+
+SCHEMA = (
+    """
+CREATE TABLE IF NOT EXISTS incidents (
+    key TEXT PRIMARY KEY,
+    trace_id TEXT NOT NULL,
+    span_id TEXT NOT NULL,
+    rule TEXT NOT NULL,
+    service TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    action TEXT NOT NULL,
+    body TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    judged_by TEXT NOT NULL DEFAULT '',
+    rowid BIGINT GENERATED ALWAYS AS IDENTITY
+)""",
+    "CREATE INDEX IF NOT EXISTS incidents_rowid ON incidents (rowid)",
+    """
+CREATE TABLE IF NOT EXISTS commands (
+    id TEXT PRIMARY KEY,
+    key TEXT NOT NULL,
+    incident_key TEXT NOT NULL,
+    service TEXT NOT NULL,
+    type TEXT NOT NULL,
+    channel TEXT NOT NULL,
+    status TEXT NOT NULL,
+    body TEXT NOT NULL,
+    not_before DOUBLE PRECISION NOT NULL,
+    next_attempt_at DOUBLE PRECISION NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    lease_until DOUBLE PRECISION,
+    last_error TEXT NOT NULL DEFAULT '',
+    created_at DOUBLE PRECISION NOT NULL,
+    finished_at DOUBLE PRECISION,
+    judged_by TEXT NOT NULL DEFAULT '',
+    delivered_by TEXT NOT NULL DEFAULT '',
+    rowid BIGINT GENERATED ALWAYS AS IDENTITY
+)""",
+    "CREATE INDEX IF NOT EXISTS commands_rowid ON commands (rowid)",
+    "CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at)",
+    "CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status)",
+    "CREATE INDEX IF NOT EXISTS commands_incident ON commands (incident_key)",
+    "CREATE INDEX IF NOT EXISTS commands_pull_pending"
+    " ON commands (service, next_attempt_at) WHERE status = 'pending' AND channel = 'pull'",
+    "CREATE INDEX IF NOT EXISTS commands_pull_leased"
+    " ON commands (service, lease_until) WHERE status = 'leased'",
+    """
+CREATE TABLE IF NOT EXISTS approvals (
+    id TEXT PRIMARY KEY,
+    incident_key TEXT NOT NULL UNIQUE,
+    service TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    body TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    answered_at DOUBLE PRECISION,
+    answered_by TEXT NOT NULL DEFAULT '',
+    note TEXT NOT NULL DEFAULT '',
+    expires_at DOUBLE PRECISION,
+    on_timeout TEXT NOT NULL DEFAULT '',
+    judged_by TEXT NOT NULL DEFAULT '',
+    answered_on TEXT NOT NULL DEFAULT '',
+    rowid BIGINT GENERATED ALWAYS AS IDENTITY
+)""",
+    "CREATE INDEX IF NOT EXISTS approvals_rowid ON approvals (rowid)",
+    "CREATE INDEX IF NOT EXISTS approvals_expiry ON approvals (expires_at)"
+    " WHERE status = 'pending' AND expires_at IS NOT NULL",
+)
+
+#: Any constant: the advisory lock that serialises the sidecars creating the tables.
+_SCHEMA_LOCK = 0x5350414E  # "SPAN"
+
+
+def connect_postgres(url: str, instance_id: str = "") -> PostgresDatabase:
+    """The shared store at ``url`` (``postgresql://``), its tables created if missing."""
+    where = redact_url(url)
+    try:
+        import psycopg
+    except ImportError:
+        raise ConfigError(
+            f"database_url {where} needs psycopg: pip install 'spanvisor[fleet]'"
+        ) from None
+    try:
+        db = PostgresDatabase(
+            url.replace("postgresql+psycopg://", "postgresql://", 1),
+            where,
+            f"spanvisor {instance_id}".strip(),
+        )
+    except psycopg.Error as exc:
+        raise ConfigError(f"cannot connect to the store at database_url {where}: {exc}") from exc
+    try:
+        with db.transaction():
+            db.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
+            for statement in SCHEMA:
+                db.execute(statement)
+    except psycopg.Error as exc:
+        db.close()
+        raise ConfigError(f"cannot create the store's tables at {where}: {exc}") from exc
+    return db
