@@ -34,8 +34,6 @@ YAMLS = sorted(CONFIG.glob("*.yaml"))
 ENV_PREFIX = str(Settings.model_config.get("env_prefix"))
 SETTING_VARS = frozenset(f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields)
 READ_BY_SPANVISOR = SETTING_VARS | {f"{ENV_PREFIX}{name}" for name in NOT_SETTINGS}
-#: Named in a comment only, for a setting that is not there yet.
-NOT_YET = frozenset({f"{ENV_PREFIX}DATABASE_URL"} - SETTING_VARS)
 SECRET_VALUES = {
     "otlp-token": "o" * 44,
     "api-token": "a" * 44,
@@ -144,7 +142,7 @@ def test_manifests_set_only_variables_spanvisor_reads(path: Path) -> None:
             assert named <= READ_BY_SPANVISOR, f"not read: {sorted(named - READ_BY_SPANVISOR)}"
     # Comments too, since they are copied into manifests: real names, or the one to come.
     mentioned = set(re.findall(rf"\b{ENV_PREFIX}[A-Z0-9_]+", path.read_text(encoding="utf-8")))
-    assert mentioned <= READ_BY_SPANVISOR | NOT_YET, sorted(mentioned - READ_BY_SPANVISOR)
+    assert mentioned <= READ_BY_SPANVISOR, sorted(mentioned - READ_BY_SPANVISOR)
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -247,8 +245,10 @@ def test_central_instances_load_their_settings_and_may_listen_beyond_loopback(
     _check_api_exposure(settings)
     assert settings.otlp_token == SECRET_VALUES["otlp-token"]
     assert settings.breaker_redis_url == SECRET_VALUES["redis-url"]
-    assert settings.remediation_database_url == SECRET_VALUES["postgres-url"]
-    assert settings.remediation_executor_id == POD_NAME  # stable: a StatefulSet's name
+    # Incidents, commands, approvals and (by default) remediations share it.
+    assert settings.database_url == SECRET_VALUES["postgres-url"]
+    assert settings.remediation_database_url is None
+    assert settings.instance() == POD_NAME  # stable: a StatefulSet's name
     no_spanvisor_env.delenv("SPANVISOR_OTLP_TOKEN")
     with pytest.raises(ConfigError, match="OTLP_TOKEN"):
         _check_otlp_exposure(load_settings(os.environ["SPANVISOR_CONFIG"]))
