@@ -652,7 +652,9 @@ class Sidecar:
         while True:
             await asyncio.sleep(1.0)
             try:
-                self.actor.expire_approvals()
+                # The store's half off the loop when the store is a server (Store.call).
+                expired = await self.store.call(self.actor.expire_stored)
+                self.actor.announce_expired(expired)
             except Exception:  # the watch must never end
                 log.exception("expiring approval requests failed; trying again")
 
@@ -670,15 +672,19 @@ class Sidecar:
                 now = time.time()
                 if now - last_prune >= 60.0:
                     last_prune = now
-                    for name, delivery in self.settings.agents.items():
-                        if delivery.pull is not None and name != "*":
-                            self.store.expire_pull(now, delivery.pull.ttl_s)
-                    default = self.settings.agents.get("*")
-                    if default is not None and default.pull is not None:
-                        self.store.expire_pull(now, default.pull.ttl_s)
-                    self.store.prune(now)
+                    await self.store.call(self._expire_and_prune, now)
             except Exception:  # housekeeping must never end; try again next round
                 log.exception("housekeeping failed; trying again later")
+
+    def _expire_and_prune(self, now: float) -> None:
+        """Pull commands never acknowledged within their ``ttl_s`` expire; old rows go."""
+        for name, delivery in self.settings.agents.items():
+            if delivery.pull is not None and name != "*":
+                self.store.expire_pull(now, delivery.pull.ttl_s)
+        default = self.settings.agents.get("*")
+        if default is not None and default.pull is not None:
+            self.store.expire_pull(now, default.pull.ttl_s)
+        self.store.prune(now)
 
     # -- introspection -----------------------------------------------------
 

@@ -7,10 +7,8 @@ never answer (Redis hanging). Each test uses keys of its own, deleted at the end
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,6 +26,7 @@ from supervisor.app import BackgroundSidecar
 from supervisor.errors import ConfigError
 from supervisor.shared_breakers import RedisLink, shared_breakers
 from supervisor.wiring import build_sidecar
+from tests.tcp_proxy import TcpProxy
 from tests.test_app import settings as sidecar_settings
 
 redis = pytest.importorskip("redis")
@@ -50,67 +49,15 @@ class Clock:
         return self.now
 
 
-class RedisProxy:
+class RedisProxy(TcpProxy):
     """A loopback TCP proxy to the test Redis: ``forward``, ``drop`` or ``hang``."""
 
     def __init__(self) -> None:
-        self.mode = "forward"
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._server.getsockname()[1]
-        self._open: list[socket.socket] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(REDIS)
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
-
-    def set(self, mode: str) -> None:
-        """Switch mode; connections already made are cut (a pool must reconnect)."""
-        self.mode = mode
-        with self._lock:
-            cut, self._open = self._open, []
-        for sock in cut:
-            _close(sock)
-
-    def close(self) -> None:
-        _close(self._server)
-        self.set("drop")
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            if self.mode == "drop":
-                _close(client)
-                continue
-            with self._lock:
-                self._open.append(client)
-            if self.mode == "forward":
-                upstream = socket.create_connection(REDIS)
-                with self._lock:
-                    self._open.append(upstream)
-                for src, dst in ((client, upstream), (upstream, client)):
-                    threading.Thread(target=_pump, args=(src, dst), daemon=True).start()
-            # hang: kept open, never read nor answered
-
-
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass
-    _close(src)
-    _close(dst)
-
-
-def _close(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
 
 
 @pytest.fixture

@@ -194,12 +194,24 @@ class Actor:
         Each expired request's run gets ``resume_run`` or ``abort_run`` (what its
         pause said, :func:`~supervisor.act.commands.pause_timed_out`), once: the
         store changes a request's status once and keys the command by it.
-        Event loop only (it wakes long polls).
+        Event loop only (it wakes long polls); :meth:`expire_stored` and
+        :meth:`announce_expired` are its two halves, the first for any thread.
         """
+        return self.announce_expired(self.expire_stored(now))
+
+    def expire_stored(
+        self, now: float | None = None
+    ) -> list[tuple[Approval, StoredCommand | None]]:
+        """The store's half of :meth:`expire_approvals` (any thread)."""
         at = self._clock() if now is None else now
         if (due := self.store.next_expiry()) is None or due > at:
             return []  # the usual case: one indexed look, nothing else
-        expired = self.store.expire_approvals(at, self._timed_out, self.channel_for)
+        return self.store.expire_approvals(at, self._timed_out, self.channel_for)
+
+    def announce_expired(
+        self, expired: list[tuple[Approval, StoredCommand | None]]
+    ) -> list[Approval]:
+        """The event loop's half of :meth:`expire_approvals`: wake the agents, log each."""
         self.announce([stored for _, stored in expired if stored is not None])
         for approval, stored in expired:
             log.warning(

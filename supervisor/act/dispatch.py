@@ -115,7 +115,7 @@ class Dispatcher:
         while not self._stopping:
             self._wakeup.clear()
             try:
-                self._launch_due()
+                await self._launch_due()
             except Exception:  # a store error must not end delivery for good
                 # Said once per outage (a database down for minutes fails every pass),
                 # with what failed; the next pass that reads says it is over.
@@ -134,24 +134,27 @@ class Dispatcher:
                     )
                     self._store_failing_since = None
                     self._store_errors = 0
-            next_due = self._safe_next_due()
+            next_due = await self._safe_next_due()
             timeout = 1.0 if next_due is None else min(max(next_due - self._clock(), 0.0), 1.0)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=max(timeout, 0.001))
 
-    def _safe_next_due(self) -> float | None:
+    async def _safe_next_due(self) -> float | None:
         try:
             # Attempts in flight are still pending: without excluding them, the loop
             # would find them due and spin until they finish.
-            return self.store.next_due_at(PUSH_CHANNELS, tuple(self._in_flight))
+            store = self.store
+            return await store.call(store.next_due_at, PUSH_CHANNELS, tuple(self._in_flight))
         except Exception:  # reported by _launch_due's next pass
             return None
 
-    def _launch_due(self) -> None:
+    async def _launch_due(self) -> None:
         room = self._concurrency * 2 - len(self._in_flight)
         if room <= 0:
             return
-        for stored in self.store.due(PUSH_CHANNELS, self._clock(), room + len(self._in_flight)):
+        store = self.store
+        due = await store.call(store.due, PUSH_CHANNELS, self._clock(), room + len(self._in_flight))
+        for stored in due:
             command_id = stored.command.id
             if command_id in self._in_flight:
                 continue
@@ -170,7 +173,7 @@ class Dispatcher:
         actuator = self._actuator_for(command.service)
         now = self._clock()
         if actuator is None:
-            self._dead_letter(
+            await self._dead_letter(
                 stored, f"no delivery channel is configured for service {command.service!r}", now
             )
             return
@@ -185,7 +188,7 @@ class Dispatcher:
                 result = DeliveryResult(False, True, f"actuator error: {type(exc).__name__}")
         now = self._clock()
         if result.delivered:
-            self.store.delivered(command.id, now)
+            await self.store.call(self.store.delivered, command.id, now)
             self._delivered += 1
             due = max(command.not_before, stored.next_attempt_at)
             self.latency.add(max(0.0, now - due) * 1000.0)
@@ -206,14 +209,14 @@ class Dispatcher:
         limit = self._max_attempts(command.service)
         if not result.retryable or attempt >= limit:
             why = result.detail if not result.retryable else f"{attempt} attempts: {result.detail}"
-            self._dead_letter(stored, why, now)
+            await self._dead_letter(stored, why, now)
             return
         state = RetryCallState(retry_object=_RETRYING, fn=None, args=(), kwargs={})
         state.attempt_number = attempt
         delay = float(self._wait(state))
         if result.retry_after_s is not None:
             delay = max(delay, min(result.retry_after_s, MAX_RETRY_AFTER_S))
-        self.store.attempt_failed(command.id, result.detail, now + delay)
+        await self.store.call(self.store.attempt_failed, command.id, result.detail, now + delay)
         self._failed += 1
         log.warning(
             "command delivery failed; will retry",
@@ -226,8 +229,8 @@ class Dispatcher:
             },
         )
 
-    def _dead_letter(self, stored: StoredCommand, why: str, now: float) -> None:
-        self.store.dead(stored.command.id, why, now)
+    async def _dead_letter(self, stored: StoredCommand, why: str, now: float) -> None:
+        await self.store.call(self.store.dead, stored.command.id, why, now)
         self._dead += 1
         if self.on_dead is not None:
             self.on_dead(stored)

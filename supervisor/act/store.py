@@ -39,6 +39,7 @@ module is the queries, written once for both.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -186,6 +187,18 @@ class Store:
     def shared(self) -> bool:
         """Whether other sidecars write this store too (PostgreSQL)."""
         return self._db.shared
+
+    async def call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, a store method, for a caller on the event loop.
+
+        Here on SQLite (a local file: microseconds). In a worker thread on
+        PostgreSQL: each call is a network round trip, and while the server is
+        unreachable a reconnect waits up to its connect timeout, which must not
+        hold ingest and the control API.
+        """
+        if not self._db.shared:
+            return fn(*args, **kwargs)
+        return await asyncio.to_thread(fn, *args, **kwargs)
 
     def close(self) -> None:
         with self._lock:

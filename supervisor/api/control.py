@@ -245,7 +245,10 @@ class Control:
         deadline = time.monotonic() + wait_s
         while True:
             event = self.actor.waiters.event(service)
-            leased = self.store.lease(service, self.clock(), settings.visibility_s, _limit(limit))
+            store = self.store
+            leased = await store.call(
+                store.lease, service, self.clock(), settings.visibility_s, _limit(limit)
+            )
             if leased:
                 return [c.to_json() for c in leased]
             left = deadline - time.monotonic()
@@ -253,7 +256,7 @@ class Control:
                 return []
             # A delayed command (not_before) becoming due and a lease running out are not
             # announced: sleep until the first of these for this service's own commands.
-            next_at = self.store.next_lease_at(service)
+            next_at = await store.call(store.next_lease_at, service)
             if next_at is not None:
                 left = min(left, max(0.01, next_at - self.clock()))
             if self.store.shared:

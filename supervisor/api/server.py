@@ -250,11 +250,11 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     async def incidents(
         limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: Cursor = None
     ) -> dict[str, Any]:
-        return control.incidents(limit, cursor)
+        return await control.store.call(control.incidents, limit, cursor)
 
     @app.get("/v1/incidents/{key}", dependencies=auth, summary="One incident")
     async def incident(key: str) -> dict[str, Any]:
-        return control.incident(key)
+        return await control.store.call(control.incident, key)
 
     @app.get(
         "/v1/commands",
@@ -282,7 +282,7 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
             raise ControlError(
                 'an ack needs a JSON body naming the service: {"service": "<service>"}'
             )
-        return control.ack(command_id, body.service)
+        return await control.store.call(control.ack, command_id, body.service)
 
     @app.get("/v1/commands/log", dependencies=auth, summary="Commands of every channel")
     async def command_log(
@@ -291,13 +291,15 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         cursor: Cursor = None,
     ) -> dict[str, Any]:
-        return control.commands(status=status, service=service, limit=limit, cursor=cursor)
+        return await control.store.call(
+            control.commands, status=status, service=service, limit=limit, cursor=cursor
+        )
 
     @app.get("/v1/dead-letters", dependencies=auth, summary="Commands that could not be delivered")
     async def dead_letters(
         limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: Cursor = None
     ) -> dict[str, Any]:
-        return control.dead_letters(limit, cursor)
+        return await control.store.call(control.dead_letters, limit, cursor)
 
     @app.get("/v1/approvals", dependencies=auth, summary="Approval requests, newest first")
     async def approvals(
@@ -305,20 +307,22 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         cursor: Cursor = None,
     ) -> dict[str, Any]:
-        return control.approvals(status, limit, cursor)
+        return await control.store.call(control.approvals, status, limit, cursor)
 
     @app.get("/v1/approvals/{approval_id}", dependencies=auth, summary="One approval request")
     async def approval(approval_id: str) -> dict[str, Any]:
-        return control.approval(approval_id)
+        return await control.store.call(control.approval, approval_id)
 
     @app.post("/v1/approvals/{approval_id}/approve", dependencies=auth, summary="Approve")
     async def approve(approval_id: str, body: AnswerBody | None = None) -> dict[str, Any]:
         answer = body or AnswerBody()
+        # On the loop: an answer announces its command (event loop only).
         return control.answer(approval_id, approved=True, by=answer.by, note=answer.note)
 
     @app.post("/v1/approvals/{approval_id}/deny", dependencies=auth, summary="Deny")
     async def deny(approval_id: str, body: AnswerBody | None = None) -> dict[str, Any]:
         answer = body or AnswerBody()
+        # On the loop: an answer announces its command (event loop only).
         return control.answer(approval_id, approved=False, by=answer.by, note=answer.note)
 
     @app.get("/v1/breakers", dependencies=auth, summary="Tracked circuit breakers, by dependency")
