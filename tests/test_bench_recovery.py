@@ -14,7 +14,7 @@ checks what it printed and saved:
   commands pending when the sidecar was killed are delivered once each;
 * the markdown table, the exact command line and a PNG plot are produced.
 
-About the outage goal: the issue's "at most 1.3x" is for a fleet. Until the
+About the outage goal: "at most 1.3x" the calls is a fleet's figure. Until the
 primary's breaker opens (5 failures in a row, fleet-wide), the first failures
 may be retried; with about 10 runs hit, those few retries are already 30-40 %
 of the calls, so at this scale the test checks the mechanism (retries of the

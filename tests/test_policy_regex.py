@@ -114,7 +114,7 @@ def test_timeouts_of_every_pattern_add_up_where_stats_read_them() -> None:
 
 
 def test_a_long_nested_quantifier_message_is_judged_within_the_time_limit() -> None:
-    """The issue's case, at the longest text a rule reads: bounded by the limit, not 2**n."""
+    """The reported case, at the longest text a rule reads: bounded by the limit, not 2**n."""
     policy = load_policy(
         text="version: 1\nrules:\n  - name: user.nested\n    match: {message: '(a+)+$'}\n"
         "    class: permanent\n    kind: nested\n",
