@@ -23,6 +23,7 @@ from supervisor.settings import LOOPBACK, Settings, load_settings
 from supervisor.settings_sources import NOT_SETTINGS
 from supervisor.wiring import _check_api_exposure, _check_otlp_exposure
 from tests.dockerfile import final_stage, instructions
+from tests.kubelet import container_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config"
@@ -64,17 +65,7 @@ def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for entry in container.get("env", []):
-        if "value" in entry:
-            value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), str(entry["value"]))
-        elif "secretKeyRef" in entry["valueFrom"]:
-            value = SECRET_VALUES[entry["valueFrom"]["secretKeyRef"]["key"]]
-        else:
-            assert entry["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-            value = POD_NAME
-        env[entry["name"]] = value
-    return env
+    return container_env(container, SECRET_VALUES, POD_NAME)
 
 
 def _default(field: str) -> Any:

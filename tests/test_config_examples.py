@@ -19,6 +19,7 @@ import yaml
 
 from supervisor.cli.verbs import build_parser, main
 from supervisor.settings import LOOPBACK, Settings, load_settings
+from tests.kubelet import container_env
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "config" / "kubernetes-sidecar.yaml"
@@ -97,19 +98,7 @@ def _container(pod: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
-    """The container's environment as the kubelet would build it, with stand-in secrets."""
-    env: dict[str, str] = {}
-    for entry in container.get("env", []):
-        if "value" in entry:
-            # $(VAR) refers to a variable defined earlier in the list, as in Kubernetes.
-            value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), str(entry["value"]))
-        elif "secretKeyRef" in entry["valueFrom"]:
-            value = SECRET_VALUES[entry["valueFrom"]["secretKeyRef"]["key"]]
-        else:
-            assert entry["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-            value = POD_NAME
-        env[entry["name"]] = value
-    return env
+    return container_env(container, SECRET_VALUES, POD_NAME)
 
 
 def _config_files(docs: list[dict[str, Any]], tmp_path: Path) -> dict[str, Path]:
