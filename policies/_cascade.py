@@ -17,9 +17,8 @@ it, one round trip per dependency that failed in the batch, and the episode
 is reported once for the fleet, by the sidecar whose failure completes the
 picture (the others see it going on). Successes never wait on the network:
 they are handed to the counter, which sends them with this sidecar's next
-failure of the same dependency (a sidecar that only sees successes of it
-does not lower the fleet's error rate; its own failures would not start a
-cascade either). A failing span re-sent to another sidecar counts there
+failure of the same dependency (so a sidecar that only sees successes of
+it does not lower the fleet's error rate). A failing span re-sent to another sidecar counts there
 again. When the counter has no answer (Redis away), this sidecar's own
 window decides, as without a fleet; it keeps counting either way.
 

@@ -16,6 +16,9 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from policies import Cascade, Governor, load_policy
 from supervisor.records import Action, Failure
@@ -31,10 +34,6 @@ from tests.test_shared_breakers import (
     proxy,
     sidecar,
 )
-
-redis = pytest.importorskip("redis")
-from redis.backoff import NoBackoff  # noqa: E402
-from redis.retry import Retry  # noqa: E402
 
 __all__ = ["direct", "namespace", "proxy"]  # fixtures, used by name
 
