@@ -154,7 +154,7 @@ class RestartIntensity:
             return len(stamps)
 
     def forget(self, run_id: str) -> None:
-        """Drop ``run_id``'s history (the run is over)."""
+        """Drop ``run_id``'s history (the run is over); a fleet's expires with its period."""
         with self._lock:
             self._runs.pop(run_id, None)
 

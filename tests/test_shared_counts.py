@@ -20,7 +20,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from policies import Cascade, Governor, load_policy
+from policies import Admission, Cascade, Governor, Limit, load_policy
 from supervisor.records import Action, Failure
 from supervisor.shared_breakers import RedisLink
 from supervisor.shared_counts import MAX_PENDING_KEYS, RedisWindowCounter
@@ -235,6 +235,24 @@ def test_when_redis_returns_counting_goes_back_to_it(
     # Redis has none of a's two actions (not merged): three more, fleet-wide, then escalate.
     assert found == [Action.RETRY] * 3 + [Action.ESCALATE]
     assert a.link.stats().reachable and b.link.stats().reachable
+
+
+def test_calls_not_sent_while_redis_is_away_go_with_the_next_answer(
+    proxy: RedisProxy, namespace: str, clock: Clock
+) -> None:
+    a = Sidecar(proxy.url, namespace, BUDGET, clock, retry_s=0.2)
+    a.governor.observe_calls([(n, "tool:a", True) for n in range(20)])
+    proxy.set("drop")
+    assert (
+        a.counter.admit("budget:retries:tool:a", 10, Limit(3, 0.5, "budget:calls:tool:a")) is None
+    )
+    assert a.counter.claim("tool:a", 60) == ()  # no one to ask: this sidecar reports it
+    proxy.set("forward")
+    clock.now += 0.5
+
+    answer = a.counter.admit("budget:retries:tool:a", 10, Limit(3, 0.5, "budget:calls:tool:a"))
+
+    assert answer == Admission(allowed=True, count=1, of=20)
 
 
 # -- the success path and bounds ---------------------------------------------------------------
