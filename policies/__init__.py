@@ -29,15 +29,26 @@ from policies._schema_json import json_schema
 from policies._slo import SloTracker
 from policies._spend import ModelInfo, RunSpend
 from policies._verifiers import VerificationFailure, VerifierSet
+from policies._window_counter import (
+    Admission,
+    CascadeTally,
+    Limit,
+    WindowCounter,
+    cascade_calls,
+    window_buckets,
+)
 
 __all__ = [
     "BUILTIN_REMEDIATORS",
     "RUN_KINDS",
+    "Admission",
     "BreakerChange",
     "BreakerState",
     "Cascade",
+    "CascadeTally",
     "DetectorSettings",
     "Governor",
+    "Limit",
     "ModelInfo",
     "ModelTable",
     "Policy",
@@ -49,8 +60,11 @@ __all__ = [
     "SloTracker",
     "VerificationFailure",
     "VerifierSet",
+    "WindowCounter",
+    "cascade_calls",
     "counts_for_breaker",
     "json_schema",
     "load_policy",
     "regex_timeouts",
+    "window_buckets",
 ]

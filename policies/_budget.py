@@ -17,12 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-#: A window is cut into this many buckets at most (a wide window gets wide buckets) ...
-MAX_BUCKETS = 60
-#: ... and at least this many (a narrow one gets sub-second buckets), so a count
-#: leaves the window between ``window_s`` and ``window_s * (1 - 1/MIN_BUCKETS)``
-#: after it was made.
-MIN_BUCKETS = 10
+from policies._window_counter import Limit, WindowCounter, window_buckets
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +75,7 @@ class _Window:
 
     def __init__(self, settings: BudgetSettings) -> None:
         self.settings = settings
-        self.count = min(MAX_BUCKETS, max(MIN_BUCKETS, math.ceil(settings.window_s)))
-        self.width = settings.window_s / self.count
+        self.count, self.width = window_buckets(settings.window_s)
         # Bounded by construction (expired buckets go before a new one comes);
         # maxlen only backs that up.
         self.buckets: deque[list[int]] = deque(maxlen=self.count)
@@ -130,7 +124,7 @@ class RetryBudget:
     it; ``try_spend`` is asked before each retry and counts the retry only when
     ``retries < max(min_retries, ratio * calls)`` over the window. Counts leave
     the window with their bucket: between ``window_s`` and
-    ``window_s * (1 - 1/MIN_BUCKETS)`` seconds after they were made (buckets are
+    ``window_s * 9/10`` seconds after they were made (buckets are
     ``window_s`` / 10..60 wide, at most 60 of them per dependency).
 
     Bounded: at most ``max_dependencies`` windows; a new dependency beyond that
@@ -143,6 +137,15 @@ class RetryBudget:
     ``settings`` is one ``BudgetSettings`` for every dependency, or a function of
     the dependency read when its window is created.
 
+    With a ``shared`` :class:`~policies._window_counter.WindowCounter` the
+    budget is a fleet's: ``record_call`` also hands the calls to it (sent with
+    this sidecar's next retry of the dependency, so a success never waits on
+    the network) and ``try_spend`` asks it, atomically for the fleet. When it
+    has no answer (Redis away) this budget's own window decides; it counts
+    every call and every retry allowed either way, so it is ready. A sidecar
+    whose calls of a dependency were never followed by a retry of it has not
+    told the fleet of them: the fleet's budget is then stricter, never looser.
+
     Thread-safety: meant for one thread (the sidecar's event loop); every method
     holds a lock all the same.
     """
@@ -153,6 +156,7 @@ class RetryBudget:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_dependencies: int = 10_000,
+        shared: WindowCounter | None = None,
     ) -> None:
         if not isinstance(max_dependencies, int) or max_dependencies < 1:
             raise ValueError(f"max_dependencies must be at least 1, got {max_dependencies!r}")
@@ -165,6 +169,9 @@ class RetryBudget:
         else:
             self._settings_for = settings
         self._clock = clock
+        self._shared = shared
+        #: The fleet's counts at the last retry it decided (what ``snapshot`` shows for it).
+        self._fleet: BudgetSnapshot | None = None
         self._lock = threading.Lock()
         self._windows: OrderedDict[str, _Window] = OrderedDict()
         self._last_now = 0.0
@@ -195,9 +202,15 @@ class RetryBudget:
             bucket = window.current(window.advance(now))
             bucket[1] += count
             window.calls += count
+        if self._shared is not None:
+            self._shared.add(_calls_key(dependency), window.settings.window_s, count)
 
     def try_spend(self, dependency: str) -> bool:
         """Whether one more retry of ``dependency`` fits its budget; counts it if so."""
+        if self._shared is not None:
+            allowed = self._try_shared(self._shared, dependency)
+            if allowed is not None:
+                return allowed
         with self._lock:
             now = self._now()
             window = self._windows.get(dependency)
@@ -218,9 +231,44 @@ class RetryBudget:
             window.retries += 1
             return True
 
-    def snapshot(self, dependency: str) -> BudgetSnapshot:
-        """``dependency``'s counts now (does not change recency or create a window)."""
+    def _try_shared(self, shared: WindowCounter, dependency: str) -> bool | None:
+        """The fleet's answer (None: none now); an allowed retry is counted here too."""
         with self._lock:
+            window = self._windows.get(dependency)
+            settings = window.settings if window is not None else self._settings(dependency)
+        limit = Limit(settings.min_retries, settings.ratio, of=_calls_key(dependency))
+        answer = shared.admit(f"budget:retries:{dependency}", settings.window_s, limit)
+        with self._lock:
+            if answer is None:
+                self._fleet = None
+                return None
+            ceiling = max(float(settings.min_retries), settings.ratio * answer.of)
+            self._fleet = BudgetSnapshot(
+                dependency, answer.of, answer.count, ceiling, answer.count < ceiling
+            )
+            if not answer.allowed:
+                self.denied += 1
+                return False
+            now = self._now()
+            window = self._windows.get(dependency)
+            if window is None:
+                window = self._create(dependency, settings)
+            else:
+                self._windows.move_to_end(dependency)
+            window.current(window.advance(now))[2] += 1
+            window.retries += 1
+        return True
+
+    def snapshot(self, dependency: str) -> BudgetSnapshot:
+        """``dependency``'s counts now (does not change recency or create a window).
+
+        The fleet's, as of its answer, when the last retry asked about was this
+        dependency's and the fleet decided it; this sidecar's otherwise.
+        """
+        with self._lock:
+            fleet = self._fleet
+            if fleet is not None and fleet.dependency == dependency:
+                return fleet
             now = self._now()
             window = self._windows.get(dependency)
             if window is None:
@@ -252,3 +300,8 @@ class RetryBudget:
             windows.popitem(last=False)
             self.evictions += 1
         return window
+
+
+def _calls_key(dependency: str) -> str:
+    """The fleet's key for a dependency's calls (the limit of its retries is a ratio of them)."""
+    return f"budget:calls:{dependency}"

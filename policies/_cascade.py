@@ -11,6 +11,17 @@ error rate (failures over calls) is at least ``min_error_rate``. The episode
 is reported once, when it starts; it ends when the window holds fewer than
 half the failures (hysteresis), and a later one is reported again.
 
+In a fleet (a shared :class:`~policies._window_counter.WindowCounter`), the
+window is the fleet's: each batch's failures of a dependency are counted in
+it, one round trip per dependency that failed in the batch, and the episode
+is reported once for the fleet, by the sidecar whose failure completes the
+picture (the others see it going on). Successes never wait on the network:
+they are handed to the counter, which sends them with this sidecar's next
+failure of the same dependency (so a sidecar that only sees successes of
+it does not lower the fleet's error rate). A failing span re-sent to another sidecar counts there
+again. When the counter has no answer (Redis away), this sidecar's own
+window decides, as without a fleet; it keeps counting either way.
+
 Lifecycle: ``observe`` per batch with the batch's calls and failures (the
 governor's thread); ``cascades`` drains what started. Bounded: at most
 ``max_dependencies`` windows (least recently used evicted, counted) and
@@ -24,6 +35,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from policies._window_counter import CascadeTally, WindowCounter, cascade_calls
 from supervisor.records import Failure
 
 __all__ = ["Cascade", "CascadeDetector", "CascadeSettings"]
@@ -77,9 +89,11 @@ class CascadeDetector:
         clock: Callable[[], float] = time.monotonic,
         max_dependencies: int = 1024,
         max_calls: int = 10_000,
+        shared: WindowCounter | None = None,
     ) -> None:
         self.settings = settings or CascadeSettings()
         self._clock = clock
+        self._shared = shared
         self._windows: OrderedDict[str, _Window] = OrderedDict()
         self._started: list[Cascade] = []
         self.max_dependencies = max_dependencies
@@ -96,6 +110,8 @@ class CascadeDetector:
         now = self._clock()
         self._count_successes(successes, now)
         touched: dict[str, Failure] = {}
+        #: dependency -> its failures counted in this batch, and their runs.
+        counted: dict[str, list[str]] = {}
         for failure in failures:
             if not failure.dependency:
                 continue
@@ -109,8 +125,23 @@ class CascadeDetector:
             window.total += 1
             self._trim(window)
             touched[failure.dependency] = failure
+            counted.setdefault(failure.dependency, []).append(failure.run_id)
+        shared = self._shared
         for dependency, last in touched.items():
-            self._check(dependency, self._windows[dependency], last, now)
+            window = self._windows[dependency]
+            if shared is not None:
+                runs = counted[dependency]
+                tally = shared.tally(
+                    dependency,
+                    settings.window_s,
+                    len(runs),
+                    tuple(dict.fromkeys(run for run in runs if run)),
+                    settings.min_failures / 2,
+                )
+                if tally is not None:
+                    self._check_fleet(shared, dependency, window, last, tally)
+                    continue
+            self._check(dependency, window, last, now)  # alone, or the fleet cannot say
 
     def cascades(self) -> list[Cascade]:
         """The episodes that started since the last call."""
@@ -119,10 +150,13 @@ class CascadeDetector:
 
     def _count_successes(self, successes: Sequence[str], now: float | None = None) -> None:
         windows = self._windows
-        if not windows or not successes:
+        shared = self._shared
+        if not successes or (not windows and shared is None):
             return
         stamp = self._clock() if now is None else now
         for dependency, count in Counter(successes).items():
+            if shared is not None:  # sent with this sidecar's next failure of it
+                shared.add(cascade_calls(dependency), self.settings.window_s, count)
             window = windows.get(dependency)  # only dependencies that failed lately
             if window is not None:
                 window.calls.append((stamp, count, "", ""))
@@ -162,6 +196,44 @@ class CascadeDetector:
             window.total -= 1
             window.failures -= 1
             window.spans.discard(span)
+
+    def _check_fleet(
+        self,
+        shared: WindowCounter,
+        dependency: str,
+        window: _Window,
+        last: Failure,
+        tally: CascadeTally,
+    ) -> None:
+        """``_check`` on the fleet's window; the episode is reported by one sidecar."""
+        settings = self.settings
+        if tally.ended or tally.ongoing:
+            window.active = tally.ongoing  # also what this window says if Redis goes away
+            return
+        failures, calls = tally.failures, tally.calls
+        if failures < settings.min_failures or calls == 0 or tally.runs < settings.min_runs:
+            return
+        rate = failures / calls
+        if rate < settings.min_error_rate:
+            return
+        window.active = True
+        runs = shared.claim(dependency, settings.window_s)
+        if runs is None:
+            return  # another sidecar reported it first
+        if not runs:  # the counter could not say: the runs this sidecar saw
+            runs = tuple(
+                dict.fromkeys(r for _, successes, r, _ in window.calls if not successes and r)
+            )
+        self._started.append(
+            Cascade(
+                dependency=dependency,
+                failures=failures,
+                calls=calls,
+                error_rate=rate,
+                runs=runs[:MAX_RUNS_LISTED],
+                trigger=last,
+            )
+        )
 
     def _check(self, dependency: str, window: _Window, last: Failure, now: float) -> None:
         settings = self.settings

@@ -33,6 +33,12 @@ place, so a replay decides the same). The decision carries the pause's
 deadline and outcome for the ``pause_run`` command: ``pause_timeout_s`` (the
 resume delay) and ``on_timeout: resume``.
 
+**In a fleet** (``shared_counts``, the sidecar's Redis) retry budgets,
+restart intensity and cascade windows are counted by every sidecar together
+(:mod:`policies._window_counter`); this one's own counts decide whenever the
+shared ones cannot be asked. Only failures ask: successes are handed over
+without waiting and sent with the next failure of the same dependency.
+
 Decisions in observe mode are revised by the breakers (read only) but spend
 no budget and count no action: nothing will be delivered.
 
@@ -64,6 +70,7 @@ from policies._budget import BudgetSettings, RetryBudget
 from policies._cascade import Cascade, CascadeDetector
 from policies._intensity import IntensitySettings, RestartIntensity
 from policies._policy import Policy
+from policies._window_counter import WindowCounter
 from supervisor.records import Action, AttrValue, Decision, Failure, FailureClass
 
 _BLOCKED: Final[tuple[BreakerState, ...]] = (BreakerState.OPEN, BreakerState.ISOLATED)
@@ -123,6 +130,7 @@ class Governor:
         breaker_storage: Callable[[str], pybreaker.CircuitBreakerStorage] | None = None,
         max_dependencies: int = 10_000,
         max_runs: int = 10_000,
+        shared_counts: WindowCounter | None = None,
     ) -> None:
         self.policy = policy
         self._clock = clock
@@ -134,10 +142,13 @@ class Governor:
             storage_factory=breaker_storage,
         )
         self.budget = RetryBudget(
-            self._budget_settings, clock=clock, max_dependencies=max_dependencies
+            self._budget_settings,
+            clock=clock,
+            max_dependencies=max_dependencies,
+            shared=shared_counts,
         )
         self.intensity = RestartIntensity(
-            self._intensity_settings(), clock=clock, max_runs=max_runs
+            self._intensity_settings(), clock=clock, max_runs=max_runs, shared=shared_counts
         )
         # Dependencies whose breaker has something a success can change (failures
         # counted, or not closed): successes of all others skip the board.
@@ -147,7 +158,10 @@ class Governor:
         self._max_dependencies = max_dependencies
         #: One dependency failing across runs: one incident, and its breaker opened.
         self.cascade = CascadeDetector(
-            policy.detectors.cascades, clock=clock, max_dependencies=max_dependencies
+            policy.detectors.cascades,
+            clock=clock,
+            max_dependencies=max_dependencies,
+            shared=shared_counts,
         )
 
     def set_policy(self, policy: Policy) -> None:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from policies._window_counter import Limit, WindowCounter
+
 __all__ = ["IntensitySettings", "RestartIntensity"]
 
 #: Upper bounds of a policy's settings.
@@ -73,6 +75,13 @@ class RestartIntensity:
     history stays ordered, and nothing expires early); a non-finite reading is
     replaced by the last finite one.
 
+    With a ``shared`` :class:`~policies._window_counter.WindowCounter` the
+    count is a fleet's (every sidecar that sees the run's failures): ``allow``
+    asks it, one round trip, atomic for the fleet; its window is bucketed, so
+    an action leaves it between ``period_s`` and 1/10 of it earlier (at most
+    60 buckets), where this one's is exact. When it has no answer (Redis
+    away) this history decides; it records every action allowed either way.
+
     Thread-safety: meant for one thread (the sidecar's event loop); every method
     holds a lock all the same.
     """
@@ -83,12 +92,14 @@ class RestartIntensity:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_runs: int = 10_000,
+        shared: WindowCounter | None = None,
     ) -> None:
         if not isinstance(max_runs, int) or max_runs < 1:
             raise ValueError(f"max_runs must be at least 1, got {max_runs!r}")
         self.settings = settings or IntensitySettings()
         self.max_runs = max_runs
         self._clock = clock
+        self._shared = shared
         self._lock = threading.Lock()
         self._runs: OrderedDict[str, deque[float]] = OrderedDict()
         self._last_now = 0.0
@@ -103,7 +114,16 @@ class RestartIntensity:
     def allow(self, run_id: str) -> bool:
         """Record one corrective action for ``run_id``; False when it exceeds the intensity."""
         settings = self.settings
+        fleet: bool | None = None  # the fleet's answer, when it has one
+        if self._shared is not None:
+            answer = self._shared.admit(
+                f"intensity:{run_id}", settings.period_s, Limit(settings.max_actions)
+            )
+            fleet = None if answer is None else answer.allowed
         with self._lock:
+            if fleet is False:
+                self.denied += 1
+                return False
             now = self._now()
             runs = self._runs
             stamps = runs.get(run_id)
@@ -118,7 +138,7 @@ class RestartIntensity:
             else:
                 runs.move_to_end(run_id)
                 now = self._expire(stamps, now)
-            if len(stamps) >= settings.max_actions:
+            if fleet is None and len(stamps) >= settings.max_actions:
                 self.denied += 1
                 return False
             stamps.append(now)
@@ -134,7 +154,7 @@ class RestartIntensity:
             return len(stamps)
 
     def forget(self, run_id: str) -> None:
-        """Drop ``run_id``'s history (the run is over)."""
+        """Drop ``run_id``'s history (the run is over); a fleet's expires with its period."""
         with self._lock:
             self._runs.pop(run_id, None)
 

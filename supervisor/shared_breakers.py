@@ -119,7 +119,7 @@ class RedisLink:
             self._outages += 1
         log.warning(
             "breakers' Redis at %s unreachable (%s): deciding with this sidecar's own"
-            " breaker state, asking Redis again every %gs",
+            " breaker state and counts, asking Redis again every %gs",
             self._where,
             exc or type(exc).__name__,
             self._retry_s,
@@ -132,8 +132,9 @@ class RedisLink:
             self._up = True
             down_for = self._clock() - self._down_since
         log.warning(
-            "breakers' Redis at %s reachable again after %.1fs: breakers are shared again"
-            " (changes made meanwhile reconcile, the more severe state winning)",
+            "breakers' Redis at %s reachable again after %.1fs: breakers and counts are"
+            " shared again (breakers changed meanwhile reconcile, the more severe state"
+            " winning; counts made meanwhile stay this sidecar's)",
             self._where,
             down_for,
         )

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import pybreaker
 from opentelemetry.sdk.metrics.export import MetricReader
 
-from policies import Governor, Policy
+from policies import Governor, Policy, WindowCounter
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
@@ -99,6 +99,7 @@ def build_sidecar(
         on_breaker_change=breakers,
         max_runs=settings.tracked_runs,
         breaker_storage=breaker_storage,
+        shared_counts=_shared_counts(settings, breaker_link),
     )
     runs = RunTracker(
         settings=in_force.detectors_for,
@@ -357,6 +358,18 @@ def _actuators(agents: Mapping[str, AgentDelivery]) -> dict[str, Actuator]:
             run = delivery.command
             built[service] = CommandActuator(argv=run.argv, timeout_s=run.timeout_s, env=run.env)
     return built
+
+
+def _shared_counts(settings: Settings, link: RedisLink | None) -> WindowCounter | None:
+    """Retry budgets, restart intensity and cascades counted by the fleet, in the breakers' Redis.
+
+    The same link (one client, one breaker of its own, one "Redis up" metric).
+    """
+    if link is None:
+        return None
+    from supervisor.shared_counts import RedisWindowCounter  # needs the `fleet` extra
+
+    return RedisWindowCounter(link, settings.breaker_redis_namespace)
 
 
 def _shared_breakers(

@@ -15,12 +15,15 @@ from supervisor.judge.pipeline import Outcome
 
 def test_policies_exports() -> None:
     assert sorted(policies.__all__) == [
+        "Admission",
         "BUILTIN_REMEDIATORS",
         "BreakerChange",
         "BreakerState",
         "Cascade",
+        "CascadeTally",
         "DetectorSettings",
         "Governor",
+        "Limit",
         "ModelInfo",
         "ModelTable",
         "Policy",
@@ -33,10 +36,13 @@ def test_policies_exports() -> None:
         "SloTracker",
         "VerificationFailure",
         "VerifierSet",
+        "WindowCounter",
+        "cascade_calls",
         "counts_for_breaker",
         "json_schema",
         "load_policy",
         "regex_timeouts",
+        "window_buckets",
     ]
 
 
