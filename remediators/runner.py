@@ -12,8 +12,8 @@ waits.
 Lifecycle: :meth:`DurableRunner.start` once (a thread with its own event loop
 launches DBOS there; workflows left pending by a crash resume then);
 :meth:`dispatch`, :meth:`notify_recovery`, :meth:`answer_approval` from any
-thread; :meth:`list`, :meth:`show`, :meth:`cancel` from any thread but the
-runner's (they wait for the answer); :meth:`close` once. DBOS is one per
+thread; :meth:`list`, :meth:`show`, :meth:`cancel`, :meth:`resume_executor` from
+any thread but the runner's (they wait for the answer); :meth:`close` once. DBOS is one per
 process, so is the runner.
 
 What a remediator calls is :mod:`remediators.durable_context`; the spans a
@@ -64,6 +64,10 @@ T = TypeVar("T")
 #: The workflow contract's version: recovery needs the same one, whatever else changed.
 APP_VERSION: Final = "spanvisor-remediation-1"
 _WORKFLOW: Final = "spanvisor.remediate"
+#: Another executor's pending remediations are resumed this many at a time, at most
+#: this many times (a sidecar runs at most ``max_active`` at once).
+_RESUME_BATCH: Final = 500
+_RESUME_ROUNDS: Final = 200
 
 
 class _RecoveryWait:
@@ -482,6 +486,37 @@ class DurableRunner:
                 self._active.discard(remediation_id)
             self.gateway.unwatch(remediation_id)
         return cancelled
+
+    def resume_executor(self, executor_id: str, timeout_s: float = 30.0) -> int:
+        """Resume another executor's pending remediations (a dead sidecar's); how many.
+
+        DBOS's public resume: each becomes ENQUEUED on DBOS's internal queue,
+        and one live executor dequeues it (taking it as its own) and runs it
+        from its last completed step; a durable sleep keeps its recorded
+        wake-up time. Once dequeued it is no longer the dead executor's, so
+        that executor, started again, does not recover it a second time.
+        """
+
+        async def act() -> int:
+            resumed = 0
+            for _ in range(_RESUME_ROUNDS):
+                found = await DBOS.list_workflows_async(
+                    name=_WORKFLOW,
+                    status="PENDING",
+                    executor_id=executor_id,
+                    limit=_RESUME_BATCH,
+                    load_input=False,
+                    load_output=False,
+                )
+                if not found:
+                    break
+                await DBOS.resume_workflows_async([w.workflow_id for w in found])
+                resumed += len(found)
+                if len(found) < _RESUME_BATCH:
+                    break
+            return resumed
+
+        return self._ask(act(), timeout_s)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

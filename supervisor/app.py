@@ -29,6 +29,7 @@ from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
 from supervisor.act.dispatch import Dispatcher, DispatchStats
 from supervisor.act.failure_log import RecentFailures
+from supervisor.act.fleet import Fleet
 from supervisor.act.store import Store
 from supervisor.act.store_writer import StoreHealth, StoreWriter
 from supervisor.api.control import Control
@@ -134,6 +135,8 @@ class SidecarParts:
     otlp_auth: ReceiverAuth | None = None
     #: The Redis the breakers share (None: they are this sidecar's own).
     breaker_link: RedisLink | None = None
+    #: Heartbeats and takeovers in a fleet's shared store (None: no ``database_url``).
+    fleet: Fleet | None = None
 
 
 class Sidecar:
@@ -166,7 +169,8 @@ class Sidecar:
        ingest log's), then takes new ones; and three timers:
        ``spanvisor-gc`` (garbage collection, every second), ``spanvisor-house``
        (policy file polling, pruning the store) and ``spanvisor-runs`` (stalled
-       runs, every second);
+       runs, every second); in a fleet, ``spanvisor-fleet`` (heartbeats and
+       takeovers, :mod:`supervisor.act.fleet`);
     7. the control API: its operations (:class:`~supervisor.api.control.Control`,
        over these parts), then its server (a uvicorn task); then :attr:`ports`
        is set and the sidecar is ready.
@@ -219,6 +223,7 @@ class Sidecar:
         self.collector = parts.collector
         self.token = parts.token
         self._otlp_auth = parts.otlp_auth
+        self.fleet = parts.fleet
         # Its own state: what it serves, what runs, what it counted.
         self.ports: Ports | None = None
         self.reloads = {"ok": 0, "rejected": 0}
@@ -232,6 +237,7 @@ class Sidecar:
         self._housekeeping: asyncio.Task[None] | None = None
         self._run_watch: asyncio.Task[None] | None = None
         self._deadlines: asyncio.Task[None] | None = None
+        self._fleet_watch: asyncio.Task[None] | None = None
         self._remediations_up: asyncio.Task[None] | None = None
         self._errors = 0
         self._ready = False
@@ -281,6 +287,7 @@ class Sidecar:
                 self._housekeeping,
                 self._run_watch,
                 self._deadlines,
+                self._fleet_watch,
             ):
                 if task is not None:
                     task.cancel()
@@ -321,6 +328,8 @@ class Sidecar:
         self._housekeeping = asyncio.create_task(self._keep_house(), name="spanvisor-house")
         self._run_watch = asyncio.create_task(self._watch_runs(), name="spanvisor-runs")
         self._deadlines = asyncio.create_task(self._watch_deadlines(), name="spanvisor-deadlines")
+        if self.fleet is not None:
+            self._fleet_watch = asyncio.create_task(self._keep_fleet(), name="spanvisor-fleet")
         self.control = Control(
             store=self.store,
             actor=self.actor,
@@ -372,6 +381,7 @@ class Sidecar:
             self._housekeeping,
             self._run_watch,
             self._deadlines,
+            self._fleet_watch,
         ):
             if task is not None:
                 task.cancel()
@@ -676,6 +686,26 @@ class Sidecar:
             except Exception:  # housekeeping must never end; try again next round
                 log.exception("housekeeping failed; trying again later")
 
+    async def _keep_fleet(self) -> None:
+        """Every ``instance_heartbeat_s``: beat, and take over dead sidecars (a fleet's)."""
+        fleet = self.fleet
+        assert fleet is not None
+        failing = False
+        while True:
+            try:
+                # Off the loop: a round is a few statements, and a takeover waits for DBOS.
+                taken = await self.store.call(fleet.round)
+                if any(t.commands for t in taken):
+                    self.dispatcher.wake()  # the dead sidecar's commands are due now
+                if failing:
+                    log.warning("fleet heartbeats are written again")
+                failing = False
+            except Exception:  # the heartbeat must never end; try again next round
+                if not failing:  # once per outage, not every heartbeat
+                    log.exception("fleet heartbeat failed; trying again every heartbeat")
+                failing = True
+            await asyncio.sleep(fleet.heartbeat_s)
+
     def _expire_and_prune(self, now: float) -> None:
         """Pull commands never acknowledged within their ``ttl_s`` expire; old rows go."""
         for name, delivery in self.settings.agents.items():
@@ -703,6 +733,7 @@ class Sidecar:
             remediations=self.remediations,
             forwarder=self.forwarder,
             otlp_auth=self._otlp_auth,
+            fleet=self.fleet,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -730,6 +761,8 @@ class Sidecar:
                 "latency_ms": _percentiles(self.dispatcher.latency),
             },
             "remediations": self.remediations.describe(),
+            # None: not a fleet (no database_url); else heartbeats and takeovers.
+            "fleet": self.fleet.stats() if self.fleet is not None else None,
             "runs": {**self.runs.stats(), "slo": self.runs.slo_status()},
             "breakers": {
                 "tracked": len(self.governor.board),

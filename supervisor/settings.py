@@ -223,6 +223,21 @@ class Settings(BaseSettings):
         description="This sidecar's name in the rows it writes (who judged, who delivered)"
         " and its remediation executor's in a fleet; unset: hostname:api_port.",
     )
+    instance_heartbeat_s: float = Field(
+        default=5.0,
+        ge=0.1,
+        le=60,
+        description="With database_url: how often this sidecar writes its heartbeat in the"
+        " shared store (and looks for dead sidecars to take over).",
+    )
+    instance_dead_after_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="With database_url: a sidecar without a heartbeat for this long is dead,"
+        " and a live one resumes its remediations and sends its claimed commands; more than"
+        " twice instance_heartbeat_s.",
+    )
     breaker_redis_url: str | None = Field(
         default=None,
         pattern=r"^rediss?://",
@@ -327,6 +342,17 @@ class Settings(BaseSettings):
                 "database_url shares incidents between sidecars, but remediation_database_url"
                 f" {self.remediation_database_url} is this sidecar's own: set it to a"
                 " postgresql:// URL too, or leave it unset to use database_url"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _heartbeats(self) -> Settings:
+        """One late heartbeat must not make a sidecar dead: its work would be taken over."""
+        if self.instance_dead_after_s <= 2 * self.instance_heartbeat_s:
+            raise ValueError(
+                f"instance_dead_after_s ({self.instance_dead_after_s:g} s) must be more than"
+                f" twice instance_heartbeat_s ({self.instance_heartbeat_s:g} s): a sidecar"
+                " that misses one heartbeat is not dead"
             )
         return self
 

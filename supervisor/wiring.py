@@ -31,6 +31,7 @@ from supervisor.act.actuators.command import CommandActuator
 from supervisor.act.actuators.webhook import WebhookActuator
 from supervisor.act.dispatch import Dispatcher, actuator_table
 from supervisor.act.failure_log import RecentFailures
+from supervisor.act.fleet import Fleet
 from supervisor.act.store import Store, StoredCommand
 from supervisor.act.store_writer import StoreWriter
 from supervisor.api.server import ensure_token
@@ -49,7 +50,7 @@ from supervisor.ingest.queue import IngestQueue
 from supervisor.ingest.wal import IngestLog, NoLog, Releases
 from supervisor.judge.pipeline import Outcome, Pipeline
 from supervisor.policy_in_force import PolicyInForce
-from supervisor.remediation.engine import Remediations
+from supervisor.remediation.engine import Remediations, executor_id
 from supervisor.runs import RunTracker
 from supervisor.runs.journal import RunJournal
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
@@ -213,7 +214,22 @@ def build_sidecar(
             collector=Collector(),
             token=token,
             breaker_link=breaker_link,
+            fleet=_fleet(settings, store, remediations),
         )
+    )
+
+
+def _fleet(settings: Settings, store: Store, remediations: Remediations) -> Fleet | None:
+    """Heartbeats and takeovers, when the store is shared by a fleet (PostgreSQL)."""
+    if not store.shared:
+        return None
+    return Fleet(
+        store,
+        instance=settings.instance(),
+        executor_id=executor_id(settings),
+        heartbeat_s=settings.instance_heartbeat_s,
+        dead_after_s=settings.instance_dead_after_s,
+        resume=remediations.resume_executor,
     )
 
 

@@ -44,7 +44,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -211,6 +211,11 @@ class Store:
     def _transaction(self) -> Iterator[Database]:
         with self._lock, self._db.transaction():
             yield self._db
+
+    def transaction(self) -> AbstractContextManager[Database]:
+        """One transaction on the store's database, for a table kept beside the store's
+        own (a fleet's heartbeats, :mod:`.fleet`)."""
+        return self._transaction()
 
     # -- incidents and the commands they lead to ---------------------------
 
@@ -459,8 +464,10 @@ class Store:
 
         In a fleet they are claimed too: each is handed to one sidecar, and is
         not due for the others for :data:`CLAIM_S` (its attempt's outcome then
-        sets the next due time, or ends it). One sidecar holds an SQLite file:
-        what it reads is its own.
+        sets the next due time, or ends it). The claim names the sidecar in
+        ``delivered_by`` while the command is pending, so that a fleet can give
+        a dead sidecar's claims back (:meth:`release_claims`). One sidecar holds
+        an SQLite file: what it reads is its own.
         """
         marks = ",".join("?" for _ in channels)
         select = (
@@ -475,9 +482,9 @@ class Store:
             # RETURNING the locked rows as they were read: the due time that was reached.
             rows = db.execute(
                 f"WITH picked AS ({select}{db.lock_rows}) UPDATE commands SET"  # noqa: S608 - constants
-                " next_attempt_at = ? FROM picked WHERE commands.id = picked.id"
-                " RETURNING picked.*",
-                (*channels, now, limit, now + CLAIM_S),
+                " next_attempt_at = ?, delivered_by = ? FROM picked"
+                " WHERE commands.id = picked.id RETURNING picked.*",
+                (*channels, now, limit, now + CLAIM_S, self.instance_id),
             ).fetchall()
         claimed = [command_from_row(r) for r in rows]
         return sorted(claimed, key=lambda stored: stored.next_attempt_at)
@@ -504,19 +511,34 @@ class Store:
             ).rowcount
 
     def attempt_failed(self, command_id: str, error: str, next_attempt_at: float) -> None:
+        """An attempt failed; the next is due at ``next_attempt_at`` (a fleet's claim ends)."""
         with self._transaction() as db:
             db.execute(
                 "UPDATE commands SET attempts = attempts + 1, last_error = ?,"
-                " next_attempt_at = ? WHERE id = ? AND status = 'pending'",
+                " next_attempt_at = ?, delivered_by = '' WHERE id = ? AND status = 'pending'",
                 (error, next_attempt_at, command_id),
             )
+
+    def release_claims(self, instance_id: str, now: float) -> int:
+        """Make the push commands ``instance_id`` claimed and never finished due at ``now``.
+
+        For a fleet whose sidecar died mid-attempt (:mod:`.fleet`): its claims
+        would otherwise hold the commands for the rest of :data:`CLAIM_S`.
+        """
+        with self._transaction() as db:
+            released: int = db.execute(
+                "UPDATE commands SET next_attempt_at = ?, delivered_by = '' WHERE"
+                " status = 'pending' AND delivered_by = ? AND next_attempt_at > ?",
+                (now, instance_id, now),
+            ).rowcount
+        return released
 
     def dead(self, command_id: str, error: str, now: float) -> None:
         """Dead-letter a command: its last attempt failed or it cannot be delivered."""
         with self._transaction() as db:
             self._waiting -= db.execute(
                 "UPDATE commands SET status = 'dead', attempts = attempts + 1, last_error = ?,"
-                " finished_at = ?, lease_until = NULL WHERE id = ?"
+                " finished_at = ?, lease_until = NULL, delivered_by = '' WHERE id = ?"
                 " AND status IN ('pending', 'leased')",
                 (error, now, command_id),
             ).rowcount

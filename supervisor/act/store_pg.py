@@ -3,7 +3,8 @@
 The same tables and columns as the SQLite file (:mod:`.store_schema`), in
 PostgreSQL's types: times are ``DOUBLE PRECISION`` (PostgreSQL's ``REAL`` is
 four bytes), and ``rowid``, SQLite's implicit insertion order that pages
-are keyed on, is an identity column. Created with ``IF NOT EXISTS`` under an
+are keyed on, is an identity column. One table is a fleet's alone:
+``instances``, the sidecars' heartbeats (:mod:`.fleet`). Created with ``IF NOT EXISTS`` under an
 advisory lock, so sidecars starting together do not race on the catalog.
 The tables go in the connection's schema: ``?options=-csearch_path%3Dname``
 in the URL puts them in ``name``.
@@ -81,6 +82,15 @@ CREATE TABLE IF NOT EXISTS approvals (
     "CREATE INDEX IF NOT EXISTS approvals_rowid ON approvals (rowid)",
     "CREATE INDEX IF NOT EXISTS approvals_expiry ON approvals (expires_at)"
     " WHERE status = 'pending' AND expires_at IS NOT NULL",
+    # The fleet's members and their heartbeats (:mod:`.fleet`); a fleet's only.
+    """
+CREATE TABLE IF NOT EXISTS instances (
+    id TEXT PRIMARY KEY,
+    executor_id TEXT NOT NULL,
+    beat_at DOUBLE PRECISION NOT NULL,
+    taken_over_by TEXT,
+    taken_over_at DOUBLE PRECISION
+)""",
 )
 
 #: Any constant: the advisory lock that serialises the sidecars creating the tables.

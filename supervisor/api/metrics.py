@@ -35,6 +35,7 @@ from policies import BreakerState, Governor
 from supervisor import __version__
 from supervisor.act.dispatch import Dispatcher
 from supervisor.act.failure_log import RecentFailures
+from supervisor.act.fleet import Fleet
 from supervisor.act.store import Store
 from supervisor.act.store_writer import StoreWriter
 from supervisor.forward.breaker_report import BreakerReport
@@ -82,6 +83,8 @@ class MetricSources:
     otlp_auth: ReceiverAuth | None = None
     #: The Redis the breakers share (None: they are this sidecar's own).
     breaker_link: RedisLink | None = None
+    #: Heartbeats and takeovers (None: not a fleet, no series).
+    fleet: Fleet | None = None
     #: Wall clock, for the age of pending approvals (stored in wall-clock seconds).
     clock: Callable[[], float] = time.time
 
@@ -99,6 +102,7 @@ class SidecarCollector(Collector):
         yield from self._commands()
         yield from self._breakers()
         yield from self._remediations()
+        yield from self._fleet()
         yield from self._forward()
 
     def _build(self) -> Iterator[Metric]:
@@ -350,6 +354,36 @@ class SidecarCollector(Collector):
             "spanvisor_remediations_active",
             "Remediations running now.",
             int(described.get("active", 0)),
+        )
+
+    def _fleet(self) -> Iterator[Metric]:
+        fleet = self._s.fleet
+        if fleet is None:  # not a fleet: no series
+            return
+        yield _gauge(
+            "spanvisor_fleet_instances_alive",
+            "Sidecars of the fleet whose heartbeat is recent (this one included).",
+            fleet.alive,
+        )
+        yield _gauge(
+            "spanvisor_fleet_instances_dead",
+            "Sidecars of the fleet without a heartbeat for instance_dead_after_s.",
+            fleet.dead,
+        )
+        yield _counter(
+            "spanvisor_fleet_takeovers",
+            "Dead sidecars whose work this sidecar took over.",
+            value=fleet.takeovers,
+        )
+        yield _counter(
+            "spanvisor_fleet_remediations_resumed",
+            "Dead sidecars' pending remediations this sidecar resumed.",
+            value=fleet.remediations_resumed,
+        )
+        yield _counter(
+            "spanvisor_fleet_commands_released",
+            "Dead sidecars' claimed commands this sidecar made due again.",
+            value=fleet.commands_released,
         )
 
     def _forward(self) -> Iterator[Metric]:

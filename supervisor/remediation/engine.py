@@ -300,6 +300,15 @@ class Remediations:
                 {"approved": approval.get("status") == "approved", "id": approval.get("id")},
             )
 
+    def resume_executor(self, executor: str) -> int | None:
+        """Resume a dead sidecar's pending remediations here (a fleet's takeover); how many.
+
+        None while the runner is not running: the takeover waits (or another sidecar
+        does it). Blocking: call it off the loop.
+        """
+        runner = self.runner
+        return None if runner is None else runner.resume_executor(executor)
+
     def _notify_recovery(self, remediation_id: str, evidence: Mapping[str, Any]) -> None:
         if self.runner is not None:
             self.runner.notify_recovery(remediation_id, evidence)
