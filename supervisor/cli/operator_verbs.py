@@ -212,13 +212,22 @@ def remediations(args: argparse.Namespace) -> int:
         return 0
     # The list answer names no remediator today; show the column once it does.
     named = [r.get("remediator") or (r.get("request") or {}).get("remediator") for r in found]
-    header = ["ID", "STATUS", "OUTCOME", *(["REMEDIATOR"] if any(named) else []), "AGE", "TRACE"]
+    header = [
+        "ID",
+        "STATUS",
+        "OUTCOME",
+        *(["REMEDIATOR"] if any(named) else []),
+        "INSTANCE",  # which sidecar runs it (a fleet shares one list)
+        "AGE",
+        "TRACE",
+    ]
     rows = [
         [
             r.get("id"),
             r.get("status"),
             r.get("outcome") or "-",
             *([name or "-"] if any(named) else []),
+            r.get("executor_id") or "-",
             format_age(r.get("created_at")),
             r.get("trace_id") or "-",
         ]
