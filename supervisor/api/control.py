@@ -20,7 +20,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
 from policies import Governor, Policy
@@ -29,6 +29,7 @@ from supervisor.act.store import ApprovalError, Incident, Store
 from supervisor.act.store_rows import APPROVAL_STATUSES
 from supervisor.api.inline import Question, decide
 from supervisor.api.paging import CursorError, Key, decode_cursor, encode_cursor
+from supervisor.api.store_outage import StoreOutage
 from supervisor.api.thread_cpu import thread_cpu
 from supervisor.errors import ConfigError
 from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
@@ -157,6 +158,23 @@ class Control:
     runs: RunsView | None = None
     #: The body of ``/metrics`` (:func:`supervisor.api.metrics.exposition`; None: not served).
     exposition: Callable[[], bytes] | None = None
+    #: The shared store as requests last found it (an outage: 503, said once in the log).
+    outage: StoreOutage = field(default_factory=StoreOutage)
+
+    def health(self) -> list[str]:
+        """What degrades the sidecar now: the sidecar's own reasons and a store found down."""
+        found = list(self.degraded())
+        down = self.outage.degraded()
+        if down is not None:
+            found.append(down)
+        return found
+
+    async def stored(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, a store call, as :meth:`Store.call` makes it; one that
+        answers ends an outage (one that cannot raises StoreUnavailable: a 503)."""
+        result = await self.store.call(fn, *args, **kwargs)
+        self.outage.reached()
+        return result
 
     def all_stats(self) -> dict[str, Any]:
         return self.stats()
@@ -246,7 +264,7 @@ class Control:
         while True:
             event = self.actor.waiters.event(service)
             store = self.store
-            leased = await store.call(
+            leased = await self.stored(
                 store.lease, service, self.clock(), settings.visibility_s, _limit(limit)
             )
             if leased:
@@ -256,7 +274,7 @@ class Control:
                 return []
             # A delayed command (not_before) becoming due and a lease running out are not
             # announced: sleep until the first of these for this service's own commands.
-            next_at = await store.call(store.next_lease_at, service)
+            next_at = await self.stored(store.next_lease_at, service)
             if next_at is not None:
                 left = min(left, max(0.01, next_at - self.clock()))
             if self.store.shared:
@@ -300,7 +318,9 @@ class Control:
 
     def answer(self, approval_id: str, *, approved: bool, by: str, note: str) -> dict[str, Any]:
         try:
-            return self.actor.answer(approval_id, approved=approved, by=by, note=note).to_json()
+            answered = self.actor.answer(approval_id, approved=approved, by=by, note=note)
+            self.outage.reached()
+            return answered.to_json()
         except ApprovalError as exc:
             status = 404 if "no approval" in str(exc) else 409
             raise ControlError(str(exc), status) from None
