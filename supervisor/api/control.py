@@ -158,6 +158,8 @@ class Control:
     runs: RunsView | None = None
     #: The body of ``/metrics`` (:func:`supervisor.api.metrics.exposition`; None: not served).
     exposition: Callable[[], bytes] | None = None
+    #: The fleet's breaker names, from Redis (None from it: Redis is away; None: not shared).
+    fleet_breakers: Callable[[], builtins.list[str] | None] | None = None
     #: The shared store as requests last found it (an outage: 503, said once in the log).
     outage: StoreOutage = field(default_factory=StoreOutage)
 
@@ -328,18 +330,43 @@ class Control:
     # -- breakers -------------------------------------------------------------
 
     def breakers(self, limit: int = MAX_LIMIT, cursor: str | None = None) -> dict[str, Any]:
-        """Tracked breakers by dependency name; ``next_cursor`` past the page's last name."""
+        """Breakers by dependency name; ``next_cursor`` past the page's last name.
+
+        With breakers shared through Redis, the fleet's: those this sidecar
+        tracks and those only others have used (the index in Redis), each of
+        the latter read there (``tracked_here`` false), so its state is the
+        fleet's. ``scope`` says which: ``fleet``, or ``local`` (breakers not
+        shared, or Redis away: ``why`` says so).
+        """
         limit = _limit(limit)
         after = _cursor(cursor, "breakers", (str,))
-        found = self.governor.board.snapshot()  # sorted by dependency
-        if after is not None:
-            found = [b for b in found if b.dependency > str(after[0])]
+        board = self.governor.board
+        here = {b.dependency: b for b in board.snapshot()}
+        scope, why = "local", None
+        names = set(here)
+        if self.fleet_breakers is not None:
+            fleet = self.fleet_breakers()
+            if fleet is None:
+                why = "the breakers' Redis is unreachable: this sidecar's own breakers only"
+            else:
+                scope = "fleet"
+                names.update(fleet)
+        found = sorted(n for n in names if after is None or n > str(after[0]))
         page = found[:limit]
         more = len(found) > limit
-        return {
-            "breakers": [_breaker_json(asdict(i)) for i in page],
-            "next_cursor": encode_cursor("breakers", (page[-1].dependency,)) if more else None,
+        # Only the page's names are read from Redis (one round trip each, as GET one does).
+        rows = [
+            {**_breaker_json(asdict(here.get(n) or board.info(n))), "tracked_here": n in here}
+            for n in page
+        ]
+        answer: dict[str, Any] = {
+            "breakers": rows,
+            "scope": scope,
+            "next_cursor": encode_cursor("breakers", (page[-1],)) if more else None,
         }
+        if why is not None:
+            answer["why"] = why
+        return answer
 
     def breaker(self, dependency: str) -> dict[str, Any]:
         self.governor.breaker_state(dependency)  # moves an elapsed open breaker to half-open

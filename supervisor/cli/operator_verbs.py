@@ -160,7 +160,9 @@ def breakers(args: argparse.Namespace) -> int:
         changed = api(args, "POST", path)
         print(f"{changed['dependency']}: {changed['state']}")
         return 0
-    found, _ = listed(args, "/v1/breakers", "breakers")
+    found, answer = listed(args, "/v1/breakers", "breakers")
+    if answer.get("why"):  # a local list where a fleet's was meant (Redis away): said aside
+        print(f"spanvisor: {answer['why']}", file=sys.stderr)
     if args.output == "jsonl":
         print_jsonl(found)
         return 0
