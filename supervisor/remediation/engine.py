@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -303,31 +303,31 @@ class Remediations:
             at = received / 1e9 if isinstance(received, int) and received else incident.created_at
             self._start(self._request(body, at))
 
-    def answered(self, approval: Mapping[str, Any]) -> Future[None] | None:
+    def answered(self, approval: Mapping[str, Any]) -> None:
         """A person answered an approval; the remediation waiting for it is told.
 
         It may wait in another sidecar of the fleet (the one that ran it), which
         reads the message from the shared database. Without a runner here
         (still starting, or it could not start), the message is sent through
-        DBOS's client on a thread of its own (the future, for tests): dropped,
-        the remediation would wait out its whole timeout.
+        DBOS's client on a thread of its own (:meth:`close` waits for it):
+        dropped, the remediation would wait out its whole timeout.
         """
         remediation_id = approval.get("remediation_id")
         if not isinstance(remediation_id, str):
-            return None
+            return
         answer = {"approved": approval.get("status") == "approved", "id": approval.get("id")}
         runner = self.runner
         if runner is not None:
             runner.answer_approval(remediation_id, answer)
-            return None
+            return
         url = self.database_url
         if url is None:
-            return None
+            return
         with self._lock:
             if self._answers is None:
                 self._answers = ThreadPoolExecutor(1, thread_name_prefix="spanvisor-answers")
             answers = self._answers
-        return answers.submit(self._send_answer, url, remediation_id, answer)
+        answers.submit(self._send_answer, url, remediation_id, answer)
 
     def _send_answer(self, url: str, remediation_id: str, answer: dict[str, Any]) -> None:
         try:
