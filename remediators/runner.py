@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from dbos import DBOS, DBOSConfig, SetWorkflowID
+from dbos import DBOS, DBOSClient, DBOSConfig, SetWorkflowID
 from opentelemetry import trace
 
 from remediators.base import Budget, BudgetSpent, Remediator, Trigger, Verdict
@@ -55,7 +55,13 @@ from remediators.remediation_spans import MAX_TEXT, RemediationSpans
 from supervisor.errors import ConfigError
 from supervisor.records import RUN_ENDED_OK
 
-__all__ = ["DurableRunner", "RunnerSettings", "build_request", "redact_url"]
+__all__ = [
+    "DurableRunner",
+    "RunnerSettings",
+    "build_request",
+    "redact_url",
+    "send_approval_answer",
+]
 
 log = logging.getLogger("spanvisor.remediate")
 
@@ -313,8 +319,11 @@ class DurableRunner:
             # Started before (a re-sent span, or a restart). Asked only now, not before
             # every start: that was one more transaction for every remediation.
             found = await DBOS.get_workflow_status_async(rid)
-            if found is None or found.status not in ("PENDING", "ENQUEUED"):
-                # A finished one is no longer active; a pending one is being resumed.
+            if not _runs_here(found, self.settings.executor_id):
+                # A finished one is no longer active, and one another sidecar of the
+                # fleet runs (the same span judged there too) is not this one's to
+                # count: its end is never seen here. One pending here is being resumed
+                # (its execute counts it again, so a discard could only undercount).
                 with self._lock:
                     self._active.discard(rid)
             self.counts["duplicates"] += 1
@@ -646,11 +655,39 @@ class DurableRunner:
         return await DBOS.run_step_async({"name": name}, run)
 
 
+def send_approval_answer(database_url: str, remediation_id: str, answer: Mapping[str, Any]) -> None:
+    """Send an approval's answer to its remediation without a runner in this process (blocks).
+
+    A fleet's remediations wait in their own sidecar's runner, and an answer may
+    come through any sidecar's API: one whose runner is still starting, or
+    could not start, sends it through DBOS's client on the shared database
+    instead, where the waiting sidecar reads it (on PostgreSQL it is notified).
+    Raises what the database raises; the message is kept once this returns.
+    """
+    client = DBOSClient(
+        system_database_url=database_url,
+        dbos_system_schema=search_path_schema(database_url) or "dbos",
+        lazy=True,
+        retry_connection_errors=False,  # an unreachable database is an error, not a wait
+    )
+    try:
+        client.send(remediation_id, dict(answer), APPROVAL_TOPIC)
+    finally:
+        client.destroy()
+
+
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def _runs_here(status: Any, executor_id: str) -> bool:
+    """Whether a workflow already started is unfinished and this executor's to run."""
+    if status is None or status.status not in ("PENDING", "ENQUEUED"):
+        return False
+    return bool(status.executor_id == executor_id)
 
 
 def _recovered_reason(ctx: DurableContext) -> str:
@@ -670,6 +707,8 @@ def _summary(status: Any) -> dict[str, Any]:
         "created_at": (status.created_at or 0) / 1000,
         "updated_at": (status.updated_at or 0) / 1000,
         "recovery_attempts": status.recovery_attempts,
+        # Which sidecar runs it: its executor id (the instance, in a fleet).
+        "executor_id": status.executor_id,
         "error": None if status.error is None else str(status.error)[:MAX_TEXT],
     }
 

@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -343,6 +343,7 @@ class Sidecar:
             remediations=self.remediations,
             runs=self.runs,
             exposition=exposition(self.metric_sources()),
+            fleet_breakers=_fleet_breakers(self.breaker_link),
         )
         control = build_control_app(token=self.token, control=self.control)
         self._api, api_port = await self._serve(
@@ -894,3 +895,9 @@ class BackgroundSidecar:
         self._ready.set()
         await self._stopped.wait()
         await self.sidecar.shutdown()
+
+
+def _fleet_breakers(link: RedisLink | None) -> Callable[[], list[str] | None] | None:
+    """What lists the fleet's breakers (their index in Redis); None: breakers are not shared."""
+    index = link.index if link is not None else None
+    return index.names if index is not None else None

@@ -5,7 +5,8 @@
     ├── PolicyError        a policy file that cannot be loaded (carries every issue)
     ├── IngestError        an OTLP payload that cannot be decoded
     │   └── PayloadTooLarge
-    └── DeliveryError      a downstream that could not be reached
+    ├── DeliveryError      a downstream that could not be reached
+    └── StoreUnavailable   the fleet's shared store (PostgreSQL) does not answer
 
 Foreign errors (protobuf, gRPC, httpx, YAML) are translated once, at the
 adapter that meets them, with ``raise Mapped(...) from exc``.
@@ -59,3 +60,16 @@ class PayloadTooLarge(IngestError):
 
 class DeliveryError(SupervisorError):
     """A downstream that could not be reached or refused what was sent."""
+
+
+class StoreUnavailable(SupervisorError):
+    """The fleet's shared store cannot be reached (down, cut off, or it dropped us).
+
+    Raised instead of the driver's connection errors, so that callers tell an
+    outage (try again later) from a mistake; ``where`` names the store, its
+    password left out.
+    """
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where

@@ -11,6 +11,15 @@ unreachable, breakers read and count on the local copy: an open breaker stays
 open, nothing raises into the judging pipeline, and the link says so once in
 the log (and once when Redis answers again) and counts it.
 
+The fleet's breakers are listed from an index: a sorted set of dependency
+names, ``<namespace>:breakers``, which a storage adds its dependency to at
+its first write to Redis (a breaker that only ever read as closed is not
+listed anywhere) and which keeps the :data:`MAX_INDEXED` most recently added.
+An index, not a ``SCAN`` of the namespace: a scan walks the whole Redis
+keyspace (five keys a breaker, and whatever else shares that Redis) in
+round trips whose count grows with it, where ``ZRANGE`` of a bounded set is
+one round trip of just the names.
+
 When Redis answers again, each breaker that changed meanwhile reconciles at
 its next read, by one rule: **the more severe state wins** (isolated, then
 open, then half-open, then closed), and failure counts take the larger; an
@@ -46,6 +55,8 @@ _SEVERITY = {pybreaker.STATE_CLOSED: 0, pybreaker.STATE_HALF_OPEN: 1, pybreaker.
 _FIELDS = ("pybreaker:state", "pybreaker:fail_counter", "pybreaker:success_counter")
 _OPENED_AT = "pybreaker:opened_at"
 _ISOLATED = "spanvisor:isolated"
+#: Dependency names the fleet's index keeps (the most recently added; a board's own bound).
+MAX_INDEXED = 10_000
 
 
 class Unreachable(Exception):
@@ -87,6 +98,8 @@ class RedisLink:
         self._outages = 0
         self._errors = 0
         self._skipped = 0
+        #: The fleet's breaker names (:func:`shared_breakers` sets it; None: not listed).
+        self.index: BreakerIndex | None = None
 
     def run(self, op: Callable[[Any], T]) -> T:
         """``op(client)``; raises :class:`Unreachable` instead of any Redis or socket error."""
@@ -140,6 +153,46 @@ class RedisLink:
         )
 
 
+class BreakerIndex:
+    """The fleet's breakers by dependency name, in Redis; see the module."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        key: str,
+        *,
+        limit: int = MAX_INDEXED,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._link = link
+        self._key = key
+        self._limit = limit
+        self._clock = clock
+
+    def add(self, dependency: str) -> bool:
+        """Index ``dependency`` (one round trip, trimmed to the bound); False: Redis is away."""
+
+        def op(client: Any) -> None:
+            pipe = client.pipeline(transaction=False)
+            pipe.zadd(self._key, {dependency: self._clock()})
+            pipe.zremrangebyrank(self._key, 0, -self._limit - 1)
+            pipe.execute()
+
+        try:
+            self._link.run(op)
+        except Unreachable:
+            return False
+        return True
+
+    def names(self) -> list[str] | None:
+        """Every indexed dependency (at most the bound); None while Redis is unreachable."""
+        try:
+            found = self._link.run(lambda c: c.zrange(self._key, 0, self._limit - 1))
+        except Unreachable:
+            return None
+        return [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in found]
+
+
 class RedisBreakerStorage(SharedStorage):
     """One dependency's breaker in Redis, with a local copy; see the module.
 
@@ -148,10 +201,20 @@ class RedisBreakerStorage(SharedStorage):
     refreshed, and the increments update it with Redis's new value.
     """
 
-    def __init__(self, link: RedisLink, namespace: str) -> None:
+    def __init__(
+        self,
+        link: RedisLink,
+        namespace: str,
+        *,
+        index: BreakerIndex | None = None,
+        dependency: str = "",
+    ) -> None:
         super().__init__("redis")
         self._link = link
         self._namespace = namespace
+        #: Where the fleet lists it, once it is written to Redis (None: once done).
+        self._index = index
+        self._dependency = dependency
         self._keys = [f"{namespace}:{field}" for field in (*_FIELDS, _OPENED_AT, _ISOLATED)]
         self._state = pybreaker.STATE_CLOSED
         self._fail = 0
@@ -244,7 +307,14 @@ class RedisBreakerStorage(SharedStorage):
         except Unreachable:
             self._diverged = True
             return False
+        self._indexed()
         return True
+
+    def _indexed(self) -> None:
+        """List the dependency in the fleet's index at its first write (once a storage)."""
+        index = self._index
+        if index is not None and index.add(self._dependency):
+            self._index = None
 
     def _pull(self) -> None:
         try:
@@ -298,6 +368,7 @@ class RedisBreakerStorage(SharedStorage):
             self._link.run(lambda c: c.mset(mapping))
         except Unreachable:
             return False
+        self._indexed()
         return True
 
 
@@ -353,6 +424,7 @@ def shared_breakers(
     where = f"{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}"
     where += f"/{kwargs.get('db', 0)}"
     link = RedisLink(client, where=where, retry_s=retry_s)
+    link.index = index = BreakerIndex(link, f"{namespace}:breakers")
     if required:
         try:
             client.ping()
@@ -365,6 +437,8 @@ def shared_breakers(
             link.run(lambda c: c.ping())
 
     def storage(dependency: str) -> pybreaker.CircuitBreakerStorage:
-        return RedisBreakerStorage(link, f"{namespace}:breaker:{dependency}")
+        return RedisBreakerStorage(
+            link, f"{namespace}:breaker:{dependency}", index=index, dependency=dependency
+        )
 
     return storage, link

@@ -5,7 +5,8 @@ retry reaches another instance behind a load balancer), and both deliver to
 one webhook receiver. What is pinned: each failure is one incident and one
 command, delivered once, whichever sidecar judged it; either sidecar's API
 lists the other's incidents and commands, named by instance; remediations
-(DBOS) are kept in the same database and schema.
+(DBOS) are kept in the same database and schema, and one waiting for approval
+on one sidecar goes on when the other sidecar's API answers it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from supervisor.testing.sidecar_process import wait_until
 from tests.postgres import fresh_schema
 from tests.test_dispatch import Answer, WebhookReceiver
 from tests.test_exactly_once import FAILURES, SECRET, Sidecar, expected_keys
+from tests.test_remediation_crash import TRIGGER_SPAN, llm_request
 
 pytestmark = pytest.mark.slow
 
@@ -154,3 +156,59 @@ def test_an_approval_opened_by_one_sidecar_is_answered_through_the_other_once(
     assert again.value.response.status_code == 409
     assert "already answered: approved" in again.value.response.text
     assert still["status"] == "approved"
+
+
+ASK = """\
+version: 1
+breakers: {enabled: false}
+retry_budget: {enabled: false}
+restart_intensity: {enabled: false}
+remediators:
+  ask:
+    use: escalate
+    params: {timeout_s: 120, on_timeout: none}
+    verify_window_s: 0
+    on_unresolved: none
+policies:
+  - name: ask_a_person
+    match: {kind: timeout}
+    action: remediate
+    remediator: ask
+"""
+
+
+def test_a_remediation_waiting_on_one_sidecar_goes_on_when_the_other_approves(
+    tmp_path: Path, url: str
+) -> None:
+    with WebhookReceiver() as receiver:
+        a = start(tmp_path, "sidecar-a", url, receiver.url, ASK)
+        try:
+            b = start(tmp_path, "sidecar-b", url, receiver.url, ASK)
+            try:
+                a.send([llm_request(TRIGGER_SPAN, failed=True)])  # judged on a only
+                wait_until(
+                    lambda: b.get("/v1/approvals", status="pending")["approvals"],
+                    30,
+                    "the remediation on a asking for approval",
+                )
+                [asked] = b.get("/v1/approvals", status="pending")["approvals"]
+                rid = asked["remediation_id"]
+                b.post(f"/v1/approvals/{asked['id']}/approve", {"by": "oncall"})
+                wait_until(
+                    lambda: a.get(f"/v1/remediations/{rid}")["status"] == "SUCCESS",
+                    30,
+                    "the remediation on a going on",
+                )
+                done = a.get(f"/v1/remediations/{rid}")
+                listed_on_b = b.get("/v1/remediations")["remediations"]
+            finally:
+                b.stop()
+        finally:
+            a.stop()
+
+    assert asked["judged_by"] == "sidecar-a"
+    assert done["outcome"] == "escalated"
+    # The answer given on b is what the wait on a received.
+    received = [s["output"] for s in done["steps"] if s["name"] == "DBOS.recv"]
+    assert received == [{"approved": True, "id": asked["id"]}]
+    assert [(r["id"], r["executor_id"]) for r in listed_on_b] == [(rid, "sidecar-a")]

@@ -57,6 +57,7 @@ def _remediation(
         "updated_at": created_at + 5,
         "recovery_attempts": 0,
         "error": "RuntimeError: boom" if status == "ERROR" else None,
+        "executor_id": "sidecar-a",
     }
     request = {
         "id": rid,
@@ -409,8 +410,9 @@ def test_the_cli_lists_remediations_as_a_table_and_as_json(
 ) -> None:
     assert main(["remediations", *served]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["ID", "STATUS", "OUTCOME", "AGE", "TRACE"]
+    assert lines[0].split() == ["ID", "STATUS", "OUTCOME", "INSTANCE", "AGE", "TRACE"]
     rows = [line.split() for line in lines[1:]]
+    assert {r[3] for r in rows} == {"sidecar-a"}  # which sidecar of a fleet runs each
     assert [r[0] for r in rows] == [RUNNING, DONE, FAILED]
     assert rows[0][1:3] == ["PENDING", "-"]
     assert rows[1][1:3] == ["SUCCESS", "succeeded"]
@@ -435,7 +437,7 @@ def test_the_cli_lists_remediations_as_a_table_and_as_json(
     )
     assert main(["remediations", *served]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["ID", "STATUS", "OUTCOME", "REMEDIATOR", "AGE", "TRACE"]
+    assert lines[0].split() == ["ID", "STATUS", "OUTCOME", "REMEDIATOR", "INSTANCE", "AGE", "TRACE"]
     assert lines[1].split()[3] == "switch-model"
 
 

@@ -23,8 +23,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from policies import load_policy
 from policies._breakers import BreakerBoard, BreakerSettings, BreakerState
 from supervisor.app import BackgroundSidecar
+from supervisor.cli.verbs import main
 from supervisor.errors import ConfigError
-from supervisor.shared_breakers import RedisLink, shared_breakers
+from supervisor.shared_breakers import BreakerIndex, RedisLink, shared_breakers
 from supervisor.wiring import build_sidecar
 from tests.tcp_proxy import TcpProxy
 from tests.test_app import settings as sidecar_settings
@@ -409,3 +410,73 @@ def test_a_redis_that_lost_its_keys_gets_this_sidecars_open_breaker_back(
 
     assert a.state("tool:x") is OPEN
     assert b.state("tool:x") is OPEN
+
+
+# -- the fleet's list ------------------------------------------------------------------------
+
+
+def test_the_index_lists_breakers_written_anywhere_and_keeps_a_bounded_newest_set(
+    proxy: RedisProxy, namespace: str
+) -> None:
+    (a, _, _), (_, _, link_b) = boards(proxy.url, namespace)
+    a.record_all("tool:x", [False, False])
+    a.isolate("tool:y")
+    assert link_b.index is not None
+    assert sorted(link_b.index.names() or []) == ["tool:x", "tool:y"]
+
+    clock = Clock(0.0)
+    small = BreakerIndex(link_b, f"{namespace}:small", limit=3, clock=clock)
+    for n in range(5):
+        clock.now = float(n)
+        assert small.add(f"dep:{n}")
+    assert sorted(small.names() or []) == ["dep:2", "dep:3", "dep:4"]  # the oldest trimmed
+
+    proxy.set("drop")
+    assert link_b.index.names() is None  # Redis away: no list, not an empty one
+
+
+@pytest.mark.slow
+def test_a_sidecar_lists_the_fleets_breakers_and_says_when_the_list_is_its_own(
+    tmp_path: Path,
+    proxy: RedisProxy,
+    namespace: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = f"redis://{REDIS[0]}:{REDIS[1]}/0"
+    first = sidecar(tmp_path / "a", url, namespace)
+    second = sidecar(tmp_path / "b", proxy.url, namespace)  # its Redis can be cut
+    try:
+        a = f"http://127.0.0.1:{first.ports.api}"
+        b = f"http://127.0.0.1:{second.ports.api}"
+        remote = ["--api", b, "--token", "tok"]
+        httpx.post(f"{a}/v1/breakers/tool:elsewhere/isolate", headers=AUTH).raise_for_status()
+        httpx.post(f"{b}/v1/breakers/tool:here/isolate", headers=AUTH).raise_for_status()
+        httpx.post(f"{b}/v1/breakers/tool:here/close", headers=AUTH).raise_for_status()
+
+        fleet = httpx.get(f"{b}/v1/breakers", headers=AUTH).json()
+        assert fleet["scope"] == "fleet" and "why" not in fleet
+        rows = {r["dependency"]: r for r in fleet["breakers"]}
+        assert rows["tool:elsewhere"]["state"] == "isolated"  # never seen on b: read in Redis
+        assert rows["tool:elsewhere"]["tracked_here"] is False
+        assert (rows["tool:here"]["state"], rows["tool:here"]["tracked_here"]) == ("closed", True)
+        paged = httpx.get(f"{b}/v1/breakers", headers=AUTH, params={"limit": 1}).json()
+        assert [r["dependency"] for r in paged["breakers"]] == ["tool:elsewhere"]
+        rest = httpx.get(
+            f"{b}/v1/breakers", headers=AUTH, params={"cursor": paged["next_cursor"]}
+        ).json()
+        assert [r["dependency"] for r in rest["breakers"]] == ["tool:here"]
+
+        assert main(["breakers", *remote]) == 0
+        shown = capsys.readouterr()
+        assert "tool:elsewhere" in shown.out and "isolated" in shown.out
+        assert shown.err == ""
+
+        proxy.set("drop")  # b's Redis away: its own breakers, said to be its own
+        local = httpx.get(f"{b}/v1/breakers", headers=AUTH).json()
+        assert local["scope"] == "local"
+        assert "this sidecar's own breakers only" in local["why"]
+        assert main(["breakers", *remote]) == 0
+        assert "this sidecar's own breakers only" in capsys.readouterr().err
+    finally:
+        first.stop()
+        second.stop()

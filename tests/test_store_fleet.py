@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from remediators.dbos_database import search_path_schema
 from supervisor.act.store import ApprovalError, Store, StoredCommand
-from supervisor.errors import ConfigError
+from supervisor.errors import ConfigError, StoreUnavailable
 from supervisor.remediation.engine import database_url_for, executor_id
 from supervisor.settings import Settings
 from tests.postgres import fresh_schema
@@ -272,8 +272,10 @@ def test_a_store_whose_connection_the_server_dropped_connects_again(url: str) ->
         assert dropped == 1  # a server restart, a failover, an idle timeout
         # The call that meets the dropped connection fails (the store writer keeps its
         # batch and tries again; the dispatcher looks again); the next one connects.
-        with pytest.raises(psycopg.OperationalError):
+        # It fails as the store's own error (the control API's 503), the driver's beneath.
+        with pytest.raises(StoreUnavailable) as caught:
             store.record([make_incident(span(2), [make_command(span(2))])], T0)
+        assert isinstance(caught.value.__cause__, psycopg.OperationalError)
         assert len(store.record([make_incident(span(2), [make_command(span(2))])], T0)) == 1
         assert len(store.incidents()) == 2
     finally:

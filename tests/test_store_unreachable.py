@@ -54,3 +54,59 @@ def test_healthz_answers_while_postgresql_hangs(tmp_path: Path) -> None:
             proxy.set("forward")
             sidecar.stop()
             proxy.close()
+
+
+@pytest.mark.slow
+def test_the_control_api_answers_503_naming_the_store_while_postgresql_is_down(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with fresh_schema() as url:
+        proxy = TcpProxy(("127.0.0.1", 5432))
+        through_proxy = url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+        sidecar = BackgroundSidecar(
+            build_sidecar(
+                settings(
+                    tmp_path,
+                    state_path=str(tmp_path / "state.db"),
+                    database_url=through_proxy,
+                    remediation_database_url=url,  # remediations are not what is cut here
+                ),
+                load_policy(),
+            )
+        )
+        ports = sidecar.start()
+        auth = {"Authorization": "Bearer tok"}
+        try:
+            with httpx.Client(
+                base_url=f"http://127.0.0.1:{ports.api}", headers=auth, timeout=30
+            ) as client:
+                assert client.get("/v1/incidents").status_code == 200
+                assert client.get("/readyz").status_code == 200
+                proxy.set("drop")  # the server is down: every connection refused
+                caplog.clear()
+                answers = [
+                    client.get(path)
+                    for path in ("/v1/incidents", "/v1/approvals", "/v1/commands/log") * 3
+                ]
+                ready = client.get("/readyz")
+                proxy.set("forward")
+                again = client.get("/v1/incidents")
+                ready_again = client.get("/readyz")
+        finally:
+            if proxy.mode != "forward":  # (switching cuts the store's live connection)
+                proxy.set("forward")
+            sidecar.stop()
+            proxy.close()
+    assert {a.status_code for a in answers} == {503}
+    body = answers[0].json()
+    assert f"127.0.0.1:{proxy.port}/test" in body["store"]
+    assert "password" not in body["store"]
+    assert "unreachable" in body["error"] and body["retry_after_s"] > 0
+    assert int(answers[0].headers["Retry-After"]) == body["retry_after_s"]
+    assert ready.status_code == 503
+    assert any("store down since" in why for why in ready.json()["degraded"])
+    said = [r for r in caplog.records if r.name == "spanvisor.api"]
+    assert len(said) == 2, [r.getMessage() for r in said]  # down once, back once: not per request
+    assert "unreachable" in said[0].getMessage() and "again" in said[1].getMessage()
+    assert again.status_code == 200
+    assert ready_again.status_code == 200

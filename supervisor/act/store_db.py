@@ -14,7 +14,9 @@ for an update must be locked against other writers.
   status = 'pending'``, ``INSERT ... ON CONFLICT DO NOTHING``) or locks the
   rows it read (``FOR UPDATE SKIP LOCKED``: :attr:`lock_rows`). ``shared`` is
   True. One connection, used under a lock by the loop and the API's threads,
-  made again after the server dropped it.
+  made again after the server dropped it. Losing the server (refused,
+  cut off, dropped) raises :class:`~supervisor.errors.StoreUnavailable`,
+  not the driver's error: callers answer "try again" (the control API's 503).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
+
+from supervisor.errors import StoreUnavailable
+
+#: SQLSTATEs of a lost server: connection exceptions (class 08) and shutdowns.
+_LOST_SERVER = ("08", "57P01", "57P02", "57P03")
 
 
 class Row(Protocol):
@@ -160,17 +167,36 @@ class PostgresDatabase:
             conn = self._connect()
         return conn
 
+    @contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """The driver's errors of a lost server as :class:`StoreUnavailable`; others as they are."""
+        import psycopg
+
+        try:
+            yield
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            conn = self._conn
+            lost = conn is None or conn.closed or conn.broken
+            if not lost and not str(exc.sqlstate or "").startswith(_LOST_SERVER):
+                raise  # the server answered: a conflict, a timeout it enforced
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise StoreUnavailable(
+                f"the shared store (PostgreSQL at {self.where}) is unreachable: {first}",
+                self.where,
+            ) from exc
+
     def execute(self, sql: str, args: Sequence[Any] = ()) -> Any:
-        return self._connection().execute(_placeholders(sql), tuple(args))
+        with self._reaching():
+            return self._connection().execute(_placeholders(sql), tuple(args))
 
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         if rows:
-            with self._connection().cursor() as cursor:
+            with self._reaching(), self._connection().cursor() as cursor:
                 cursor.executemany(_placeholders(sql), [tuple(row) for row in rows])
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        with self._connection().transaction():
+        with self._reaching(), self._connection().transaction():
             yield
 
     def close(self) -> None:

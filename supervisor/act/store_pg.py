@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from remediators.dbos_database import redact_url
 from supervisor.act.store_db import PostgresDatabase
-from supervisor.errors import ConfigError
+from supervisor.errors import ConfigError, StoreUnavailable
 
 SCHEMA = (
     """
@@ -119,7 +119,7 @@ def connect_postgres(url: str, instance_id: str = "") -> PostgresDatabase:
             db.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
             for statement in SCHEMA:
                 db.execute(statement)
-    except psycopg.Error as exc:
+    except (psycopg.Error, StoreUnavailable) as exc:
         db.close()
         raise ConfigError(f"cannot create the store's tables at {where}: {exc}") from exc
     return db

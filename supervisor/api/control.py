@@ -20,7 +20,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
 from policies import Governor, Policy
@@ -29,6 +29,7 @@ from supervisor.act.store import ApprovalError, Incident, Store
 from supervisor.act.store_rows import APPROVAL_STATUSES
 from supervisor.api.inline import Question, decide
 from supervisor.api.paging import CursorError, Key, decode_cursor, encode_cursor
+from supervisor.api.store_outage import StoreOutage
 from supervisor.api.thread_cpu import thread_cpu
 from supervisor.errors import ConfigError
 from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
@@ -157,6 +158,25 @@ class Control:
     runs: RunsView | None = None
     #: The body of ``/metrics`` (:func:`supervisor.api.metrics.exposition`; None: not served).
     exposition: Callable[[], bytes] | None = None
+    #: The fleet's breaker names, from Redis (None from it: Redis is away; None: not shared).
+    fleet_breakers: Callable[[], builtins.list[str] | None] | None = None
+    #: The shared store as requests last found it (an outage: 503, said once in the log).
+    outage: StoreOutage = field(default_factory=StoreOutage)
+
+    def health(self) -> list[str]:
+        """What degrades the sidecar now: the sidecar's own reasons and a store found down."""
+        found = list(self.degraded())
+        down = self.outage.degraded()
+        if down is not None:
+            found.append(down)
+        return found
+
+    async def stored(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, a store call, as :meth:`Store.call` makes it; one that
+        answers ends an outage (one that cannot raises StoreUnavailable: a 503)."""
+        result = await self.store.call(fn, *args, **kwargs)
+        self.outage.reached()
+        return result
 
     def all_stats(self) -> dict[str, Any]:
         return self.stats()
@@ -246,7 +266,7 @@ class Control:
         while True:
             event = self.actor.waiters.event(service)
             store = self.store
-            leased = await store.call(
+            leased = await self.stored(
                 store.lease, service, self.clock(), settings.visibility_s, _limit(limit)
             )
             if leased:
@@ -256,7 +276,7 @@ class Control:
                 return []
             # A delayed command (not_before) becoming due and a lease running out are not
             # announced: sleep until the first of these for this service's own commands.
-            next_at = await store.call(store.next_lease_at, service)
+            next_at = await self.stored(store.next_lease_at, service)
             if next_at is not None:
                 left = min(left, max(0.01, next_at - self.clock()))
             if self.store.shared:
@@ -300,7 +320,9 @@ class Control:
 
     def answer(self, approval_id: str, *, approved: bool, by: str, note: str) -> dict[str, Any]:
         try:
-            return self.actor.answer(approval_id, approved=approved, by=by, note=note).to_json()
+            answered = self.actor.answer(approval_id, approved=approved, by=by, note=note)
+            self.outage.reached()
+            return answered.to_json()
         except ApprovalError as exc:
             status = 404 if "no approval" in str(exc) else 409
             raise ControlError(str(exc), status) from None
@@ -308,18 +330,43 @@ class Control:
     # -- breakers -------------------------------------------------------------
 
     def breakers(self, limit: int = MAX_LIMIT, cursor: str | None = None) -> dict[str, Any]:
-        """Tracked breakers by dependency name; ``next_cursor`` past the page's last name."""
+        """Breakers by dependency name; ``next_cursor`` past the page's last name.
+
+        With breakers shared through Redis, the fleet's: those this sidecar
+        tracks and those only others have used (the index in Redis), each of
+        the latter read there (``tracked_here`` false), so its state is the
+        fleet's. ``scope`` says which: ``fleet``, or ``local`` (breakers not
+        shared, or Redis away: ``why`` says so).
+        """
         limit = _limit(limit)
         after = _cursor(cursor, "breakers", (str,))
-        found = self.governor.board.snapshot()  # sorted by dependency
-        if after is not None:
-            found = [b for b in found if b.dependency > str(after[0])]
+        board = self.governor.board
+        here = {b.dependency: b for b in board.snapshot()}
+        scope, why = "local", None
+        names = set(here)
+        if self.fleet_breakers is not None:
+            fleet = self.fleet_breakers()
+            if fleet is None:
+                why = "the breakers' Redis is unreachable: this sidecar's own breakers only"
+            else:
+                scope = "fleet"
+                names.update(fleet)
+        found = sorted(n for n in names if after is None or n > str(after[0]))
         page = found[:limit]
         more = len(found) > limit
-        return {
-            "breakers": [_breaker_json(asdict(i)) for i in page],
-            "next_cursor": encode_cursor("breakers", (page[-1].dependency,)) if more else None,
+        # Only the page's names are read from Redis (one round trip each, as GET one does).
+        rows = [
+            {**_breaker_json(asdict(here.get(n) or board.info(n))), "tracked_here": n in here}
+            for n in page
+        ]
+        answer: dict[str, Any] = {
+            "breakers": rows,
+            "scope": scope,
+            "next_cursor": encode_cursor("breakers", (page[-1],)) if more else None,
         }
+        if why is not None:
+            answer["why"] = why
+        return answer
 
     def breaker(self, dependency: str) -> dict[str, Any]:
         self.governor.breaker_state(dependency)  # moves an elapsed open breaker to half-open

@@ -17,7 +17,7 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from supervisor.api.control import Control, ControlError
 from supervisor.api.inline import Question
 from supervisor.api.metrics import CONTENT_TYPE
-from supervisor.errors import ConfigError
+from supervisor.api.store_outage import RETRY_AFTER_S
+from supervisor.errors import ConfigError, StoreUnavailable
 from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
 
 __all__ = ["build_control_app", "ensure_token"]
@@ -157,6 +158,38 @@ def _problem(error: Mapping[str, Any]) -> str:
     return f"the request body: {msg}" if loc[:1] == ["body"] else msg
 
 
+def _health(control: Control, *, degraded_status: int) -> JSONResponse:
+    """``/healthz`` and ``/readyz``: 503 while starting; degraded (a failing store, one
+    found down) answered with ``degraded_status``."""
+    if not control.ready():
+        return JSONResponse({"status": "starting"}, status_code=503)
+    degraded = control.health()
+    if degraded:
+        return JSONResponse(
+            {"status": "degraded", "degraded": degraded}, status_code=degraded_status
+        )
+    return JSONResponse({"status": "ok"})
+
+
+def _store_down(control: Control) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """503 with the store named and a Retry-After; the outage is logged once, not per request."""
+
+    async def answer(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StoreUnavailable)
+        control.outage.failed(exc)
+        return JSONResponse(
+            {
+                "error": f"{exc}; try again later",
+                "store": exc.where,
+                "retry_after_s": RETRY_AFTER_S,
+            },
+            status_code=503,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    return answer
+
+
 def build_control_app(*, token: str, control: Control) -> FastAPI:
     """The control API over ``control``; it holds no state of its own."""
     expected = f"Bearer {token}".encode()
@@ -190,6 +223,9 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         status = exc.status if isinstance(exc, ControlError) else 400
         return JSONResponse({"error": str(exc)}, status_code=status)
 
+    # The fleet's PostgreSQL does not answer: nothing is wrong with the request.
+    app.add_exception_handler(StoreUnavailable, _store_down(control))
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: Exception) -> JSONResponse:
         errors = exc.errors() if isinstance(exc, RequestValidationError) else []
@@ -199,21 +235,11 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     @app.get("/healthz", summary="Liveness: 200 while it serves, even degraded")
     async def healthz() -> JSONResponse:
         # A full disk is not cured by a restart: liveness stays 200 and says degraded.
-        if not control.ready():
-            return JSONResponse({"status": "starting"}, status_code=503)
-        degraded = control.degraded()
-        if degraded:
-            return JSONResponse({"status": "degraded", "degraded": degraded})
-        return JSONResponse({"status": "ok"})
+        return _health(control, degraded_status=200)
 
     @app.get("/readyz", summary="Readiness: 503 while starting, stopping or degraded")
     async def readyz() -> JSONResponse:
-        if not control.ready():
-            return JSONResponse({"status": "starting"}, status_code=503)
-        degraded = control.degraded()
-        if degraded:
-            return JSONResponse({"status": "degraded", "degraded": degraded}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return _health(control, degraded_status=503)
 
     @app.get("/v1/stats", dependencies=auth, summary="Counters of every stage")
     async def stats() -> dict[str, Any]:
@@ -250,11 +276,11 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     async def incidents(
         limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: Cursor = None
     ) -> dict[str, Any]:
-        return await control.store.call(control.incidents, limit, cursor)
+        return await control.stored(control.incidents, limit, cursor)
 
     @app.get("/v1/incidents/{key}", dependencies=auth, summary="One incident")
     async def incident(key: str) -> dict[str, Any]:
-        return await control.store.call(control.incident, key)
+        return await control.stored(control.incident, key)
 
     @app.get(
         "/v1/commands",
@@ -282,7 +308,7 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
             raise ControlError(
                 'an ack needs a JSON body naming the service: {"service": "<service>"}'
             )
-        return await control.store.call(control.ack, command_id, body.service)
+        return await control.stored(control.ack, command_id, body.service)
 
     @app.get("/v1/commands/log", dependencies=auth, summary="Commands of every channel")
     async def command_log(
@@ -291,7 +317,7 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         cursor: Cursor = None,
     ) -> dict[str, Any]:
-        return await control.store.call(
+        return await control.stored(
             control.commands, status=status, service=service, limit=limit, cursor=cursor
         )
 
@@ -299,7 +325,7 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     async def dead_letters(
         limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: Cursor = None
     ) -> dict[str, Any]:
-        return await control.store.call(control.dead_letters, limit, cursor)
+        return await control.stored(control.dead_letters, limit, cursor)
 
     @app.get("/v1/approvals", dependencies=auth, summary="Approval requests, newest first")
     async def approvals(
@@ -307,11 +333,11 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         cursor: Cursor = None,
     ) -> dict[str, Any]:
-        return await control.store.call(control.approvals, status, limit, cursor)
+        return await control.stored(control.approvals, status, limit, cursor)
 
     @app.get("/v1/approvals/{approval_id}", dependencies=auth, summary="One approval request")
     async def approval(approval_id: str) -> dict[str, Any]:
-        return await control.store.call(control.approval, approval_id)
+        return await control.stored(control.approval, approval_id)
 
     @app.post("/v1/approvals/{approval_id}/approve", dependencies=auth, summary="Approve")
     async def approve(approval_id: str, body: AnswerBody | None = None) -> dict[str, Any]:

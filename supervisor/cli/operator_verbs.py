@@ -160,7 +160,9 @@ def breakers(args: argparse.Namespace) -> int:
         changed = api(args, "POST", path)
         print(f"{changed['dependency']}: {changed['state']}")
         return 0
-    found, _ = listed(args, "/v1/breakers", "breakers")
+    found, answer = listed(args, "/v1/breakers", "breakers")
+    if answer.get("why"):  # a local list where a fleet's was meant (Redis away): said aside
+        print(f"spanvisor: {answer['why']}", file=sys.stderr)
     if args.output == "jsonl":
         print_jsonl(found)
         return 0
@@ -212,13 +214,22 @@ def remediations(args: argparse.Namespace) -> int:
         return 0
     # The list answer names no remediator today; show the column once it does.
     named = [r.get("remediator") or (r.get("request") or {}).get("remediator") for r in found]
-    header = ["ID", "STATUS", "OUTCOME", *(["REMEDIATOR"] if any(named) else []), "AGE", "TRACE"]
+    header = [
+        "ID",
+        "STATUS",
+        "OUTCOME",
+        *(["REMEDIATOR"] if any(named) else []),
+        "INSTANCE",  # which sidecar runs it (a fleet shares one list)
+        "AGE",
+        "TRACE",
+    ]
     rows = [
         [
             r.get("id"),
             r.get("status"),
             r.get("outcome") or "-",
             *([name or "-"] if any(named) else []),
+            r.get("executor_id") or "-",
             format_age(r.get("created_at")),
             r.get("trace_id") or "-",
         ]

@@ -21,13 +21,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from policies import Governor, Policy
 from remediators.base import Trigger
 from remediators.registry import RemediatorNotFound, allowed_tools, budget_of, resolve
-from remediators.runner import DurableRunner, RunnerSettings, build_request, redact_url
+from remediators.runner import (
+    DurableRunner,
+    RunnerSettings,
+    build_request,
+    redact_url,
+    send_approval_answer,
+)
 from supervisor.act.actor import Actor
 from supervisor.act.failure_log import outcome_json
 from supervisor.judge.pipeline import Outcome
@@ -96,6 +103,8 @@ class Remediations:
         #: Why the runner could not start (for the control API), when it could not.
         self._failure = ""
         self._launching = False
+        #: Sends answers while the runner is not up (one thread: answers are people's).
+        self._answers: ThreadPoolExecutor | None = None
 
     @property
     def running(self) -> bool:
@@ -177,6 +186,9 @@ class Remediations:
         runner, self.runner = self.runner, None
         if runner is not None:
             runner.close(timeout_s)
+        answers, self._answers = self._answers, None
+        if answers is not None:
+            answers.shutdown(wait=True)  # an answer given is sent before the sidecar stops
 
     def dispatch(self, outcomes: Sequence[Outcome]) -> None:
         """Start a remediation for each ``remediate`` decision (store writer's thread)."""
@@ -292,12 +304,39 @@ class Remediations:
             self._start(self._request(body, at))
 
     def answered(self, approval: Mapping[str, Any]) -> None:
-        """A person answered an approval; the remediation waiting for it is told."""
+        """A person answered an approval; the remediation waiting for it is told.
+
+        It may wait in another sidecar of the fleet (the one that ran it), which
+        reads the message from the shared database. Without a runner here
+        (still starting, or it could not start), the message is sent through
+        DBOS's client on a thread of its own (:meth:`close` waits for it):
+        dropped, the remediation would wait out its whole timeout.
+        """
         remediation_id = approval.get("remediation_id")
-        if isinstance(remediation_id, str) and self.runner is not None:
-            self.runner.answer_approval(
-                remediation_id,
-                {"approved": approval.get("status") == "approved", "id": approval.get("id")},
+        if not isinstance(remediation_id, str):
+            return
+        answer = {"approved": approval.get("status") == "approved", "id": approval.get("id")}
+        runner = self.runner
+        if runner is not None:
+            runner.answer_approval(remediation_id, answer)
+            return
+        url = self.database_url
+        if url is None:
+            return
+        with self._lock:
+            if self._answers is None:
+                self._answers = ThreadPoolExecutor(1, thread_name_prefix="spanvisor-answers")
+            answers = self._answers
+        answers.submit(self._send_answer, url, remediation_id, answer)
+
+    def _send_answer(self, url: str, remediation_id: str, answer: dict[str, Any]) -> None:
+        try:
+            send_approval_answer(url, remediation_id, answer)
+        except Exception as exc:  # the database away: the approval stays answered in the store
+            log.error(
+                "could not send an approval's answer to its remediation: %s",
+                exc,
+                extra={"remediation": remediation_id, "approval": answer.get("id")},
             )
 
     def resume_executor(self, executor: str) -> int | None:
