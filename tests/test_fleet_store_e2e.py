@@ -200,6 +200,13 @@ def test_a_remediation_waiting_on_one_sidecar_goes_on_when_the_other_approves(
                     "the remediation on a going on",
                 )
                 done = a.get(f"/v1/remediations/{rid}")
+                # b lists the fleet's remediations once its own runner is up (DBOS's launch
+                # on a busy database can take seconds).
+                wait_until(
+                    lambda: b.get("/v1/remediations")["remediations"],
+                    60,
+                    "b listing the remediation",
+                )
                 listed_on_b = b.get("/v1/remediations")["remediations"]
             finally:
                 b.stop()

@@ -10,6 +10,7 @@ whole connect timeout (10 s).
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,17 @@ def test_healthz_answers_while_postgresql_hangs(tmp_path: Path) -> None:
         try:
             proxy.set("hang")  # connections cut; new ones accepted and never answered
             slowest = 0.0
+            # An answer to an approval waits for the store, off the loop: meanwhile the
+            # loop answers everything else.
+            approving = threading.Thread(
+                target=lambda: httpx.post(
+                    f"http://127.0.0.1:{ports.api}/v1/approvals/apr_nowhere/approve",
+                    headers={"Authorization": "Bearer tok"},
+                    timeout=30,
+                ),
+                daemon=True,
+            )
+            approving.start()
             with httpx.Client(base_url=f"http://127.0.0.1:{ports.api}", timeout=30) as client:
                 deadline = time.monotonic() + 4  # the dispatcher reads every second
                 while time.monotonic() < deadline:
@@ -89,6 +101,7 @@ def test_the_control_api_answers_503_naming_the_store_while_postgresql_is_down(
                     for path in ("/v1/incidents", "/v1/approvals", "/v1/commands/log") * 3
                 ]
                 ready = client.get("/readyz")
+                stats = client.get("/v1/stats")  # what does not need the store still answers
                 proxy.set("forward")
                 again = client.get("/v1/incidents")
                 ready_again = client.get("/readyz")
@@ -104,6 +117,7 @@ def test_the_control_api_answers_503_naming_the_store_while_postgresql_is_down(
     assert "unreachable" in body["error"] and body["retry_after_s"] > 0
     assert int(answers[0].headers["Retry-After"]) == body["retry_after_s"]
     assert ready.status_code == 503
+    assert stats.status_code == 200, stats.text
     assert any("store down since" in why for why in ready.json()["degraded"])
     said = [r for r in caplog.records if r.name == "spanvisor.api"]
     assert len(said) == 2, [r.getMessage() for r in said]  # down once, back once: not per request

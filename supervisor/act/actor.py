@@ -33,6 +33,7 @@ from supervisor.act.commands import (
 )
 from supervisor.act.failure_log import outcome_json
 from supervisor.act.store import Approval, NewIncident, Store, StoredCommand
+from supervisor.errors import StoreUnavailable
 from supervisor.judge.pipeline import Outcome
 from supervisor.records import Action, Command
 from supervisor.settings import AgentDelivery
@@ -163,7 +164,18 @@ class Actor:
             self._wake_push()
 
     def answer(self, approval_id: str, *, approved: bool, by: str, note: str) -> Approval:
-        """Record a person's answer and send the agent its ``approval_result``."""
+        """Record a person's answer and send the agent its ``approval_result``.
+
+        Event loop only (it announces the command); :meth:`answer_stored` and
+        :meth:`announce_answer` are its two halves, the first for any thread.
+        """
+        answered, created = self.answer_stored(approval_id, approved=approved, by=by, note=note)
+        return self.announce_answer(answered, created)
+
+    def answer_stored(
+        self, approval_id: str, *, approved: bool, by: str, note: str
+    ) -> tuple[Approval, list[StoredCommand]]:
+        """The store's half of :meth:`answer` (any thread): the answer and its command."""
         now = self._clock()
         answered = self.store.answer(approval_id, approved=approved, by=by, note=note, now=now)
         command = approval_result(
@@ -179,12 +191,20 @@ class Actor:
         created = self.store.add_commands(
             answered.incident_key, [(command, self.channel_for(command.service))]
         )
+        return answered, created
+
+    def announce_answer(self, answered: Approval, created: list[StoredCommand]) -> Approval:
+        """The event loop's half of :meth:`answer`: wake the deliverers, tell remediations."""
         self.announce(created)
         if self.on_answer is not None:
             self.on_answer(answered)
         log.info(
             "approval answered",
-            extra={"approval": answered.id, "approved": approved, "by": by},
+            extra={
+                "approval": answered.id,
+                "approved": answered.status == "approved",
+                "by": answered.answered_by,
+            },
         )
         return answered
 
@@ -241,9 +261,14 @@ class Actor:
         )
 
     def describe(self) -> dict[str, Any]:
+        try:
+            counts: dict[str, int] | None = self.store.counts()
+        except StoreUnavailable:  # a fleet's store away: the other counters still answer
+            counts = None
         return {
             "channels": {name: d.channel for name, d in sorted(self.agents.items())},
             "duplicate_incidents": self.store.duplicates,
-            "commands": self.store.counts(),
+            # None while a fleet's shared store is unreachable (`delivery.store` says why).
+            "commands": counts,
             "overflowed": self.store.overflowed,
         }

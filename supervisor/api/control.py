@@ -318,11 +318,16 @@ class Control:
             raise ControlError(f"no approval request {approval_id!r}", 404)
         return found.to_json()
 
-    def answer(self, approval_id: str, *, approved: bool, by: str, note: str) -> dict[str, Any]:
+    async def answer(
+        self, approval_id: str, *, approved: bool, by: str, note: str
+    ) -> dict[str, Any]:
+        """Answer an approval: stored off the loop (a slow shared store does not hold it),
+        then announced on it."""
         try:
-            answered = self.actor.answer(approval_id, approved=approved, by=by, note=note)
-            self.outage.reached()
-            return answered.to_json()
+            answered, created = await self.stored(
+                self.actor.answer_stored, approval_id, approved=approved, by=by, note=note
+            )
+            return self.actor.announce_answer(answered, created).to_json()
         except ApprovalError as exc:
             status = 404 if "no approval" in str(exc) else 409
             raise ControlError(str(exc), status) from None

@@ -342,14 +342,12 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     @app.post("/v1/approvals/{approval_id}/approve", dependencies=auth, summary="Approve")
     async def approve(approval_id: str, body: AnswerBody | None = None) -> dict[str, Any]:
         answer = body or AnswerBody()
-        # On the loop: an answer announces its command (event loop only).
-        return control.answer(approval_id, approved=True, by=answer.by, note=answer.note)
+        return await control.answer(approval_id, approved=True, by=answer.by, note=answer.note)
 
     @app.post("/v1/approvals/{approval_id}/deny", dependencies=auth, summary="Deny")
     async def deny(approval_id: str, body: AnswerBody | None = None) -> dict[str, Any]:
         answer = body or AnswerBody()
-        # On the loop: an answer announces its command (event loop only).
-        return control.answer(approval_id, approved=False, by=answer.by, note=answer.note)
+        return await control.answer(approval_id, approved=False, by=answer.by, note=answer.note)
 
     @app.get("/v1/breakers", dependencies=auth, summary="Tracked circuit breakers, by dependency")
     async def breakers(
