@@ -1,0 +1,450 @@
+"""A session's loops and budget counted fleet-wide, through the fleet's Redis.
+
+In a fleet, a session's traces may reach different sidecars (a collector that
+routes by trace id, a session served by several agent pods each with its
+sidecar, instances coming and going): each sees part of the run, a loop
+repeated over three traces on two sidecars is missed, and a budget is counted
+per sidecar. With the breakers' Redis configured (``breaker_redis_url``), the
+run tracker shares with the fleet what these two detectors count, for the runs
+that can span traces (a session's; a run that is one trace stays local and
+costs nothing more):
+
+* **loops**: per run and kind (tool calls, LLM outputs), the recent calls'
+  digests (:func:`~supervisor.runs.loops.stable_digest`) with the fleet-wide
+  sequence numbers and instances (span ids, or an LLM call's prompt size) of
+  their last sightings, what was reported, and the run's call count: the rule
+  of :class:`~supervisor.runs.loops.RecentCalls`, on every sidecar's calls;
+* **budgets**: per run, the tokens, cost and calls spent, and which budget
+  kinds were reported.
+
+A batch's contributions are gathered per run by the tracker
+(:class:`RunShare`) and sent in **one pipeline per batch**: per run, one call
+of a Lua script that counts them in order, atomically, and answers what to
+report. The round trip is made on the pipeline's thread (the event loop), as
+the breakers' reads are, once the batch's spans are observed and before its
+detections are judged: a fraction of a millisecond on a nearby Redis, at most
+the link's timeout (0.25 s) when Redis hangs, after which the link does not
+ask for ``breaker_redis_retry_s``.
+
+A detection is reported **once fleet-wide**, by the sidecar whose call crossed
+the line, with the rule, kind and details of a local one. This sidecar's own
+count still runs: what it finds (calls the fleet did not see, made before the
+trace named its session) is reported unless the fleet already reported it. A
+re-sent span (the same span id) counts once in a loop, as it does locally (an
+LLM span's tokens count again, as they do in one sidecar).
+
+Keys, under ``<namespace>:runs:{<run digest>}`` (one hash slot per run):
+``:tools`` and ``:outputs`` (digest -> sightings, ``#`` -> calls counted; at
+most ``4 * window`` digests), ``:tools:reported`` and ``:outputs:reported``
+(digest -> report and when; at most 256 new loops per run), ``:spend``; all
+expire ``ttl_s`` after the run's last shared call.
+
+**While Redis is away** (the link's breaker open, a timeout of its 0.25 s, an
+error), nothing raises into the pipeline: the batch's runs are judged by this
+sidecar alone, as without a fleet, and its spend is kept (bounded, per run)
+and added to the fleet's totals when Redis answers again. What is missed
+meanwhile: a loop whose repeats were split between sidecars (the calls made
+while away are not shared, and a loop reported here meanwhile may be reported
+again by the fleet if it goes on), and a budget crossed only by the fleet's
+total; each sidecar may report a crossing of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any, Final
+
+from redis.exceptions import NoScriptError
+
+from policies import DetectorSettings, RunSpend
+from supervisor.runs.detection import Detection, loop_detection
+from supervisor.runs.loops import MAX_LOOP_REPORTS, MAX_REPORTED
+from supervisor.runs.spend import budget_crossed
+from supervisor.runs.state import RunState
+from supervisor.shared_breakers import RedisLink, Unreachable
+
+__all__ = ["FleetRuns", "RunShare"]
+
+log = logging.getLogger("spanvisor.runs.fleet")
+
+#: How long Redis keeps a run's counts after its last shared call: as long as the
+#: run tracker keeps an idle run.
+TTL_S: Final = 6 * 3600.0
+#: Runs whose spend made while Redis was away is kept for when it answers again.
+MAX_BACKLOG: Final = 4096
+
+#: KEYS: tool calls, their reports, LLM outputs, their reports, spend.
+#: ARGV: the run's batch (JSON), TTL (s), MAX_LOOP_REPORTS, MAX_REPORTED.
+#: Returns JSON [loops, spent]: loops [call index, first span, its name, occurrence,
+#: this sidecar's own (1) or the fleet's (0)]; spent [charge index, crossed, calls,
+#: input tokens, output tokens, cost, unpriced calls, own].
+_SCRIPT: Final = """
+local req = cjson.decode(ARGV[1])
+local ttl = tonumber(ARGV[2])
+local max_reports, max_reported = tonumber(ARGV[3]), tonumber(ARGV[4])
+local loops, spent = {}, {}
+
+local function last_report(rk, digest)
+  local rec = redis.call('HGET', rk, digest)
+  if not rec then return 0, nil end
+  local at = string.find(rec, ':', 1, true)
+  return tonumber(string.sub(rec, 1, at - 1)), tonumber(string.sub(rec, at + 1))
+end
+
+local function prune(ck, oldest)
+  local all = redis.call('HGETALL', ck)
+  for n = 1, #all, 2 do
+    if all[n] ~= '#' then
+      local e = cjson.decode(all[n + 1])
+      if e.q[#e.q] <= oldest then redis.call('HDEL', ck, all[n]) end
+    end
+  end
+end
+
+-- c: kind, digest, instance, span, name, start_ms, now_ms, repeats, window, own occurrence
+for n, c in ipairs(req.c) do
+  local ck, rk = KEYS[1 + 2 * c[1]], KEYS[2 + 2 * c[1]]
+  local digest, inst, repeats, window = c[2], c[3], c[8], c[9]
+  local occ, at = last_report(rk, digest)
+  local found = nil
+  if not (at and c[6] < at) then
+    local seq = tonumber(redis.call('HGET', ck, '#') or '0') + 1
+    local raw = redis.call('HGET', ck, digest)
+    if not raw then
+      if redis.call('HLEN', ck) - 1 >= 4 * window then prune(ck, seq - window) end
+      redis.call('HSET', ck, digest, cjson.encode({q = {seq}, i = {inst}}), '#', seq)
+    else
+      local e = cjson.decode(raw)
+      local again = false
+      for _, x in ipairs(e.i) do if x == inst then again = true end end
+      if not again then
+        redis.call('HSET', ck, '#', seq)
+        while #e.q > 0 and e.q[1] <= seq - window do
+          table.remove(e.q, 1)
+          table.remove(e.i, 1)
+        end
+        if #e.q == 0 then e.f = nil elseif e.f == nil then e.f = {c[4], c[5]} end
+        table.insert(e.q, seq)
+        table.insert(e.i, inst)
+        local seen = #e.q
+        if seen > math.max(1, repeats - 1) then
+          table.remove(e.q, 1)
+          table.remove(e.i, 1)
+        end
+        local first = e.f
+        if seen >= repeats and first ~= nil and occ + 1 <= max_reports
+            and (occ > 0 or redis.call('HLEN', rk) < max_reported) then
+          occ = occ + 1
+          redis.call('HSET', rk, digest, occ .. ':' .. c[7])
+          e = {q = {seq}, i = {inst}}
+          found = {n - 1, first[1], first[2], occ, 0}
+        end
+        redis.call('HSET', ck, digest, cjson.encode(e))
+      end
+    end
+  end
+  if found then
+    table.insert(loops, found)
+  elseif c[10] > occ then
+    -- Found by the sidecar's own count (calls the fleet did not see): once, here.
+    redis.call('HSET', rk, digest, c[10] .. ':' .. c[7])
+    local seq = tonumber(redis.call('HGET', ck, '#') or '0')
+    redis.call('HSET', ck, digest, cjson.encode({q = {seq}, i = {inst}}))
+    table.insert(loops, {n - 1, '', '', c[10], 1})
+  end
+end
+
+-- s: calls, input tokens, output tokens, cost, unpriced calls, own crossed kinds, report own
+if #req.s > 0 then
+  local sk = KEYS[5]
+  local t = redis.call('HMGET', sk, 'calls', 'in', 'out', 'cost', 'unpriced')
+  local tot, add = {}, {0, 0, 0, 0, 0}
+  for k = 1, 5 do tot[k] = tonumber(t[k] or '0') end
+  local max_tokens, max_cost = req.b[1], req.b[2]
+  for n, s in ipairs(req.s) do
+    for k = 1, 5 do
+      tot[k] = tot[k] + s[k]
+      add[k] = add[k] + s[k]
+    end
+    local claimed = false
+    if s[7] == 0 then  -- kept from while Redis was away: reported here then, marked first
+      for kind in string.gmatch(s[6], '[^+]+') do redis.call('HSETNX', sk, 'r:' .. kind, 1) end
+    end
+    local new = {}
+    if max_tokens >= 0 and tot[2] + tot[3] > max_tokens
+        and redis.call('HSETNX', sk, 'r:max_tokens', 1) == 1 then
+      table.insert(new, 'max_tokens')
+    end
+    if max_cost >= 0 and tot[4] > max_cost
+        and redis.call('HSETNX', sk, 'r:max_cost_usd', 1) == 1 then
+      table.insert(new, 'max_cost_usd')
+    end
+    if s[7] == 1 then  -- crossed by this sidecar's own count: reported unless already
+      for kind in string.gmatch(s[6], '[^+]+') do
+        if redis.call('HSETNX', sk, 'r:' .. kind, 1) == 1 then claimed = true end
+      end
+    end
+    if #new > 0 then
+      table.insert(spent, {n - 1, table.concat(new, '+'), tot[1], tot[2], tot[3],
+        string.format('%.17g', tot[4]), tot[5], 0})
+    elseif claimed then
+      table.insert(spent, {n - 1, s[6], 0, 0, 0, '0', 0, 1})
+    end
+  end
+  redis.call('HINCRBY', sk, 'calls', add[1])
+  redis.call('HINCRBY', sk, 'in', add[2])
+  redis.call('HINCRBY', sk, 'out', add[3])
+  redis.call('HINCRBYFLOAT', sk, 'cost', string.format('%.17g', add[4]))
+  redis.call('HINCRBY', sk, 'unpriced', add[5])
+end
+for k = 1, 5 do redis.call('EXPIRE', KEYS[k], ttl) end
+return cjson.encode({loops, spent})
+"""
+_SHA: Final = hashlib.sha1(_SCRIPT.encode()).hexdigest()  # noqa: S324 (Redis names scripts so)
+_TOOLS, _OUTPUTS = 0, 1
+
+
+class RunShare:
+    """What one batch adds to one run's fleet-wide counts, and what this sidecar found.
+
+    Made by the tracker for a session's run with the first contribution of a
+    batch; the detections this sidecar's own count found wait here (``held``)
+    until the fleet says whether they are still to report.
+    """
+
+    __slots__ = ("calls", "charges", "loops", "run", "settings", "spent")
+
+    def __init__(self, run: RunState) -> None:
+        self.run = run
+        #: The script's calls (see ``_SCRIPT``), and per call what a report needs.
+        self.calls: list[list[Any]] = []
+        self.loops: list[tuple[str, str, int, Detection | None]] = []
+        #: The script's charges, and per charge where a crossing is reported.
+        self.charges: list[list[Any]] = []
+        self.spent: list[tuple[bytes, str, Detection | None]] = []
+        #: The settings of the run's last charge: its budget.
+        self.settings: DetectorSettings | None = None
+
+    def __len__(self) -> int:
+        return len(self.calls) + len(self.charges)
+
+    def call(
+        self,
+        *,
+        tool: bool,
+        digest: str,
+        instance: str,
+        span_id: bytes,
+        name: str,
+        start_ns: int,
+        now_ns: int,
+        settings: DetectorSettings,
+        dependency: str,
+        what: str,
+        held: Detection | None,
+    ) -> None:
+        """One call counted for loops; ``held``: what this sidecar's own count found at it."""
+        own = int(held.details["occurrence"]) if held is not None else 0
+        self.calls.append(
+            [
+                _TOOLS if tool else _OUTPUTS,
+                digest,
+                instance,
+                span_id.hex(),
+                name[:256],
+                start_ns // 1_000_000,
+                now_ns // 1_000_000,
+                settings.loop_repeats,
+                settings.loop_window,
+                own,
+            ]
+        )
+        self.loops.append((dependency, what, settings.loop_repeats, held))
+
+    def charge(
+        self,
+        *,
+        span_id: bytes,
+        dependency: str,
+        tokens: tuple[int, int],
+        cost: float | None,
+        settings: DetectorSettings,
+        held: Detection | None,
+    ) -> None:
+        """One LLM call's spend against the budget; ``held``: this sidecar's own crossing."""
+        crossed = str(held.details["crossed"]) if held is not None else ""
+        unpriced = int(cost is None)
+        self.charges.append([1, tokens[0], tokens[1], cost or 0.0, unpriced, crossed, 1])
+        self.spent.append((span_id, dependency, held))
+        self.settings = settings
+
+    def held(self) -> list[Detection]:
+        """What this sidecar's own counts found, in the order found."""
+        return [d for *_, d in self.loops if d is not None] + [
+            d for *_, d in self.spent if d is not None
+        ]
+
+
+class FleetRuns:
+    """Sends the batches' :class:`RunShare` s through the sidecar's Redis link; see the module."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        namespace: str,
+        *,
+        ttl_s: float = TTL_S,
+        max_backlog: int = MAX_BACKLOG,
+    ) -> None:
+        self._link = link
+        self._namespace = namespace
+        self._ttl = str(max(1, int(ttl_s)))
+        self._max_backlog = max_backlog
+        #: run id -> spend made while Redis was away: a charge, added at the run's next.
+        self._backlog: dict[str, list[Any]] = {}
+        #: run id -> what the batch so far adds to its counts (sent by :meth:`count`).
+        self._shares: dict[str, RunShare] = {}
+        #: Spans that contributed since the last :meth:`count`.
+        self.pending = 0
+        #: Runs' batches sent and answered, and not answered (judged locally).
+        self.shared = 0
+        self.unshared = 0
+        #: Runs whose spend while away was not kept (beyond ``max_backlog``).
+        self.backlog_dropped = 0
+
+    def share_of(self, run: RunState) -> RunShare:
+        """What the batch adds to ``run``'s fleet-wide counts (a span's contribution goes there)."""
+        self.pending += 1
+        share = self._shares.get(run.run_id)
+        if share is None:
+            share = self._shares[run.run_id] = RunShare(run)
+        else:
+            share.run = run  # the run's latest state (evicted and made again, its latest trace)
+        return share
+
+    def count(self, found: list[Detection]) -> None:
+        """Count the batch's shares fleet-wide (one pipeline); what is to report goes to ``found``.
+
+        Never raises for Redis: a run whose answer did not come is judged by
+        this sidecar alone (its held detections reported), its spend kept.
+        """
+        shares, self._shares, self.pending = self._shares, {}, 0
+        sends: list[_Send] = []
+        for run_id, share in shares.items():
+            if not len(share):
+                continue
+            kept = self._backlog.pop(run_id, None) if share.charges else None
+            charges = share.charges if kept is None else [kept, *share.charges]
+            sends.append((share, run_id, 0 if kept is None else 1, charges))
+        try:
+            answers: list[Any] = self._link.run(lambda client: self._send(client, sends))
+        except Unreachable:
+            answers = [None] * len(sends)
+        except Exception:  # a bug here must not lose what this sidecar found
+            log.exception("counting runs fleet-wide failed; judged by this sidecar alone")
+            answers = [None] * len(sends)
+        for (share, run_id, offset, charges), answer in zip(sends, answers, strict=True):
+            if not isinstance(answer, bytes):  # unreachable, or an error for this run
+                self.unshared += 1
+                found += share.held()
+                self._keep(run_id, charges)
+                continue
+            self.shared += 1
+            _report(share, json.loads(answer), offset, found)
+
+    def _send(self, client: Any, sends: list[_Send]) -> list[Any]:
+        """One pipeline of one script call per run (loading the script once if Redis lost it)."""
+        calls = [self._args(run_id, share, charges) for share, run_id, _, charges in sends]
+        answers = _pipeline(client, calls)
+        missing = [n for n, answer in enumerate(answers) if isinstance(answer, NoScriptError)]
+        if missing:
+            client.script_load(_SCRIPT)
+            for n, answer in zip(
+                missing, _pipeline(client, [calls[n] for n in missing]), strict=True
+            ):
+                answers[n] = answer
+        return answers
+
+    def _args(self, run_id: str, share: RunShare, charges: list[list[Any]]) -> list[object]:
+        run_key = hashlib.blake2b(run_id.encode("utf-8", "surrogatepass"), digest_size=12)
+        base = f"{self._namespace}:runs:{{{run_key.hexdigest()}}}"
+        budget = share.settings.budget if share.settings is not None else None
+        limits = (
+            [-1, -1]
+            if budget is None
+            else [
+                -1 if budget.max_tokens is None else budget.max_tokens,
+                -1 if budget.max_cost_usd is None else budget.max_cost_usd,
+            ]
+        )
+        batch = json.dumps({"c": share.calls, "s": charges, "b": limits}, separators=(",", ":"))
+        keys = [f"{base}:tools", f"{base}:tools:reported", f"{base}:outputs"]
+        keys += [f"{base}:outputs:reported", f"{base}:spend"]
+        return [*keys, batch, self._ttl, MAX_LOOP_REPORTS, MAX_REPORTED]
+
+    def _keep(self, run_id: str, charges: list[list[Any]]) -> None:
+        """A run's spend not counted by the fleet, for its next batch (own crossings marked)."""
+        if not charges:
+            return
+        kept = self._backlog.get(run_id)
+        if kept is None:
+            if len(self._backlog) >= self._max_backlog:
+                self.backlog_dropped += 1
+                return
+            kept = self._backlog[run_id] = [0, 0, 0, 0.0, 0, "", 0]
+        for charge in charges:
+            for k in range(5):
+                kept[k] += charge[k]
+            kinds = {*str(kept[5]).split("+"), *str(charge[5]).split("+")} - {""}
+            kept[5] = "+".join(sorted(kinds))
+
+
+#: A run's share as sent: the share, its run id, the charges kept from before (0 or 1),
+#: and its charges (those first).
+_Send = tuple["RunShare", str, int, list[list[Any]]]
+
+
+def _pipeline(client: Any, calls: list[list[object]]) -> list[Any]:
+    pipe = client.pipeline(transaction=False)
+    for args in calls:
+        pipe.evalsha(_SHA, 5, *args)
+    return list(pipe.execute(raise_on_error=False))
+
+
+def _report(share: RunShare, answer: list[Any], offset: int, found: list[Detection]) -> None:
+    """The fleet's answer for one run: its reports, or this sidecar's own that still stand."""
+    loops, spent = (part if isinstance(part, list) else [] for part in answer)
+    run = share.run
+    for n, span_hex, name, occurrence, own in loops:
+        dependency, what, repeats, held = share.loops[n]
+        if own:
+            if held is not None:
+                found.append(held)
+            continue
+        first = (bytes.fromhex(span_hex), str(name), int(occurrence))
+        found.append(loop_detection(run, dependency, first, repeats=repeats, what=what))
+    for n, crossed, calls, tokens_in, tokens_out, cost, unpriced, own in spent:
+        span_id, dependency, held = share.spent[max(0, n - offset)]
+        if own:
+            if held is not None and n >= offset:
+                found.append(held)
+            continue
+        settings = share.settings
+        assert settings is not None  # a charge sets it
+        total = RunSpend()
+        total.calls, total.input_tokens, total.output_tokens = calls, tokens_in, tokens_out
+        total.cost_usd, total.unpriced_calls = float(cost), unpriced
+        if run.spend is not None and run.spend.unpriced_models:
+            total.unpriced_models = list(run.spend.unpriced_models)
+        found.append(
+            budget_crossed(
+                run,
+                span_id=span_id,
+                dependency=dependency,
+                crossed=crossed,
+                spend=total,
+                settings=settings,
+            )
+        )
