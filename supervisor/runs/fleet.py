@@ -18,13 +18,15 @@ costs nothing more):
   kinds were reported.
 
 A batch's contributions are gathered per run by the tracker
-(:class:`RunShare`) and sent in **one pipeline per batch**: per run, one call
-of a Lua script that counts them in order, atomically, and answers what to
-report. The round trip is made on the pipeline's thread (the event loop), as
-the breakers' reads are, once the batch's spans are observed and before its
-detections are judged: a fraction of a millisecond on a nearby Redis, at most
-the link's timeout (0.25 s) when Redis hangs, after which the link does not
-ask for ``breaker_redis_retry_s``.
+(:class:`RunShare`) and sent in **one round trip per batch**: one call of a
+Lua script that counts each run's in order, atomically, and answers what to
+report (one call for the batch, not one per run: the client's work per command
+cost more than the script). The round trip is made on the pipeline's thread
+(the event loop), as the breakers' reads are, once the batch's spans are
+observed and before its detections are judged: a few milliseconds for a batch
+of 500 spans of sessions on a nearby Redis, at most the link's timeout
+(0.25 s) when Redis hangs, after which the link does not ask for
+``breaker_redis_retry_s``.
 
 A detection is reported **once fleet-wide**, by the sidecar whose call crossed
 the line, with the rule, kind and details of a local one. This sidecar's own
@@ -74,17 +76,23 @@ log = logging.getLogger("spanvisor.runs.fleet")
 TTL_S: Final = 6 * 3600.0
 #: Runs whose spend made while Redis was away is kept for when it answers again.
 MAX_BACKLOG: Final = 4096
+#: Runs whose key prefix is remembered (then forgotten at once).
+_MAX_PREFIXES: Final = 4096
 
-#: KEYS: tool calls, their reports, LLM outputs, their reports, spend.
-#: ARGV: the run's batch (JSON), TTL (s), MAX_LOOP_REPORTS, MAX_REPORTED.
-#: Returns JSON [loops, spent]: loops [call index, first span, its name, occurrence,
-#: this sidecar's own (1) or the fleet's (0)]; spent [charge index, crossed, calls,
-#: input tokens, output tokens, cost, unpriced calls, own].
+#: ARGV: the runs' batches (JSON: per run, ``k`` the prefix of its keys, ``c`` its
+#: calls, ``n`` when they were received (ms), ``s`` its charges, ``b`` its budget), TTL
+#: (s), MAX_LOOP_REPORTS, MAX_REPORTED.
+#: The keys are named in ARGV, not KEYS: the client packs each argument into a buffer
+#: that it copies whole for the next, and five keys a run cost more than the script.
+#: (A batch's runs are in different hash slots anyway; the client is not a cluster's.)
+#: Returns JSON, per run [loops, spent]: loops
+#: [call index, first span, its name, occurrence, this sidecar's own (1) or the
+#: fleet's (0)]; spent [charge index, crossed, calls, input tokens, output tokens,
+#: cost, unpriced calls, own].
 _SCRIPT: Final = """
-local req = cjson.decode(ARGV[1])
+local batch = cjson.decode(ARGV[1])
 local ttl = tonumber(ARGV[2])
 local max_reports, max_reported = tonumber(ARGV[3]), tonumber(ARGV[4])
-local loops, spent = {}, {}
 
 local function last_report(rk, digest)
   local rec = redis.call('HGET', rk, digest)
@@ -103,73 +111,82 @@ local function prune(ck, oldest)
   end
 end
 
--- c: kind, digest, instance, span, name, start_ms, now_ms, repeats, window, own occurrence
-for n, c in ipairs(req.c) do
-  local ck, rk = KEYS[1 + 2 * c[1]], KEYS[2 + 2 * c[1]]
-  local digest, inst, repeats, window = c[2], c[3], c[8], c[9]
-  local occ, at = last_report(rk, digest)
-  local found = nil
-  if not (at and c[6] < at) then
-    local seq = tonumber(redis.call('HGET', ck, '#') or '0') + 1
-    local raw = redis.call('HGET', ck, digest)
-    if not raw then
-      if redis.call('HLEN', ck) - 1 >= 4 * window then prune(ck, seq - window) end
-      redis.call('HSET', ck, digest, cjson.encode({q = {seq}, i = {inst}}), '#', seq)
-    else
-      local e = cjson.decode(raw)
-      local again = false
-      for _, x in ipairs(e.i) do if x == inst then again = true end end
-      if not again then
-        redis.call('HSET', ck, '#', seq)
-        while #e.q > 0 and e.q[1] <= seq - window do
-          table.remove(e.q, 1)
-          table.remove(e.i, 1)
+-- One run's calls (c: kind, digest, instance or '' for its span, span, name, start_ms,
+-- repeats, window, own occurrence) at now_ms: RecentCalls.count on the fleet's calls.
+local function count_calls(keys, calls, now_ms, loops)
+  local seqs = {}
+  for n, c in ipairs(calls) do
+    local kind = c[1]
+    local ck, rk = keys[1 + 2 * kind], keys[2 + 2 * kind]
+    if seqs[kind] == nil then seqs[kind] = tonumber(redis.call('HGET', ck, '#') or '0') end
+    local digest, inst, repeats, window = c[2], c[3], c[7], c[8]
+    if inst == '' then inst = c[4] end
+    local occ, at = last_report(rk, digest)
+    local found = nil
+    if not (at and c[6] < at) then
+      local seq = seqs[kind] + 1
+      local raw = redis.call('HGET', ck, digest)
+      if not raw then
+        if redis.call('HLEN', ck) - 1 >= 4 * window then prune(ck, seq - window) end
+        redis.call('HSET', ck, digest, cjson.encode({q = {seq}, i = {inst}}))
+        seqs[kind] = seq
+      else
+        local e = cjson.decode(raw)
+        local again = false
+        for _, x in ipairs(e.i) do if x == inst then again = true end end
+        if not again then
+          seqs[kind] = seq
+          while #e.q > 0 and e.q[1] <= seq - window do
+            table.remove(e.q, 1)
+            table.remove(e.i, 1)
+          end
+          if #e.q == 0 then e.f = nil elseif e.f == nil then e.f = {c[4], c[5]} end
+          table.insert(e.q, seq)
+          table.insert(e.i, inst)
+          local seen = #e.q
+          if seen > math.max(1, repeats - 1) then
+            table.remove(e.q, 1)
+            table.remove(e.i, 1)
+          end
+          local first = e.f
+          if seen >= repeats and first ~= nil and occ + 1 <= max_reports
+              and (occ > 0 or redis.call('HLEN', rk) < max_reported) then
+            occ = occ + 1
+            redis.call('HSET', rk, digest, occ .. ':' .. now_ms)
+            e = {q = {seq}, i = {inst}}
+            found = {n - 1, first[1], first[2], occ, 0}
+          end
+          redis.call('HSET', ck, digest, cjson.encode(e))
         end
-        if #e.q == 0 then e.f = nil elseif e.f == nil then e.f = {c[4], c[5]} end
-        table.insert(e.q, seq)
-        table.insert(e.i, inst)
-        local seen = #e.q
-        if seen > math.max(1, repeats - 1) then
-          table.remove(e.q, 1)
-          table.remove(e.i, 1)
-        end
-        local first = e.f
-        if seen >= repeats and first ~= nil and occ + 1 <= max_reports
-            and (occ > 0 or redis.call('HLEN', rk) < max_reported) then
-          occ = occ + 1
-          redis.call('HSET', rk, digest, occ .. ':' .. c[7])
-          e = {q = {seq}, i = {inst}}
-          found = {n - 1, first[1], first[2], occ, 0}
-        end
-        redis.call('HSET', ck, digest, cjson.encode(e))
       end
     end
+    if found then
+      table.insert(loops, found)
+    elseif c[9] > occ then
+      -- Found by the sidecar's own count (calls the fleet did not see): once, here.
+      redis.call('HSET', rk, digest, c[9] .. ':' .. now_ms)
+      redis.call('HSET', ck, digest, cjson.encode({q = {seqs[kind]}, i = {inst}}))
+      table.insert(loops, {n - 1, '', '', c[9], 1})
+    end
   end
-  if found then
-    table.insert(loops, found)
-  elseif c[10] > occ then
-    -- Found by the sidecar's own count (calls the fleet did not see): once, here.
-    redis.call('HSET', rk, digest, c[10] .. ':' .. c[7])
-    local seq = tonumber(redis.call('HGET', ck, '#') or '0')
-    redis.call('HSET', ck, digest, cjson.encode({q = {seq}, i = {inst}}))
-    table.insert(loops, {n - 1, '', '', c[10], 1})
-  end
+  for kind, seq in pairs(seqs) do redis.call('HSET', keys[1 + 2 * kind], '#', seq) end
 end
 
--- s: calls, input tokens, output tokens, cost, unpriced calls, own crossed kinds, report own
-if #req.s > 0 then
-  local sk = KEYS[5]
+-- One run's charges (s: calls, input tokens, output tokens, cost, unpriced calls, own
+-- crossed kinds, 1: crossed here now / 0: kept from while Redis was away) against its
+-- budget (b: max tokens, max cost; -1: none).
+local function charge(sk, charges, limits, spent)
   local t = redis.call('HMGET', sk, 'calls', 'in', 'out', 'cost', 'unpriced')
   local tot, add = {}, {0, 0, 0, 0, 0}
   for k = 1, 5 do tot[k] = tonumber(t[k] or '0') end
-  local max_tokens, max_cost = req.b[1], req.b[2]
-  for n, s in ipairs(req.s) do
+  local max_tokens, max_cost = limits[1], limits[2]
+  for n, s in ipairs(charges) do
     for k = 1, 5 do
       tot[k] = tot[k] + s[k]
       add[k] = add[k] + s[k]
     end
     local claimed = false
-    if s[7] == 0 then  -- kept from while Redis was away: reported here then, marked first
+    if s[7] == 0 then  -- reported by this sidecar while Redis was away: marked first
       for kind in string.gmatch(s[6], '[^+]+') do redis.call('HSETNX', sk, 'r:' .. kind, 1) end
     end
     local new = {}
@@ -199,8 +216,19 @@ if #req.s > 0 then
   redis.call('HINCRBYFLOAT', sk, 'cost', string.format('%.17g', add[4]))
   redis.call('HINCRBY', sk, 'unpriced', add[5])
 end
-for k = 1, 5 do redis.call('EXPIRE', KEYS[k], ttl) end
-return cjson.encode({loops, spent})
+
+local answers = {}
+local suffixes = {':tools', ':tools:reported', ':outputs', ':outputs:reported', ':spend'}
+for r, run in ipairs(batch) do
+  local keys = {}
+  for k = 1, 5 do keys[k] = run.k .. suffixes[k] end
+  local loops, spent = {}, {}
+  if #run.c > 0 then count_calls(keys, run.c, run.n, loops) end
+  if #run.s > 0 then charge(keys[5], run.s, run.b, spent) end
+  for k = 1, 5 do redis.call('EXPIRE', keys[k], ttl) end
+  answers[r] = {loops, spent}
+end
+return cjson.encode(answers)
 """
 _SHA: Final = hashlib.sha1(_SCRIPT.encode()).hexdigest()  # noqa: S324 (Redis names scripts so)
 _TOOLS, _OUTPUTS = 0, 1
@@ -214,13 +242,15 @@ class RunShare:
     until the fleet says whether they are still to report.
     """
 
-    __slots__ = ("calls", "charges", "loops", "run", "settings", "spent")
+    __slots__ = ("calls", "charges", "loops", "now_ms", "run", "settings", "spent")
 
     def __init__(self, run: RunState) -> None:
         self.run = run
         #: The script's calls (see ``_SCRIPT``), and per call what a report needs.
         self.calls: list[list[Any]] = []
         self.loops: list[tuple[str, str, int, Detection | None]] = []
+        #: When its last call was received (Unix ms): a report's time, fleet-wide.
+        self.now_ms = 0
         #: The script's charges, and per charge where a crossing is reported.
         self.charges: list[list[Any]] = []
         self.spent: list[tuple[bytes, str, Detection | None]] = []
@@ -245,7 +275,10 @@ class RunShare:
         what: str,
         held: Detection | None,
     ) -> None:
-        """One call counted for loops; ``held``: what this sidecar's own count found at it."""
+        """One call counted for loops; ``held``: what this sidecar's own count found at it.
+
+        ``instance``: what tells the call's sightings apart ("": its span id).
+        """
         own = int(held.details["occurrence"]) if held is not None else 0
         self.calls.append(
             [
@@ -255,12 +288,12 @@ class RunShare:
                 span_id.hex(),
                 name[:256],
                 start_ns // 1_000_000,
-                now_ns // 1_000_000,
                 settings.loop_repeats,
                 settings.loop_window,
                 own,
             ]
         )
+        self.now_ms = now_ns // 1_000_000
         self.loops.append((dependency, what, settings.loop_repeats, held))
 
     def charge(
@@ -302,6 +335,8 @@ class FleetRuns:
         self._namespace = namespace
         self._ttl = str(max(1, int(ttl_s)))
         self._max_backlog = max_backlog
+        #: run id -> the prefix of its keys (runs come back batch after batch).
+        self._prefixes: dict[str, str] = {}
         #: run id -> spend made while Redis was away: a charge, added at the run's next.
         self._backlog: dict[str, list[Any]] = {}
         #: run id -> what the batch so far adds to its counts (sent by :meth:`count`).
@@ -325,10 +360,10 @@ class FleetRuns:
         return share
 
     def count(self, found: list[Detection]) -> None:
-        """Count the batch's shares fleet-wide (one pipeline); what is to report goes to ``found``.
+        """Count the batch's shares fleet-wide (one round trip); what to report goes to ``found``.
 
-        Never raises for Redis: a run whose answer did not come is judged by
-        this sidecar alone (its held detections reported), its spend kept.
+        Never raises for Redis: runs whose answer did not come are judged by
+        this sidecar alone (their held detections reported), their spend kept.
         """
         shares, self._shares, self.pending = self._shares, {}, 0
         sends: list[_Send] = []
@@ -346,43 +381,43 @@ class FleetRuns:
             log.exception("counting runs fleet-wide failed; judged by this sidecar alone")
             answers = [None] * len(sends)
         for (share, run_id, offset, charges), answer in zip(sends, answers, strict=True):
-            if not isinstance(answer, bytes):  # unreachable, or an error for this run
+            if answer is None:  # unreachable, or an error
                 self.unshared += 1
                 found += share.held()
                 self._keep(run_id, charges)
                 continue
             self.shared += 1
-            _report(share, json.loads(answer), offset, found)
+            _report(share, answer, offset, found)
 
     def _send(self, client: Any, sends: list[_Send]) -> list[Any]:
-        """One pipeline of one script call per run (loading the script once if Redis lost it)."""
-        calls = [self._args(run_id, share, charges) for share, run_id, _, charges in sends]
-        answers = _pipeline(client, calls)
-        missing = [n for n, answer in enumerate(answers) if isinstance(answer, NoScriptError)]
-        if missing:
-            client.script_load(_SCRIPT)
-            for n, answer in zip(
-                missing, _pipeline(client, [calls[n] for n in missing]), strict=True
-            ):
-                answers[n] = answer
-        return answers
+        """One script call for the batch's runs (loading the script if Redis lost it)."""
+        runs = [
+            {
+                "k": self._keys(run_id),
+                "c": share.calls,
+                "n": share.now_ms,
+                "s": charges,
+                "b": _limits(share.settings),
+            }
+            for share, run_id, _, charges in sends
+        ]
+        args = (json.dumps(runs, separators=(",", ":")), self._ttl, MAX_LOOP_REPORTS, MAX_REPORTED)
+        try:
+            answer = client.evalsha(_SHA, 0, *args)
+        except NoScriptError:
+            answer = client.eval(_SCRIPT, 0, *args)
+        return [a if isinstance(a, list) else None for a in json.loads(answer)]
 
-    def _args(self, run_id: str, share: RunShare, charges: list[list[Any]]) -> list[object]:
-        run_key = hashlib.blake2b(run_id.encode("utf-8", "surrogatepass"), digest_size=12)
-        base = f"{self._namespace}:runs:{{{run_key.hexdigest()}}}"
-        budget = share.settings.budget if share.settings is not None else None
-        limits = (
-            [-1, -1]
-            if budget is None
-            else [
-                -1 if budget.max_tokens is None else budget.max_tokens,
-                -1 if budget.max_cost_usd is None else budget.max_cost_usd,
-            ]
-        )
-        batch = json.dumps({"c": share.calls, "s": charges, "b": limits}, separators=(",", ":"))
-        keys = [f"{base}:tools", f"{base}:tools:reported", f"{base}:outputs"]
-        keys += [f"{base}:outputs:reported", f"{base}:spend"]
-        return [*keys, batch, self._ttl, MAX_LOOP_REPORTS, MAX_REPORTED]
+    def _keys(self, run_id: str) -> str:
+        """The prefix of the run's keys, one hash slot (its id hashed: ids may be long)."""
+        known = self._prefixes
+        prefix = known.get(run_id)
+        if prefix is None:
+            if len(known) >= _MAX_PREFIXES:
+                known.clear()
+            digest = hashlib.blake2b(run_id.encode("utf-8", "surrogatepass"), digest_size=12)
+            prefix = known[run_id] = f"{self._namespace}:runs:{{{digest.hexdigest()}}}"
+        return prefix
 
     def _keep(self, run_id: str, charges: list[list[Any]]) -> None:
         """A run's spend not counted by the fleet, for its next batch (own crossings marked)."""
@@ -406,11 +441,13 @@ class FleetRuns:
 _Send = tuple["RunShare", str, int, list[list[Any]]]
 
 
-def _pipeline(client: Any, calls: list[list[object]]) -> list[Any]:
-    pipe = client.pipeline(transaction=False)
-    for args in calls:
-        pipe.evalsha(_SHA, 5, *args)
-    return list(pipe.execute(raise_on_error=False))
+def _limits(settings: DetectorSettings | None) -> list[float]:
+    """The budget's limits as the script reads them (-1: none)."""
+    budget = settings.budget if settings is not None else None
+    if budget is None:
+        return [-1, -1]
+    tokens, cost = budget.max_tokens, budget.max_cost_usd
+    return [-1 if tokens is None else tokens, -1 if cost is None else cost]
 
 
 def _report(share: RunShare, answer: list[Any], offset: int, found: list[Detection]) -> None:

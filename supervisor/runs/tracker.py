@@ -70,8 +70,9 @@ _MAX_SERVICES: Final = 1024
 _MAX_SINCE_LLM: Final = 64
 #: Traces whose run the batch cache keeps (a request holds a few dozen).
 _MAX_BATCH_TRACES: Final = 4096
-#: Contributions to the fleet's counts gathered before they are sent, mid-batch if need be.
-_MAX_SHARED: Final = 4096
+#: Spans whose contributions to the fleet's counts are gathered before they are sent
+#: (mid-batch if need be): one script call of this many takes Redis a few milliseconds.
+_MAX_SHARED: Final = 1024
 #: Commands and delivery failures told by other threads, applied on the next tick.
 _MAX_NOTICES: Final = 100_000
 #: A run's end counts in its SLO once it stayed ended this long: the decision on
@@ -272,8 +273,9 @@ class RunTracker:
         share.call(
             tool=tool,
             digest=stable_digest(raw, dependency),
-            # What tells its calls apart, as ``instance`` does (see _llm_call).
-            instance=span_id.hex() if tool or not span.input_tokens else f"p{span.input_tokens}",
+            # What tells its calls apart, as ``instance`` does (see _llm_call): its span
+            # id (""), or an LLM call's prompt size.
+            instance="" if tool or not span.input_tokens else f"p{span.input_tokens}",
             span_id=span_id,
             name=name,
             start_ns=span.start_ns,
@@ -285,7 +287,7 @@ class RunTracker:
         )
 
     def share(self, found: list[Detection]) -> None:
-        """Count the batch's contributions fleet-wide (one Redis pipeline): what the fleet,
+        """Count the batch's contributions fleet-wide (one Redis round trip): what the fleet,
         or this sidecar's own count, found in sessions' runs goes to ``found``.
 
         Called once the batch's spans are observed; without a fleet, nothing.
