@@ -240,7 +240,8 @@ class Pipeline:
                 for span in chunk:
                     runs.observe(span, now_s, detected, repeats=not span.failed)
                 yield
-            runs.share(detected)  # sessions' loops and budgets, fleet-wide: one round trip
+            # Sessions' loops and budgets, fleet-wide: one round trip, awaited.
+            yield from runs.share_steps(detected)
         if self._attempted and quiet:
             quiet = yield from self._book_quiet_successes(quiet, calls, verify)
         outcomes = yield from self._judge_spans(first, received_ns, calls)

@@ -56,11 +56,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 from redis.exceptions import NoScriptError
 
 from policies import DetectorSettings, RunSpend
+from supervisor.judge.steps import Steps, drive
 from supervisor.runs.detection import Detection, loop_detection
 from supervisor.runs.loops import MAX_LOOP_REPORTS, MAX_REPORTED
 from supervisor.runs.spend import budget_crossed
@@ -335,6 +337,8 @@ class FleetRuns:
         self._namespace = namespace
         self._ttl = str(max(1, int(ttl_s)))
         self._max_backlog = max_backlog
+        #: The thread that waits for Redis (made at the first round trip).
+        self._thread: ThreadPoolExecutor | None = None
         #: run id -> the prefix of its keys (runs come back batch after batch).
         self._prefixes: dict[str, str] = {}
         #: run id -> spend made while Redis was away: a charge, added at the run's next.
@@ -360,10 +364,17 @@ class FleetRuns:
         return share
 
     def count(self, found: list[Detection]) -> None:
+        """:meth:`count_steps` in one go (waiting for Redis on this thread)."""
+        drive(self.count_steps(found))
+
+    def count_steps(self, found: list[Detection]) -> Steps[None]:
         """Count the batch's shares fleet-wide (one round trip); what to report goes to ``found``.
 
-        Never raises for Redis: runs whose answer did not come are judged by
-        this sidecar alone (their held detections reported), their spend kept.
+        The round trip runs in a worker thread: the step yields its future
+        (see :mod:`supervisor.judge.steps`), so the event loop answers others
+        meanwhile. Never raises for Redis: runs whose answer did not come are
+        judged by this sidecar alone (their held detections reported), their
+        spend kept. Nothing shared in the batch: no round trip.
         """
         shares, self._shares, self.pending = self._shares, {}, 0
         sends: list[_Send] = []
@@ -373,13 +384,11 @@ class FleetRuns:
             kept = self._backlog.pop(run_id, None) if share.charges else None
             charges = share.charges if kept is None else [kept, *share.charges]
             sends.append((share, run_id, 0 if kept is None else 1, charges))
-        try:
-            answers: list[Any] = self._link.run(lambda client: self._send(client, sends))
-        except Unreachable:
-            answers = [None] * len(sends)
-        except Exception:  # a bug here must not lose what this sidecar found
-            log.exception("counting runs fleet-wide failed; judged by this sidecar alone")
-            answers = [None] * len(sends)
+        if not sends:
+            return
+        exchange = self._worker().submit(self._exchange, sends)
+        yield exchange
+        answers = exchange.result()  # never raises (see _exchange)
         for (share, run_id, offset, charges), answer in zip(sends, answers, strict=True):
             if answer is None:  # unreachable, or an error
                 self.unshared += 1
@@ -388,6 +397,26 @@ class FleetRuns:
                 continue
             self.shared += 1
             _report(share, answer, offset, found)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        worker = self._thread
+        if worker is None:
+            worker = self._thread = ThreadPoolExecutor(1, thread_name_prefix="spanvisor-runs-fleet")
+        return worker
+
+    def _exchange(self, sends: list[_Send]) -> list[Any]:
+        """In the worker thread: the batch's answers from Redis, None for each when none came."""
+        try:
+            answers: list[Any] = self._link.run(lambda client: self._send(client, sends))
+        except Unreachable:
+            return [None] * len(sends)
+        except Exception:  # a bug here must not lose what this sidecar found
+            log.exception("counting runs fleet-wide failed; judged by this sidecar alone")
+            return [None] * len(sends)
+        if len(answers) != len(sends):
+            log.error("Redis answered for %d runs of %d; judged alone", len(answers), len(sends))
+            return [None] * len(sends)
+        return answers
 
     def _send(self, client: Any, sends: list[_Send]) -> list[Any]:
         """One script call for the batch's runs (loading the script if Redis lost it)."""

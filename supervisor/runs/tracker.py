@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from policies import DetectorSettings, ModelTable, SloSpec, SloTracker
+from supervisor.judge.steps import Steps
 from supervisor.normalize.span import Span, requested_calls
 from supervisor.records import own_run
 from supervisor.runs import phase
@@ -287,13 +288,19 @@ class RunTracker:
         )
 
     def share(self, found: list[Detection]) -> None:
-        """Count the batch's contributions fleet-wide (one Redis round trip): what the fleet,
-        or this sidecar's own count, found in sessions' runs goes to ``found``.
+        """:meth:`share_steps` in one go."""
+        if self.fleet is not None:
+            self.fleet.count(found)
+
+    def share_steps(self, found: list[Detection]) -> Steps[None]:
+        """Count the batch's contributions fleet-wide (one Redis round trip, awaited: see
+        :mod:`.fleet`): what the fleet, or this sidecar's own count, found in sessions'
+        runs goes to ``found``.
 
         Called once the batch's spans are observed; without a fleet, nothing.
         """
         if self.fleet is not None:
-            self.fleet.count(found)
+            yield from self.fleet.count_steps(found)
 
     @staticmethod
     def _tool_call(run: RunState, span: Span, dependency: str) -> _Compared:
