@@ -21,12 +21,13 @@ A batch's contributions are gathered per run by the tracker
 (:class:`RunShare`) and sent in **one round trip per batch**: one call of a
 Lua script that counts each run's in order, atomically, and answers what to
 report (one call for the batch, not one per run: the client's work per command
-cost more than the script). The round trip is made on the pipeline's thread
-(the event loop), as the breakers' reads are, once the batch's spans are
-observed and before its detections are judged: a few milliseconds for a batch
-of 500 spans of sessions on a nearby Redis, at most the link's timeout
-(0.25 s) when Redis hangs, after which the link does not ask for
-``breaker_redis_retry_s``.
+cost more than the script). The round trip runs in a worker thread: sent
+once the batch's spans are observed, while its failures are judged and
+reported, and taken in the rest of the batch (:meth:`FleetRuns.collect_steps`
+yields its future when Redis has not answered yet, and the event loop serves
+others meanwhile). It takes a few milliseconds for a batch of 500 spans of
+sessions on a nearby Redis, at most the link's timeout (0.25 s) when Redis
+hangs, after which the link does not ask for ``breaker_redis_retry_s``.
 
 A detection is reported **once fleet-wide**, by the sidecar whose call crossed
 the line, with the rule, kind and details of a local one. This sidecar's own
@@ -56,7 +57,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
 from redis.exceptions import NoScriptError
@@ -337,8 +338,10 @@ class FleetRuns:
         self._namespace = namespace
         self._ttl = str(max(1, int(ttl_s)))
         self._max_backlog = max_backlog
-        #: The thread that waits for Redis (made at the first round trip).
+        #: The thread that waits for Redis (made at the first round trip), and the round
+        #: trip sent and not collected yet.
         self._thread: ThreadPoolExecutor | None = None
+        self._flight: tuple[list[_Send], Future[list[Any]]] | None = None
         #: run id -> the prefix of its keys (runs come back batch after batch).
         self._prefixes: dict[str, str] = {}
         #: run id -> spend made while Redis was away: a charge, added at the run's next.
@@ -364,18 +367,19 @@ class FleetRuns:
         return share
 
     def count(self, found: list[Detection]) -> None:
-        """:meth:`count_steps` in one go (waiting for Redis on this thread)."""
-        drive(self.count_steps(found))
+        """:meth:`send` and :meth:`collect_steps` in one go (waiting on this thread)."""
+        self.send(found)
+        drive(self.collect_steps(found))
 
-    def count_steps(self, found: list[Detection]) -> Steps[None]:
-        """Count the batch's shares fleet-wide (one round trip); what to report goes to ``found``.
+    def send(self, found: list[Detection]) -> None:
+        """Start counting the batch's shares fleet-wide: one round trip, in a worker thread.
 
-        The round trip runs in a worker thread: the step yields its future
-        (see :mod:`supervisor.judge.steps`), so the event loop answers others
-        meanwhile. Never raises for Redis: runs whose answer did not come are
-        judged by this sidecar alone (their held detections reported), their
-        spend kept. Nothing shared in the batch: no round trip.
+        :meth:`collect_steps` takes its answer. One round trip at a time: one
+        not collected yet is collected first (what it found goes to ``found``).
+        Nothing shared in the batch: no round trip.
         """
+        if self._flight is not None:
+            drive(self.collect_steps(found))
         shares, self._shares, self.pending = self._shares, {}, 0
         sends: list[_Send] = []
         for run_id, share in shares.items():
@@ -384,10 +388,24 @@ class FleetRuns:
             kept = self._backlog.pop(run_id, None) if share.charges else None
             charges = share.charges if kept is None else [kept, *share.charges]
             sends.append((share, run_id, 0 if kept is None else 1, charges))
-        if not sends:
+        if sends:
+            self._flight = (sends, self._worker().submit(self._exchange, sends))
+
+    def collect_steps(self, found: list[Detection]) -> Steps[None]:
+        """What the round trip :meth:`send` started found goes to ``found``.
+
+        Yields its future while Redis has not answered (see
+        :mod:`supervisor.judge.steps`): the event loop answers others
+        meanwhile. Never raises for Redis: runs whose answer did not come are
+        judged by this sidecar alone (their held detections reported), their
+        spend kept.
+        """
+        flight, self._flight = self._flight, None
+        if flight is None:
             return
-        exchange = self._worker().submit(self._exchange, sends)
-        yield exchange
+        sends, exchange = flight
+        if not exchange.done():
+            yield exchange
         answers = exchange.result()  # never raises (see _exchange)
         for (share, run_id, offset, charges), answer in zip(sends, answers, strict=True):
             if answer is None:  # unreachable, or an error

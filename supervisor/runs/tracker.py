@@ -21,17 +21,17 @@ The detectors that need a run's history:
 
 A session's run may reach several sidecars of a fleet: with a ``fleet``
 (:mod:`.fleet`, through the breakers' Redis), its loops and budget are
-counted fleet-wide too, one round trip per batch (:meth:`RunTracker.share`).
+counted fleet-wide too, one round trip per batch (:meth:`RunTracker.share_begin`).
 
 Bounded: at most ``max_runs`` runs (the least recently active is evicted),
 and runs idle for ``max_idle_s`` are dropped; both are counted.
 
 Lifecycle: built by the wiring, then :meth:`restore` d from the journal of a
-sidecar that ran before (:mod:`.journal`); :meth:`observe`, :meth:`share`
-(once a batch's spans are observed), :meth:`run_of`, :meth:`commanded` and
-:meth:`failed` from the pipeline's thread; :meth:`stalled`, :meth:`snapshot`
-and :meth:`journal_changes` from the same thread (the event loop), never
-concurrently. :meth:`notice` is the one
+sidecar that ran before (:mod:`.journal`); :meth:`observe`, :meth:`share_begin`
+(once a batch's spans are observed) and :meth:`share_end_steps`,
+:meth:`run_of`, :meth:`commanded` and :meth:`failed` from the pipeline's
+thread; :meth:`stalled`, :meth:`snapshot` and :meth:`journal_changes` from the
+same thread (the event loop), never concurrently. :meth:`notice` is the one
 method other threads may call: what it is told is applied on the next tick.
 """
 
@@ -288,19 +288,24 @@ class RunTracker:
         )
 
     def share(self, found: list[Detection]) -> None:
-        """:meth:`share_steps` in one go."""
+        """:meth:`share_begin` and :meth:`share_end_steps` in one go."""
         if self.fleet is not None:
             self.fleet.count(found)
 
-    def share_steps(self, found: list[Detection]) -> Steps[None]:
-        """Count the batch's contributions fleet-wide (one Redis round trip, awaited: see
-        :mod:`.fleet`): what the fleet, or this sidecar's own count, found in sessions'
-        runs goes to ``found``.
+    def share_begin(self, found: list[Detection]) -> None:
+        """Once the batch's spans are observed: start counting what sessions' runs add to
+        the fleet's counts (one Redis round trip, in a worker thread; see :mod:`.fleet`).
 
-        Called once the batch's spans are observed; without a fleet, nothing.
+        Without a fleet, nothing. ``found`` gets what a round trip not collected found.
         """
         if self.fleet is not None:
-            yield from self.fleet.count_steps(found)
+            self.fleet.send(found)
+
+    def share_end_steps(self, found: list[Detection]) -> Steps[None]:
+        """What the fleet, or this sidecar's own count, found in sessions' runs goes to
+        ``found``: awaited if Redis has not answered yet."""
+        if self.fleet is not None:
+            yield from self.fleet.collect_steps(found)
 
     @staticmethod
     def _tool_call(run: RunState, span: Span, dependency: str) -> _Compared:
