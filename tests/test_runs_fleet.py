@@ -287,6 +287,21 @@ def test_redis_hanging_keeps_loops_found_here_and_bounded(
     assert fleet.unshared == 3 and link.stats().outages == 1
 
 
+def test_the_pipeline_judges_a_loop_alone_while_redis_hangs(
+    namespace: str, proxy: RedisProxy
+) -> None:
+    runs, fleet, _ = sidecar(namespace, url=proxy.url)
+    pipeline = Pipeline(load_policy(), runs=runs)
+    proxy.set("hang")
+    started = time.monotonic()
+    outcomes = pipeline.process_payload(
+        payload(*(weather(turn) for turn in (1, 2, 3))), received_ns=1000 * 10**9
+    )
+    assert time.monotonic() - started < 1.0
+    (loop,) = [o for o in outcomes if o.failure.kind == "reasoning_loop"]
+    assert loop.failure.run_id == SESSION and fleet.unshared == 1
+
+
 def test_span_shapes_from_tests_runs_build_sessions(namespace: str) -> None:
     """The helper's spans name their session as instrumentations do (a span attribute)."""
     runs, _, _ = sidecar(namespace)
