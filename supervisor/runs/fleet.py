@@ -346,9 +346,9 @@ class FleetRuns:
         self._prefixes: dict[str, str] = {}
         #: run id -> spend made while Redis was away: a charge, added at the run's next.
         self._backlog: dict[str, list[Any]] = {}
-        #: run id -> what the batch so far adds to its counts (sent by :meth:`count`).
+        #: run id -> what the batch so far adds to its counts (sent by :meth:`send`).
         self._shares: dict[str, RunShare] = {}
-        #: Spans that contributed since the last :meth:`count`.
+        #: Spans that contributed since the last :meth:`send`.
         self.pending = 0
         #: Runs' batches sent and answered, and not answered (judged locally).
         self.shared = 0
