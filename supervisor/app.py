@@ -553,7 +553,15 @@ class Sidecar:
         if self.forwarder is not None and not replay:
             self.forwarder.offer(batch.raw_protobuf, batch.span_count)
         slice_ends = time.monotonic() + _SLICE_S
-        for _ in self._judge_steps(batch, logged, replay):
+        for waited in self._judge_steps(batch, logged, replay):
+            if waited is not None:  # work in another thread (Redis): others run meanwhile
+                self._between_batches.clear()
+                try:
+                    await asyncio.wait((asyncio.wrap_future(waited),))
+                finally:
+                    self._between_batches.set()
+                slice_ends = time.monotonic() + _SLICE_S
+                continue
             now = time.monotonic()
             if now >= slice_ends:
                 overran = now - slice_ends > _SLICE_S

@@ -56,6 +56,7 @@ from supervisor.runs.journal import RunJournal
 from supervisor.settings import LOOPBACK, AgentDelivery, Settings
 
 if TYPE_CHECKING:
+    from supervisor.runs.fleet import FleetRuns
     from supervisor.shared_breakers import RedisLink
 
 _log = logging.getLogger("spanvisor.wiring")
@@ -107,6 +108,7 @@ def build_sidecar(
         models=policy.detectors.models,
         slo=policy.detectors.slo,
         max_runs=settings.tracked_runs,
+        fleet=_fleet_runs(settings, breaker_link),
     )
     runs.stall_horizon_s = policy.detectors.shortest_idle_s  # as a reload sets it
     token = ensure_token(settings.api_token, settings.token_file)
@@ -409,3 +411,12 @@ def _shared_breakers(
         required=settings.breaker_redis_required,
     )
     return storage, link
+
+
+def _fleet_runs(settings: Settings, link: RedisLink | None) -> FleetRuns | None:
+    """Sessions' loops and budgets counted fleet-wide, through the breakers' Redis link."""
+    if link is None:
+        return None
+    from supervisor.runs.fleet import FleetRuns  # needs the `fleet` extra, as the link did
+
+    return FleetRuns(link, f"{settings.breaker_redis_namespace}:runs")

@@ -27,12 +27,11 @@ from supervisor.cli.verbs import main
 from supervisor.errors import ConfigError
 from supervisor.shared_breakers import BreakerIndex, RedisLink, shared_breakers
 from supervisor.wiring import build_sidecar
-from tests.tcp_proxy import TcpProxy
+from tests.redis_server import REDIS, RedisProxy, fresh_namespace, redis_client
 from tests.test_app import settings as sidecar_settings
 
 redis = pytest.importorskip("redis")
 
-REDIS = ("127.0.0.1", 6379)
 OPEN, CLOSED, HALF_OPEN, ISOLATED = (
     BreakerState.OPEN,
     BreakerState.CLOSED,
@@ -50,35 +49,16 @@ class Clock:
         return self.now
 
 
-class RedisProxy(TcpProxy):
-    """A loopback TCP proxy to the test Redis: ``forward``, ``drop`` or ``hang``."""
-
-    def __init__(self) -> None:
-        super().__init__(REDIS)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-
 @pytest.fixture
 def direct() -> Iterator[object]:
-    client = redis.Redis(*REDIS, socket_connect_timeout=0.5, socket_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis on 127.0.0.1:6379: {exc}")
-    yield client
-    client.close()
+    with redis_client() as client:
+        yield client
 
 
 @pytest.fixture
 def namespace(direct: object) -> Iterator[str]:
-    name = f"spanvisor-test-{uuid.uuid4().hex}"
-    yield name
-    keys = list(direct.scan_iter(match=f"{name}:*"))  # type: ignore[attr-defined]
-    if keys:
-        direct.delete(*keys)  # type: ignore[attr-defined]
+    with fresh_namespace(direct) as name:
+        yield name
 
 
 @pytest.fixture

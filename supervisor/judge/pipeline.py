@@ -240,18 +240,26 @@ class Pipeline:
                 for span in chunk:
                     runs.observe(span, now_s, detected, repeats=not span.failed)
                 yield
+            # Sessions' loops and budgets, fleet-wide: one round trip, made while the
+            # batch's failures are judged and reported; its answer in the rest pass.
+            runs.share_begin(detected)
         if self._attempted and quiet:
             quiet = yield from self._book_quiet_successes(quiet, calls, verify)
         outcomes = yield from self._judge_spans(first, received_ns, calls)
         if detected:
-            # Found while the batch was read: a span read later may have named the
-            # trace's session since, and the trace's run became the session's.
-            found = [
-                replace(detected_failure(d, received_ns), run_id=self._run_of(d.trace_id, ""))
-                for d in detected
-            ]
-            outcomes += yield from self.judge_detected_steps(found)
+            outcomes += yield from self.judge_detected_steps(self._found(detected, received_ns))
         return outcomes, Remainder(quiet, verify, received_ns)
+
+    def _found(self, detected: list[Detection], received_ns: int) -> list[Failure]:
+        """What run detectors found while the batch was read, as failures of their run.
+
+        A span read later may have named the trace's session since, and the
+        trace's run became the session's.
+        """
+        return [
+            replace(detected_failure(d, received_ns), run_id=self._run_of(d.trace_id, ""))
+            for d in detected
+        ]
 
     def rest_pass(self, rest: Remainder) -> list[Outcome]:
         """Judge the spans a :meth:`first_pass` left; see :meth:`rest_pass_steps`."""
@@ -260,7 +268,14 @@ class Pipeline:
     def rest_pass_steps(self, rest: Remainder) -> Steps[list[Outcome]]:
         """Judge the spans a :meth:`first_pass_steps` left, in steps; the batch is then settled."""
         calls: list[tuple[int, str, bool]] = []
-        outcomes = yield from self._judge_spans(rest.quiet, rest.received_ns, calls)
+        outcomes: list[Outcome] = []
+        if self.runs is not None:  # what the fleet found in sessions' runs (its answer)
+            shared: list[Detection] = []
+            yield from self.runs.share_end_steps(shared)
+            if shared:
+                found = self._found(shared, rest.received_ns)
+                outcomes += yield from self.judge_detected_steps(found)
+        outcomes += yield from self._judge_spans(rest.quiet, rest.received_ns, calls)
         if rest.verify:
             answers: list[SpanRecord] = []
             for chunk in chunks(rest.verify):

@@ -9,19 +9,26 @@ slices), or to the end in one go by :func:`drive` (tests, ``replay``).
 Driven to the end with nothing else judging in between, a generator's result
 is the one of the same work done without yields: the yields only mark where
 a caller may pause.
+
+A step may also yield a :class:`~concurrent.futures.Future`: work running in
+another thread (a round trip to the fleet's Redis) that it needs done before
+it goes on. The app awaits it, answering others meanwhile; :func:`drive`
+waits for it. The step reads its result itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Iterator
-from typing import Final, TypeVar
+from concurrent.futures import wait
+from typing import Any, Final, TypeVar
 
 __all__ = ["CHUNK", "Steps", "chunks", "drive"]
 
 T = TypeVar("T")
 
-#: Work that yields between chunks and returns a ``T``.
-Steps = Generator[None, None, T]
+#: Work that yields between chunks and returns a ``T``. It yields None, or a
+#: ``Future`` it waits for (typed Any: a bare ``yield`` is the usual step).
+Steps = Generator[Any, None, T]
 
 #: Items (spans, failures, outcomes) handled between two yields: a few
 #: milliseconds of the costliest kind (a failure classified, attributed and
@@ -33,9 +40,11 @@ def drive(steps: Steps[T]) -> T:
     """Run ``steps`` to the end in one go; its result."""
     while True:
         try:
-            next(steps)
+            waited = next(steps)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+        if waited is not None:
+            wait((waited,))
 
 
 def chunks(items: Iterable[T], size: int = CHUNK) -> Iterator[list[T]]:

@@ -4,6 +4,7 @@
 * :mod:`.state`: one run's state and its view (``GET /v1/runs``);
 * :mod:`.loops`: reasoning loops, from a run's recent calls;
 * :mod:`.spend`: context pressure and budgets, from token counts;
+* :mod:`.fleet`: a session's loops and budget counted by a fleet of sidecars, in Redis;
 * :mod:`.detection`: what the detectors report.
 """
 

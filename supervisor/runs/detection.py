@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
+    from supervisor.runs.loops import Repeat
     from supervisor.runs.state import RunState
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "STALL_RULE",
     "Detection",
     "detection_at",
+    "loop_detection",
 ]
 
 #: The rules that run detectors report under (policies match on them like any other).
@@ -81,4 +83,23 @@ def detection_at(
         message=message,
         details=details,
         role=role,
+    )
+
+
+def loop_detection(
+    run: RunState, dependency: str, first: Repeat, *, repeats: int, what: str
+) -> Detection:
+    """A reasoning loop in ``run``, reported at its first repeated call (see :mod:`.loops`)."""
+    span_id, name, occurrence = first
+    return detection_at(
+        run,
+        span_id,
+        dependency,
+        name=name,
+        kind="reasoning_loop",
+        failure_class="model",
+        rule=LOOP_RULE,
+        message=f"{what} {repeats} times: {name[:256]}"
+        + (f" (still looping, report {occurrence})" if occurrence > 1 else ""),
+        details={"repeats": repeats, "repeated_call": name[:256], "occurrence": occurrence},
     )

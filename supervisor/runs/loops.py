@@ -18,14 +18,23 @@ answered again is a retry, not a loop).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Final
 
-__all__ = ["MAX_LOOP_REPORTS", "RecentCalls", "Repeat", "digest", "instance_of"]
+__all__ = [
+    "MAX_LOOP_REPORTS",
+    "MAX_REPORTED",
+    "RecentCalls",
+    "Repeat",
+    "digest",
+    "instance_of",
+    "stable_digest",
+]
 
 #: How many times one looping call is reported in a run (guidance, rewind, abort).
 MAX_LOOP_REPORTS: Final = 3
 #: Distinct looping calls reported per run and kind (then new ones are not).
-_MAX_REPORTED: Final = 256
+MAX_REPORTED: Final = 256
 
 #: (span id and name of the loop's first repeated call, occurrence)
 Repeat = tuple[bytes, str, int]
@@ -132,7 +141,7 @@ class RecentCalls:
         occurrence = 1 if last is None else last[0] + 1
         if reported is None:
             reported = self._reported = {}
-        if occurrence > MAX_LOOP_REPORTS or (occurrence == 1 and len(reported) >= _MAX_REPORTED):
+        if occurrence > MAX_LOOP_REPORTS or (occurrence == 1 and len(reported) >= MAX_REPORTED):
             return None
         reported[digest] = (occurrence, now_ns)
         # Count again from here: a loop that goes on is reported after as many repeats.
@@ -166,3 +175,14 @@ def digest(raw: bytes, dependency: str) -> int:
     if len(raw) <= 512:
         return hash((raw, dependency))
     return hash((len(raw), raw[:256], raw[-256:], dependency))
+
+
+def stable_digest(raw: bytes, dependency: str) -> str:
+    """:func:`digest` as every process computes it (``hash`` is salted per process): what
+    sidecars sharing a run's calls compare (see :mod:`supervisor.runs.fleet`)."""
+    found = hashlib.blake2b(dependency.encode("utf-8", "surrogatepass"), digest_size=8)
+    if len(raw) <= 512:
+        found.update(b"\x00" + raw)
+    else:
+        found.update(len(raw).to_bytes(8, "big") + raw[:256] + raw[-256:])
+    return found.hexdigest()

@@ -8,7 +8,7 @@ from policies import DetectorSettings, ModelInfo, ModelTable, RunSpend
 from supervisor.runs.detection import BUDGET_RULE, PRESSURE_RULE, Detection, detection_at
 from supervisor.runs.state import RunState
 
-__all__ = ["Charges"]
+__all__ = ["Charges", "budget_crossed"]
 
 #: Dependencies whose model table entry is remembered (then forgotten at once).
 _MAX_MODELS_MEMO: Final = 4096
@@ -36,11 +36,17 @@ class Charges:
         *,
         settings: DetectorSettings,
         found: list[Detection],
-    ) -> None:
-        """One LLM call's tokens: context pressure, then the run's spend against its budget."""
+        over: list[Detection] | None = None,
+    ) -> float | None:
+        """One LLM call's tokens: context pressure, then the run's spend against its budget.
+
+        A budget crossing goes to ``over`` when given (a run the fleet counts:
+        see :mod:`.fleet`), else to ``found``. Returns the call's cost (None:
+        its model has no price, or there is no model table).
+        """
         models = self.models
         if models is None:
-            return
+            return None
         if dependency != run.model:  # a run calls the same model, most of the time
             run.model, run.model_info = dependency, self._info(models, dependency)
         info = run.model_info
@@ -75,24 +81,23 @@ class Charges:
         if spend is None:
             spend = run.spend = RunSpend()
         # The dependency names the model in the list of unpriced ones (provider:model).
-        spend.add_known(run.model, info, prompt, completion)
+        cost = spend.add_known(run.model, info, prompt, completion)
         budget = settings.budget
         if budget is None:
-            return
+            return cost
         crossed = spend.crossed(budget)
         if crossed is not None:
-            found.append(
-                detection_at(
+            (found if over is None else over).append(
+                budget_crossed(
                     run,
-                    span_id,
-                    dependency,
-                    kind="budget_exceeded",
-                    failure_class="permanent",
-                    rule=BUDGET_RULE,
-                    message=f"{crossed}: {spend.describe(budget)}",
-                    details={"crossed": crossed, **spend.to_json()},
+                    span_id=span_id,
+                    dependency=dependency,
+                    crossed=crossed,
+                    spend=spend,
+                    settings=settings,
                 )
             )
+        return cost
 
     def _info(self, models: ModelTable, dependency: str) -> ModelInfo | None:
         known = self._known
@@ -103,3 +108,26 @@ class Charges:
             known.clear()
         known[dependency] = info
         return info
+
+
+def budget_crossed(
+    run: RunState,
+    *,
+    span_id: bytes,
+    dependency: str,
+    crossed: str,
+    spend: RunSpend,
+    settings: DetectorSettings,
+) -> Detection:
+    """``run``'s ``spend`` went over its settings' budget (``crossed``: which kinds)."""
+    budget = settings.budget
+    return detection_at(
+        run,
+        span_id,
+        dependency,
+        kind="budget_exceeded",
+        failure_class="permanent",
+        rule=BUDGET_RULE,
+        message=f"{crossed}: {spend.describe(budget)}",
+        details={"crossed": crossed, **spend.to_json()},
+    )

@@ -19,14 +19,19 @@ The detectors that need a run's history:
 * **context pressure and budgets** (:mod:`.spend`), from token counts;
 * **re-anchoring**: a long run reminded of its objective.
 
+A session's run may reach several sidecars of a fleet: with a ``fleet``
+(:mod:`.fleet`, through the breakers' Redis), its loops and budget are
+counted fleet-wide too, one round trip per batch (:meth:`RunTracker.share_begin`).
+
 Bounded: at most ``max_runs`` runs (the least recently active is evicted),
 and runs idle for ``max_idle_s`` are dropped; both are counted.
 
 Lifecycle: built by the wiring, then :meth:`restore` d from the journal of a
-sidecar that ran before (:mod:`.journal`); :meth:`observe`, :meth:`run_of`,
-:meth:`commanded` and :meth:`failed` from the pipeline's thread;
-:meth:`stalled`, :meth:`snapshot` and :meth:`journal_changes` from the same
-thread (the event loop), never concurrently. :meth:`notice` is the one
+sidecar that ran before (:mod:`.journal`); :meth:`observe`, :meth:`share_begin`
+(once a batch's spans are observed) and :meth:`share_end_steps`,
+:meth:`run_of`, :meth:`commanded` and :meth:`failed` from the pipeline's
+thread; :meth:`stalled`, :meth:`snapshot` and :meth:`journal_changes` from the
+same thread (the event loop), never concurrently. :meth:`notice` is the one
 method other threads may call: what it is told is applied on the next tick.
 """
 
@@ -35,25 +40,29 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from policies import DetectorSettings, ModelTable, SloSpec, SloTracker
+from supervisor.judge.steps import Steps
 from supervisor.normalize.span import Span, requested_calls
 from supervisor.records import own_run
 from supervisor.runs import phase
 from supervisor.runs.detection import (
-    LOOP_RULE,
     NOTICE_RULES,
     REANCHOR_RULE,
     STALL_RULE,
     Detection,
     detection_at,
+    loop_detection,
 )
 from supervisor.runs.journal import SavedRun
-from supervisor.runs.loops import RecentCalls, Repeat, digest, instance_of
+from supervisor.runs.loops import RecentCalls, digest, instance_of, stable_digest
 from supervisor.runs.rhythm import MIN_GAP_S, Rhythm, idle_limit
 from supervisor.runs.spend import Charges
 from supervisor.runs.state import RunState, RunView, view
+
+if TYPE_CHECKING:
+    from supervisor.runs.fleet import FleetRuns, RunShare
 
 __all__ = ["RunTracker"]
 
@@ -62,6 +71,9 @@ _MAX_SERVICES: Final = 1024
 _MAX_SINCE_LLM: Final = 64
 #: Traces whose run the batch cache keeps (a request holds a few dozen).
 _MAX_BATCH_TRACES: Final = 4096
+#: Spans whose contributions to the fleet's counts are gathered before they are sent
+#: (mid-batch if need be): one script call of this many takes Redis a few milliseconds.
+_MAX_SHARED: Final = 1024
 #: Commands and delivery failures told by other threads, applied on the next tick.
 _MAX_NOTICES: Final = 100_000
 #: A run's end counts in its SLO once it stayed ended this long: the decision on
@@ -90,8 +102,11 @@ class RunTracker:
         clock: Callable[[], float] = time.time,
         slo_grace_s: float = SLO_GRACE_S,
         journaling: bool = False,
+        fleet: FleetRuns | None = None,
     ) -> None:
         self._settings = settings
+        #: Where a session's loops and budget are counted fleet-wide (None: here only).
+        self.fleet = fleet
         self._charges = Charges(models)
         #: Run outcomes per service, against the policy's SLO (None: no SLOs).
         self.slo = SloTracker(slo, clock=clock) if slo is not None else None
@@ -214,10 +229,18 @@ class RunTracker:
         if settings.reanchor_after is not None or settings.reanchor_after_s is not None:
             self._reanchor(run, settings, span_id, dependency, now=now, found=found)
         tool = dependency.startswith("tool:")
+        # A session's run may be seen by several sidecars: its loops and budget are
+        # counted fleet-wide too (a trace's run stays here: it reaches one sidecar).
+        fleet = self.fleet
+        share = None
+        if fleet is not None and not run.by_trace:
+            if fleet.pending >= _MAX_SHARED:
+                fleet.count(found)  # a batch this big is sent in parts: bounded
+            share = fleet.share_of(run)
         compared = (
             self._tool_call(run, span, dependency)
             if tool
-            else self._llm_call(run, span, dependency, settings, found)
+            else self._llm_call(run, span, dependency, settings, found, share=share)
         )
         if compared is None or not settings.loops or not repeats:
             return
@@ -239,8 +262,50 @@ class RunTracker:
             repeats=settings.loop_repeats,
             window=settings.loop_window,
         )
-        if first is not None:
-            found.append(_loop(run, dependency, first, repeats=settings.loop_repeats, what=what))
+        loop = (
+            None
+            if first is None
+            else loop_detection(run, dependency, first, repeats=settings.loop_repeats, what=what)
+        )
+        if share is None:
+            if loop is not None:
+                found.append(loop)
+            return
+        share.call(
+            tool=tool,
+            digest=stable_digest(raw, dependency),
+            # What tells its calls apart, as ``instance`` does (see _llm_call): its span
+            # id (""), or an LLM call's prompt size.
+            instance="" if tool or not span.input_tokens else f"p{span.input_tokens}",
+            span_id=span_id,
+            name=name,
+            start_ns=span.start_ns,
+            now_ns=int(now * 1e9),
+            settings=settings,
+            dependency=dependency,
+            what=what,
+            held=loop,
+        )
+
+    def share(self, found: list[Detection]) -> None:
+        """:meth:`share_begin` and :meth:`share_end_steps` in one go."""
+        if self.fleet is not None:
+            self.fleet.count(found)
+
+    def share_begin(self, found: list[Detection]) -> None:
+        """Once the batch's spans are observed: start counting what sessions' runs add to
+        the fleet's counts (one Redis round trip, in a worker thread; see :mod:`.fleet`).
+
+        Without a fleet, nothing. ``found`` gets what a round trip not collected found.
+        """
+        if self.fleet is not None:
+            self.fleet.send(found)
+
+    def share_end_steps(self, found: list[Detection]) -> Steps[None]:
+        """What the fleet, or this sidecar's own count, found in sessions' runs goes to
+        ``found``: awaited if Redis has not answered yet."""
+        if self.fleet is not None:
+            yield from self.fleet.collect_steps(found)
 
     @staticmethod
     def _tool_call(run: RunState, span: Span, dependency: str) -> _Compared:
@@ -262,16 +327,50 @@ class RunTracker:
         dependency: str,
         settings: DetectorSettings,
         found: list[Detection],
+        *,
+        share: RunShare | None,
     ) -> _Compared | None:
-        """Count an LLM call, its tokens and spend; what a loop of it compares (its answer)."""
+        """Count an LLM call, its tokens and spend; what a loop of it compares (its answer).
+
+        ``share``: the run's fleet-wide counts, which its spend goes to when it has
+        a budget (a crossing is then reported as the fleet says).
+        """
         prompt, completion = span.input_tokens, span.output_tokens
         run.llm_calls += 1
         run.input_tokens += prompt
         run.output_tokens += completion
         if prompt or completion:
-            self._charges.charge(
-                run, span.span_id, dependency, prompt, completion, settings=settings, found=found
-            )
+            charges = self._charges
+            if share is None or settings.budget is None or charges.models is None:
+                charges.charge(
+                    run,
+                    span.span_id,
+                    dependency,
+                    prompt,
+                    completion,
+                    settings=settings,
+                    found=found,
+                )
+            else:
+                over: list[Detection] = []
+                cost = charges.charge(
+                    run,
+                    span.span_id,
+                    dependency,
+                    prompt,
+                    completion,
+                    settings=settings,
+                    found=found,
+                    over=over,
+                )
+                share.charge(
+                    span_id=span.span_id,
+                    dependency=dependency,
+                    tokens=(prompt, completion),
+                    cost=cost,
+                    settings=settings,
+                    held=over[0] if over else None,
+                )
         run.last_llm = span.requested()
         if run.tools_since_llm:
             run.tools_since_llm.clear()
@@ -715,28 +814,18 @@ class RunTracker:
         return count
 
     def stats(self) -> dict[str, int]:
-        return {
+        found = {
             "tracked": len(self._runs),
             "evicted": self.evicted,
             "expired": self.expired,
             "notices_dropped": self.notices_dropped,
         }
-
-
-def _loop(run: RunState, dependency: str, first: Repeat, *, repeats: int, what: str) -> Detection:
-    span_id, name, occurrence = first
-    return detection_at(
-        run,
-        span_id,
-        dependency,
-        name=name,
-        kind="reasoning_loop",
-        failure_class="model",
-        rule=LOOP_RULE,
-        message=f"{what} {repeats} times: {name[:256]}"
-        + (f" (still looping, report {occurrence})" if occurrence > 1 else ""),
-        details={"repeats": repeats, "repeated_call": name[:256], "occurrence": occurrence},
-    )
+        fleet = self.fleet
+        if fleet is not None:  # sessions' batches counted fleet-wide, and judged here alone
+            found["fleet_shared"] = fleet.shared
+            found["fleet_unshared"] = fleet.unshared
+            found["fleet_backlog_dropped"] = fleet.backlog_dropped
+        return found
 
 
 def _journal_state(run: RunState) -> tuple[str, float, float, bool]:

@@ -1,0 +1,534 @@
+"""A session's loops and budget counted fleet-wide, through the fleet's Redis.
+
+In a fleet, a session's traces may reach different sidecars (a collector that
+routes by trace id, a session served by several agent pods each with its
+sidecar, instances coming and going): each sees part of the run, a loop
+repeated over three traces on two sidecars is missed, and a budget is counted
+per sidecar. With the breakers' Redis configured (``breaker_redis_url``), the
+run tracker shares with the fleet what these two detectors count, for the runs
+that can span traces (a session's; a run that is one trace stays local and
+costs nothing more):
+
+* **loops**: per run and kind (tool calls, LLM outputs), the recent calls'
+  digests (:func:`~supervisor.runs.loops.stable_digest`) with the fleet-wide
+  sequence numbers and instances (span ids, or an LLM call's prompt size) of
+  their last sightings, what was reported, and the run's call count: the rule
+  of :class:`~supervisor.runs.loops.RecentCalls`, on every sidecar's calls;
+* **budgets**: per run, the tokens, cost and calls spent, and which budget
+  kinds were reported.
+
+A batch's contributions are gathered per run by the tracker
+(:class:`RunShare`) and sent in **one round trip per batch**: one call of a
+Lua script that counts each run's in order, atomically, and answers what to
+report (one call for the batch, not one per run: the client's work per command
+cost more than the script). The round trip runs in a worker thread: sent
+once the batch's spans are observed, while its failures are judged and
+reported, and taken in the rest of the batch (:meth:`FleetRuns.collect_steps`
+yields its future when Redis has not answered yet, and the event loop serves
+others meanwhile). It takes a few milliseconds for a batch of 500 spans of
+sessions on a nearby Redis, at most the link's timeout (0.25 s) when Redis
+hangs, after which the link does not ask for ``breaker_redis_retry_s``.
+
+A detection is reported **once fleet-wide**, by the sidecar whose call crossed
+the line, with the rule, kind and details of a local one. This sidecar's own
+count still runs: what it finds (calls the fleet did not see, made before the
+trace named its session) is reported unless the fleet already reported it. A
+re-sent span (the same span id) counts once in a loop, as it does locally (an
+LLM span's tokens count again, as they do in one sidecar).
+
+Keys, under ``<namespace>:runs:{<run digest>}`` (one hash slot per run):
+``:tools`` and ``:outputs`` (digest -> sightings, ``#`` -> calls counted; at
+most ``4 * window`` digests), ``:tools:reported`` and ``:outputs:reported``
+(digest -> report and when; at most 256 new loops per run), ``:spend``; all
+expire ``ttl_s`` after the run's last shared call.
+
+**While Redis is away** (the link's breaker open, a timeout of its 0.25 s, an
+error), nothing raises into the pipeline: the batch's runs are judged by this
+sidecar alone, as without a fleet, and its spend is kept (bounded, per run)
+and added to the fleet's totals when Redis answers again. What is missed
+meanwhile: a loop whose repeats were split between sidecars (the calls made
+while away are not shared, and a loop reported here meanwhile may be reported
+again by the fleet if it goes on), and a budget crossed only by the fleet's
+total; each sidecar may report a crossing of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Final
+
+from redis.exceptions import NoScriptError
+
+from policies import DetectorSettings, RunSpend
+from supervisor.judge.steps import Steps, drive
+from supervisor.runs.detection import Detection, loop_detection
+from supervisor.runs.loops import MAX_LOOP_REPORTS, MAX_REPORTED
+from supervisor.runs.spend import budget_crossed
+from supervisor.runs.state import RunState
+from supervisor.shared_breakers import RedisLink, Unreachable
+
+__all__ = ["FleetRuns", "RunShare"]
+
+log = logging.getLogger("spanvisor.runs.fleet")
+
+#: How long Redis keeps a run's counts after its last shared call: as long as the
+#: run tracker keeps an idle run.
+TTL_S: Final = 6 * 3600.0
+#: Runs whose spend made while Redis was away is kept for when it answers again.
+MAX_BACKLOG: Final = 4096
+#: Runs whose key prefix is remembered (then forgotten at once).
+_MAX_PREFIXES: Final = 4096
+
+#: ARGV: the runs' batches (JSON: per run, ``k`` the prefix of its keys, ``c`` its
+#: calls, ``n`` when they were received (ms), ``s`` its charges, ``b`` its budget), TTL
+#: (s), MAX_LOOP_REPORTS, MAX_REPORTED.
+#: The keys are named in ARGV, not KEYS: the client packs each argument into a buffer
+#: that it copies whole for the next, and five keys a run cost more than the script.
+#: (A batch's runs are in different hash slots anyway; the client is not a cluster's.)
+#: Returns JSON, per run [loops, spent]: loops
+#: [call index, first span, its name, occurrence, this sidecar's own (1) or the
+#: fleet's (0)]; spent [charge index, crossed, calls, input tokens, output tokens,
+#: cost, unpriced calls, own].
+_SCRIPT: Final = """
+local batch = cjson.decode(ARGV[1])
+local ttl = tonumber(ARGV[2])
+local max_reports, max_reported = tonumber(ARGV[3]), tonumber(ARGV[4])
+
+local function last_report(rk, digest)
+  local rec = redis.call('HGET', rk, digest)
+  if not rec then return 0, nil end
+  local at = string.find(rec, ':', 1, true)
+  return tonumber(string.sub(rec, 1, at - 1)), tonumber(string.sub(rec, at + 1))
+end
+
+local function prune(ck, oldest)
+  local all = redis.call('HGETALL', ck)
+  for n = 1, #all, 2 do
+    if all[n] ~= '#' then
+      local e = cjson.decode(all[n + 1])
+      if e.q[#e.q] <= oldest then redis.call('HDEL', ck, all[n]) end
+    end
+  end
+end
+
+-- One run's calls (c: kind, digest, instance or '' for its span, span, name, start_ms,
+-- repeats, window, own occurrence) at now_ms: RecentCalls.count on the fleet's calls.
+local function count_calls(keys, calls, now_ms, loops)
+  local seqs = {}
+  for n, c in ipairs(calls) do
+    local kind = c[1]
+    local ck, rk = keys[1 + 2 * kind], keys[2 + 2 * kind]
+    if seqs[kind] == nil then seqs[kind] = tonumber(redis.call('HGET', ck, '#') or '0') end
+    local digest, inst, repeats, window = c[2], c[3], c[7], c[8]
+    if inst == '' then inst = c[4] end
+    local occ, at = last_report(rk, digest)
+    local found = nil
+    if not (at and c[6] < at) then
+      local seq = seqs[kind] + 1
+      local raw = redis.call('HGET', ck, digest)
+      if not raw then
+        if redis.call('HLEN', ck) - 1 >= 4 * window then prune(ck, seq - window) end
+        redis.call('HSET', ck, digest, cjson.encode({q = {seq}, i = {inst}}))
+        seqs[kind] = seq
+      else
+        local e = cjson.decode(raw)
+        local again = false
+        for _, x in ipairs(e.i) do if x == inst then again = true end end
+        if not again then
+          seqs[kind] = seq
+          while #e.q > 0 and e.q[1] <= seq - window do
+            table.remove(e.q, 1)
+            table.remove(e.i, 1)
+          end
+          if #e.q == 0 then e.f = nil elseif e.f == nil then e.f = {c[4], c[5]} end
+          table.insert(e.q, seq)
+          table.insert(e.i, inst)
+          local seen = #e.q
+          if seen > math.max(1, repeats - 1) then
+            table.remove(e.q, 1)
+            table.remove(e.i, 1)
+          end
+          local first = e.f
+          if seen >= repeats and first ~= nil and occ + 1 <= max_reports
+              and (occ > 0 or redis.call('HLEN', rk) < max_reported) then
+            occ = occ + 1
+            redis.call('HSET', rk, digest, occ .. ':' .. now_ms)
+            e = {q = {seq}, i = {inst}}
+            found = {n - 1, first[1], first[2], occ, 0}
+          end
+          redis.call('HSET', ck, digest, cjson.encode(e))
+        end
+      end
+    end
+    if found then
+      table.insert(loops, found)
+    elseif c[9] > occ then
+      -- Found by the sidecar's own count (calls the fleet did not see): once, here.
+      redis.call('HSET', rk, digest, c[9] .. ':' .. now_ms)
+      redis.call('HSET', ck, digest, cjson.encode({q = {seqs[kind]}, i = {inst}}))
+      table.insert(loops, {n - 1, '', '', c[9], 1})
+    end
+  end
+  for kind, seq in pairs(seqs) do redis.call('HSET', keys[1 + 2 * kind], '#', seq) end
+end
+
+-- One run's charges (s: calls, input tokens, output tokens, cost, unpriced calls, own
+-- crossed kinds, 1: crossed here now / 0: kept from while Redis was away) against its
+-- budget (b: max tokens, max cost; -1: none).
+local function charge(sk, charges, limits, spent)
+  local t = redis.call('HMGET', sk, 'calls', 'in', 'out', 'cost', 'unpriced')
+  local tot, add = {}, {0, 0, 0, 0, 0}
+  for k = 1, 5 do tot[k] = tonumber(t[k] or '0') end
+  local max_tokens, max_cost = limits[1], limits[2]
+  for n, s in ipairs(charges) do
+    for k = 1, 5 do
+      tot[k] = tot[k] + s[k]
+      add[k] = add[k] + s[k]
+    end
+    local claimed = false
+    if s[7] == 0 then  -- reported by this sidecar while Redis was away: marked first
+      for kind in string.gmatch(s[6], '[^+]+') do redis.call('HSETNX', sk, 'r:' .. kind, 1) end
+    end
+    local new = {}
+    if max_tokens >= 0 and tot[2] + tot[3] > max_tokens
+        and redis.call('HSETNX', sk, 'r:max_tokens', 1) == 1 then
+      table.insert(new, 'max_tokens')
+    end
+    if max_cost >= 0 and tot[4] > max_cost
+        and redis.call('HSETNX', sk, 'r:max_cost_usd', 1) == 1 then
+      table.insert(new, 'max_cost_usd')
+    end
+    if s[7] == 1 then  -- crossed by this sidecar's own count: reported unless already
+      for kind in string.gmatch(s[6], '[^+]+') do
+        if redis.call('HSETNX', sk, 'r:' .. kind, 1) == 1 then claimed = true end
+      end
+    end
+    if #new > 0 then
+      table.insert(spent, {n - 1, table.concat(new, '+'), tot[1], tot[2], tot[3],
+        string.format('%.17g', tot[4]), tot[5], 0})
+    elseif claimed then
+      table.insert(spent, {n - 1, s[6], 0, 0, 0, '0', 0, 1})
+    end
+  end
+  redis.call('HINCRBY', sk, 'calls', add[1])
+  redis.call('HINCRBY', sk, 'in', add[2])
+  redis.call('HINCRBY', sk, 'out', add[3])
+  redis.call('HINCRBYFLOAT', sk, 'cost', string.format('%.17g', add[4]))
+  redis.call('HINCRBY', sk, 'unpriced', add[5])
+end
+
+local answers = {}
+local suffixes = {':tools', ':tools:reported', ':outputs', ':outputs:reported', ':spend'}
+for r, run in ipairs(batch) do
+  local keys = {}
+  for k = 1, 5 do keys[k] = run.k .. suffixes[k] end
+  local loops, spent = {}, {}
+  if #run.c > 0 then count_calls(keys, run.c, run.n, loops) end
+  if #run.s > 0 then charge(keys[5], run.s, run.b, spent) end
+  for k = 1, 5 do redis.call('EXPIRE', keys[k], ttl) end
+  answers[r] = {loops, spent}
+end
+return cjson.encode(answers)
+"""
+_SHA: Final = hashlib.sha1(_SCRIPT.encode()).hexdigest()  # noqa: S324 (Redis names scripts so)
+_TOOLS, _OUTPUTS = 0, 1
+
+
+class RunShare:
+    """What one batch adds to one run's fleet-wide counts, and what this sidecar found.
+
+    Made by the tracker for a session's run with the first contribution of a
+    batch; the detections this sidecar's own count found wait here (``held``)
+    until the fleet says whether they are still to report.
+    """
+
+    __slots__ = ("calls", "charges", "loops", "now_ms", "run", "settings", "spent")
+
+    def __init__(self, run: RunState) -> None:
+        self.run = run
+        #: The script's calls (see ``_SCRIPT``), and per call what a report needs.
+        self.calls: list[list[Any]] = []
+        self.loops: list[tuple[str, str, int, Detection | None]] = []
+        #: When its last call was received (Unix ms): a report's time, fleet-wide.
+        self.now_ms = 0
+        #: The script's charges, and per charge where a crossing is reported.
+        self.charges: list[list[Any]] = []
+        self.spent: list[tuple[bytes, str, Detection | None]] = []
+        #: The settings of the run's last charge: its budget.
+        self.settings: DetectorSettings | None = None
+
+    def __len__(self) -> int:
+        return len(self.calls) + len(self.charges)
+
+    def call(
+        self,
+        *,
+        tool: bool,
+        digest: str,
+        instance: str,
+        span_id: bytes,
+        name: str,
+        start_ns: int,
+        now_ns: int,
+        settings: DetectorSettings,
+        dependency: str,
+        what: str,
+        held: Detection | None,
+    ) -> None:
+        """One call counted for loops; ``held``: what this sidecar's own count found at it.
+
+        ``instance``: what tells the call's sightings apart ("": its span id).
+        """
+        own = int(held.details["occurrence"]) if held is not None else 0
+        self.calls.append(
+            [
+                _TOOLS if tool else _OUTPUTS,
+                digest,
+                instance,
+                span_id.hex(),
+                name[:256],
+                start_ns // 1_000_000,
+                settings.loop_repeats,
+                settings.loop_window,
+                own,
+            ]
+        )
+        self.now_ms = now_ns // 1_000_000
+        self.loops.append((dependency, what, settings.loop_repeats, held))
+
+    def charge(
+        self,
+        *,
+        span_id: bytes,
+        dependency: str,
+        tokens: tuple[int, int],
+        cost: float | None,
+        settings: DetectorSettings,
+        held: Detection | None,
+    ) -> None:
+        """One LLM call's spend against the budget; ``held``: this sidecar's own crossing."""
+        crossed = str(held.details["crossed"]) if held is not None else ""
+        unpriced = int(cost is None)
+        self.charges.append([1, tokens[0], tokens[1], cost or 0.0, unpriced, crossed, 1])
+        self.spent.append((span_id, dependency, held))
+        self.settings = settings
+
+    def held(self) -> list[Detection]:
+        """What this sidecar's own counts found, in the order found."""
+        return [d for *_, d in self.loops if d is not None] + [
+            d for *_, d in self.spent if d is not None
+        ]
+
+
+class FleetRuns:
+    """Sends the batches' :class:`RunShare` s through the sidecar's Redis link; see the module."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        namespace: str,
+        *,
+        ttl_s: float = TTL_S,
+        max_backlog: int = MAX_BACKLOG,
+    ) -> None:
+        self._link = link
+        self._namespace = namespace
+        self._ttl = str(max(1, int(ttl_s)))
+        self._max_backlog = max_backlog
+        #: The thread that waits for Redis (made at the first round trip), and the round
+        #: trip sent and not collected yet.
+        self._thread: ThreadPoolExecutor | None = None
+        self._flight: tuple[list[_Send], Future[list[Any]]] | None = None
+        #: run id -> the prefix of its keys (runs come back batch after batch).
+        self._prefixes: dict[str, str] = {}
+        #: run id -> spend made while Redis was away: a charge, added at the run's next.
+        self._backlog: dict[str, list[Any]] = {}
+        #: run id -> what the batch so far adds to its counts (sent by :meth:`send`).
+        self._shares: dict[str, RunShare] = {}
+        #: Spans that contributed since the last :meth:`send`.
+        self.pending = 0
+        #: Runs' batches sent and answered, and not answered (judged locally).
+        self.shared = 0
+        self.unshared = 0
+        #: Runs whose spend while away was not kept (beyond ``max_backlog``).
+        self.backlog_dropped = 0
+
+    def share_of(self, run: RunState) -> RunShare:
+        """What the batch adds to ``run``'s fleet-wide counts (a span's contribution goes there)."""
+        self.pending += 1
+        share = self._shares.get(run.run_id)
+        if share is None:
+            share = self._shares[run.run_id] = RunShare(run)
+        else:
+            share.run = run  # the run's latest state (evicted and made again, its latest trace)
+        return share
+
+    def count(self, found: list[Detection]) -> None:
+        """:meth:`send` and :meth:`collect_steps` in one go (waiting on this thread)."""
+        self.send(found)
+        drive(self.collect_steps(found))
+
+    def send(self, found: list[Detection]) -> None:
+        """Start counting the batch's shares fleet-wide: one round trip, in a worker thread.
+
+        :meth:`collect_steps` takes its answer. One round trip at a time: one
+        not collected yet is collected first (what it found goes to ``found``).
+        Nothing shared in the batch: no round trip.
+        """
+        if self._flight is not None:
+            drive(self.collect_steps(found))
+        shares, self._shares, self.pending = self._shares, {}, 0
+        sends: list[_Send] = []
+        for run_id, share in shares.items():
+            if not len(share):
+                continue
+            kept = self._backlog.pop(run_id, None) if share.charges else None
+            charges = share.charges if kept is None else [kept, *share.charges]
+            sends.append((share, run_id, 0 if kept is None else 1, charges))
+        if sends:
+            self._flight = (sends, self._worker().submit(self._exchange, sends))
+
+    def collect_steps(self, found: list[Detection]) -> Steps[None]:
+        """What the round trip :meth:`send` started found goes to ``found``.
+
+        Yields its future while Redis has not answered (see
+        :mod:`supervisor.judge.steps`): the event loop answers others
+        meanwhile. Never raises for Redis: runs whose answer did not come are
+        judged by this sidecar alone (their held detections reported), their
+        spend kept.
+        """
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        sends, exchange = flight
+        if not exchange.done():
+            yield exchange
+        answers = exchange.result()  # never raises (see _exchange)
+        for (share, run_id, offset, charges), answer in zip(sends, answers, strict=True):
+            if answer is None:  # unreachable, or an error
+                self.unshared += 1
+                found += share.held()
+                self._keep(run_id, charges)
+                continue
+            self.shared += 1
+            _report(share, answer, offset, found)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        worker = self._thread
+        if worker is None:
+            worker = self._thread = ThreadPoolExecutor(1, thread_name_prefix="spanvisor-runs-fleet")
+        return worker
+
+    def _exchange(self, sends: list[_Send]) -> list[Any]:
+        """In the worker thread: the batch's answers from Redis, None for each when none came."""
+        try:
+            answers: list[Any] = self._link.run(lambda client: self._send(client, sends))
+        except Unreachable:
+            return [None] * len(sends)
+        except Exception:  # a bug here must not lose what this sidecar found
+            log.exception("counting runs fleet-wide failed; judged by this sidecar alone")
+            return [None] * len(sends)
+        if len(answers) != len(sends):
+            log.error("Redis answered for %d runs of %d; judged alone", len(answers), len(sends))
+            return [None] * len(sends)
+        return answers
+
+    def _send(self, client: Any, sends: list[_Send]) -> list[Any]:
+        """One script call for the batch's runs (loading the script if Redis lost it)."""
+        runs = [
+            {
+                "k": self._keys(run_id),
+                "c": share.calls,
+                "n": share.now_ms,
+                "s": charges,
+                "b": _limits(share.settings),
+            }
+            for share, run_id, _, charges in sends
+        ]
+        args = (json.dumps(runs, separators=(",", ":")), self._ttl, MAX_LOOP_REPORTS, MAX_REPORTED)
+        try:
+            answer = client.evalsha(_SHA, 0, *args)
+        except NoScriptError:
+            answer = client.eval(_SCRIPT, 0, *args)
+        return [a if isinstance(a, list) else None for a in json.loads(answer)]
+
+    def _keys(self, run_id: str) -> str:
+        """The prefix of the run's keys, one hash slot (its id hashed: ids may be long)."""
+        known = self._prefixes
+        prefix = known.get(run_id)
+        if prefix is None:
+            if len(known) >= _MAX_PREFIXES:
+                known.clear()
+            digest = hashlib.blake2b(run_id.encode("utf-8", "surrogatepass"), digest_size=12)
+            prefix = known[run_id] = f"{self._namespace}:runs:{{{digest.hexdigest()}}}"
+        return prefix
+
+    def _keep(self, run_id: str, charges: list[list[Any]]) -> None:
+        """A run's spend not counted by the fleet, for its next batch (own crossings marked)."""
+        if not charges:
+            return
+        kept = self._backlog.get(run_id)
+        if kept is None:
+            if len(self._backlog) >= self._max_backlog:
+                self.backlog_dropped += 1
+                return
+            kept = self._backlog[run_id] = [0, 0, 0, 0.0, 0, "", 0]
+        for charge in charges:
+            for k in range(5):
+                kept[k] += charge[k]
+            kinds = {*str(kept[5]).split("+"), *str(charge[5]).split("+")} - {""}
+            kept[5] = "+".join(sorted(kinds))
+
+
+#: A run's share as sent: the share, its run id, the charges kept from before (0 or 1),
+#: and its charges (those first).
+_Send = tuple["RunShare", str, int, list[list[Any]]]
+
+
+def _limits(settings: DetectorSettings | None) -> list[float]:
+    """The budget's limits as the script reads them (-1: none)."""
+    budget = settings.budget if settings is not None else None
+    if budget is None:
+        return [-1, -1]
+    tokens, cost = budget.max_tokens, budget.max_cost_usd
+    return [-1 if tokens is None else tokens, -1 if cost is None else cost]
+
+
+def _report(share: RunShare, answer: list[Any], offset: int, found: list[Detection]) -> None:
+    """The fleet's answer for one run: its reports, or this sidecar's own that still stand."""
+    loops, spent = (part if isinstance(part, list) else [] for part in answer)
+    run = share.run
+    for n, span_hex, name, occurrence, own in loops:
+        dependency, what, repeats, held = share.loops[n]
+        if own:
+            if held is not None:
+                found.append(held)
+            continue
+        first = (bytes.fromhex(span_hex), str(name), int(occurrence))
+        found.append(loop_detection(run, dependency, first, repeats=repeats, what=what))
+    for n, crossed, calls, tokens_in, tokens_out, cost, unpriced, own in spent:
+        span_id, dependency, held = share.spent[max(0, n - offset)]
+        if own:
+            if held is not None and n >= offset:
+                found.append(held)
+            continue
+        settings = share.settings
+        assert settings is not None  # a charge sets it
+        total = RunSpend()
+        total.calls, total.input_tokens, total.output_tokens = calls, tokens_in, tokens_out
+        total.cost_usd, total.unpriced_calls = float(cost), unpriced
+        if run.spend is not None and run.spend.unpriced_models:
+            total.unpriced_models = list(run.spend.unpriced_models)
+        found.append(
+            budget_crossed(
+                run,
+                span_id=span_id,
+                dependency=dependency,
+                crossed=crossed,
+                spend=total,
+                settings=settings,
+            )
+        )
