@@ -188,7 +188,7 @@ def test_a_remediation_waiting_on_one_sidecar_goes_on_when_the_other_approves(
                 a.send([llm_request(TRIGGER_SPAN, failed=True)])  # judged on a only
                 wait_until(
                     lambda: b.get("/v1/approvals", status="pending")["approvals"],
-                    30,
+                    90,  # a's runner first launches DBOS on the shared database
                     "the remediation on a asking for approval",
                 )
                 [asked] = b.get("/v1/approvals", status="pending")["approvals"]
