@@ -13,7 +13,11 @@ One step of each run fails, in one of three ways the fleet's policy treats
 differently: an HTTP 503 (retried: twice in a row), a 401 (escalated for
 approval) or a timeout (remediated: a durable ``retry_step`` some seconds
 later). The agent waits for its command, then sends the step again, which
-succeeds, and goes on; a run is done after its last step.
+succeeds, and goes on; a run is done after its last step. A few more runs
+loop: they make the same tool call in each of :data:`LOOP_CALLS` traces,
+which hop, so no sidecar sees the call :data:`LOOP_CALLS` times (fewer, even
+with one sidecar taken out): only a fleet-wide view of the run can call it a
+loop.
 
 Commands arrive by signed webhook (Standard Webhooks) at one loopback server,
 on ``/hooks/<instance>``, so each delivery names the sidecar that sent it. The
@@ -62,6 +66,9 @@ ERRORS: Mapping[str, tuple[str, str]] = {
     "remediate": ("openai.APITimeoutError", "Request timed out."),
 }
 KINDS: tuple[str, ...] = tuple(ERRORS)
+#: A looping run's calls: the policy's loop detector needs as many repeats.
+LOOP_CALLS = 3
+LOOP_ARGUMENTS = '{"query": "the same thing, again"}'
 #: Failures in a row of the failing step, per kind (a 503 is retried twice).
 FAILURES_IN_A_ROW: Mapping[str, int] = {"transient": 2, "escalate": 1, "remediate": 1}
 
@@ -77,6 +84,7 @@ class Run:
 
     index: int
     session: str
+    #: transient | escalate | remediate (how its failing step fails), or loop
     kind: str
     fail_step: int
     steps: int
@@ -273,19 +281,25 @@ class Agents:
         failing = run.step == run.fail_step and run.failures_left > 0
         tracer = self.exporters.tracer(target)
         session = {"session.id": run.session}
+        if run.kind == "loop":  # the same tool call each time
+            name = "search"
+            attributes = {
+                "openinference.span.kind": "TOOL",
+                "tool.name": "search",
+                "input.value": LOOP_ARGUMENTS,
+            }
+        else:
+            name = "ChatCompletion"
+            attributes = {
+                "openinference.span.kind": "LLM",
+                "llm.provider": "openai",
+                "llm.model_name": "gpt-4o",
+            }
         with (
             tracer.start_as_current_span(
                 f"agent.step.{run.step}", attributes={"openinference.span.kind": "AGENT", **session}
             ),
-            tracer.start_as_current_span(
-                "ChatCompletion",
-                attributes={
-                    "openinference.span.kind": "LLM",
-                    "llm.provider": "openai",
-                    "llm.model_name": "gpt-4o",
-                    **session,
-                },
-            ) as span,
+            tracer.start_as_current_span(name, attributes={**attributes, **session}) as span,
         ):
             if failing:
                 kind, message = ERRORS[run.kind]
@@ -338,11 +352,12 @@ class Agents:
             delivery.answered = time.time()
 
 
-def plan_runs(count: int, steps: int, targets: int, victim: int) -> list[Run]:
-    """``count`` runs, the kinds in turn; half the remediated runs fail on the ``victim``.
+def plan_runs(count: int, steps: int, targets: int, victim: int, loops: int = 0) -> list[Run]:
+    """``count`` runs, the kinds in turn, then ``loops`` looping runs.
 
-    So the sidecar that is killed judges timeouts and holds their remediations
-    (each run's first failure is its trace number ``fail_step``).
+    Half the remediated runs fail on the ``victim``, so the sidecar that is
+    killed judges timeouts and holds their remediations (each run's first
+    failure is its trace number ``fail_step``).
     """
     runs: list[Run] = []
     for index in range(count):
@@ -354,6 +369,8 @@ def plan_runs(count: int, steps: int, targets: int, victim: int) -> list[Run]:
                 (s for s in range(1, steps) if hop(session, s, targets) == victim), fail_step
             )
         runs.append(Run(index, session, kind, fail_step, steps, FAILURES_IN_A_ROW[kind]))
+    for index in range(count, count + loops):
+        runs.append(Run(index, f"fleet-loop-{index:03d}", "loop", -1, LOOP_CALLS, 0))
     return runs
 
 

@@ -35,6 +35,8 @@ What is printed (each a goal):
 * approvals per escalation in the store and answers per approval (goal 1 each);
 * decisions lost while Redis was away: failures sent during the outage and
   acknowledged by a live sidecar that have no incident at the end (goal 0);
+* loops caught: runs whose same tool call hops between the sidecars, none of
+  which sees it often enough to call it a loop alone (goal: all);
 * takeover: from the kill until no remediation of the killed sidecar is still
   held by it (DBOS's ``workflow_status``: pending under its executor id), and
   until every delivery it had in flight reached the agent from another
@@ -69,6 +71,7 @@ import httpx
 import psycopg
 
 from bench._fleet_agents import (
+    LOOP_CALLS,
     SECRET,
     Agents,
     AgentWebhooks,
@@ -96,8 +99,9 @@ def policy(remediate_delay_s: float) -> str:
 
     Breakers, budget and intensity are on (their state is what Redis shares)
     with bounds the load never reaches, so every failure gets its own rule's
-    decision. The run detectors are off: every step makes the same call, which
-    is what a loop looks like.
+    decision. Loops are caught at :data:`LOOP_CALLS` repeats of a tool call (the
+    LLM calls carry no output to compare); stalls are not looked for (a run
+    waiting for its approval is silent).
     """
     return f"""\
 version: 1
@@ -105,7 +109,7 @@ breakers:
   default: {{fail_max: 10000, reset_timeout_s: 30}}
 retry_budget: {{ratio: 1.0, min_retries: 10000, window_s: 10}}
 restart_intensity: {{max_actions: 1000, period_s: 60}}
-detectors: {{loops: {{enabled: false}}, stalls: {{enabled: false}}}}
+detectors: {{loops: {{enabled: true, repeats: {LOOP_CALLS}}}, stalls: {{enabled: false}}}}
 remediators:
   retry_later:
     use: retry_step
@@ -137,6 +141,8 @@ class Plan:
 
     runs: int = 30
     steps: int = 4
+    #: Runs that loop across the sidecars (on top of ``runs``).
+    loops: int = 3
     sidecars: int = 3
     victim: int = 1
     spacing_s: float = 0.3
@@ -170,6 +176,7 @@ class Figures:
     unsigned: int
     duplicates: int
     redelivered: int
+    #: Escalated incidents in the store.
     escalations: int
     approvals_per_escalation: Mapping[int, int]
     answers_per_approval: Mapping[int, int]
@@ -182,6 +189,8 @@ class Figures:
     remediation_takeover_s: float | None
     held_deliveries: int
     delivery_takeover_s: float | None
+    loops: int
+    loops_caught: int
     fleet_stats: Any = None
     waited_s: float = 0.0
 
@@ -210,6 +219,7 @@ class Figures:
             f"takeover of its remediations: "
             f"{took(self.remediation_takeover_s, self.held_remediations)};"
             f" of its deliveries: {took(self.delivery_takeover_s, self.held_deliveries)}",
+            f"loops caught, each spread over the sidecars: {self.loops_caught} of {self.loops}",
             f"fleet stats: {self.fleet_stats if self.fleet_stats is not None else 'none'}",
             f"waited {self.waited_s:.0f} s for the runs after the last one started",
         ]
@@ -232,7 +242,10 @@ class SharedStore:
         return {str(r[0]) for r in self.rows("SELECT span_id FROM incidents")}
 
     def held_remediations(self, executor: str) -> set[str]:
-        """Remediation workflows pending under ``executor`` (DBOS's ``workflow_status``)."""
+        """Remediation workflows pending under ``executor`` (DBOS's ``workflow_status``).
+
+        One that another executor took over (its id moves) or that ended is not.
+        """
         return {
             str(r[0])
             for r in self.rows(
@@ -242,6 +255,13 @@ class SharedStore:
                 executor,
             )
         }
+
+    def looping_runs(self) -> set[str]:
+        """The runs a loop was detected in."""
+        rows = self.rows(
+            "SELECT DISTINCT run_id FROM incidents WHERE rule LIKE %s", "%reasoning_loop"
+        )
+        return {str(r[0]) for r in rows}
 
     def approvals_per_escalation(self) -> Counter[int]:
         """{approvals: how many escalations have that many} over every escalated incident."""
@@ -522,7 +542,7 @@ def run_fleet(plan: Plan, directory: Path, database_url: str) -> Figures:
     names = [f"fleet-{n}" for n in range(plan.sidecars)]
     killed = names[plan.victim]
     agents = Agents(
-        plan_runs(plan.runs, plan.steps, plan.sidecars, plan.victim),
+        plan_runs(plan.runs, plan.steps, plan.sidecars, plan.victim, plan.loops),
         names,
         spacing_s=plan.spacing_s,
         step_pause_s=plan.step_pause_s,
@@ -570,7 +590,8 @@ def run_fleet(plan: Plan, directory: Path, database_url: str) -> Figures:
         stack.callback(watch.stop)
         watch.start()
 
-        last_start = began + plan.runs * plan.spacing_s
+        last_start = began + (plan.runs + plan.loops) * plan.spacing_s
+        loops = {r.session for r in agents.runs if r.kind == "loop"}
         settle_until = last_start + plan.settle_s
 
         def settled() -> bool:
@@ -581,7 +602,11 @@ def run_fleet(plan: Plan, directory: Path, database_url: str) -> Figures:
                 runs, failures, ledger, store.incident_spans(), killed, time.time()
             )
             takeover_over = watch.taken_after_s is not None
-            return takeover_over and all(r.finished or r.index in blocked for r in runs)
+            return (
+                takeover_over
+                and all(r.finished or r.index in blocked for r in runs)
+                and loops <= store.looping_runs()
+            )
 
         with contextlib.suppress(AssertionError):
             wait_until(settled, max(1.0, settle_until - time.time()), "the runs", interval_s=0.5)
@@ -591,10 +616,12 @@ def run_fleet(plan: Plan, directory: Path, database_url: str) -> Figures:
         fleet_stats = None
         with contextlib.suppress(httpx.HTTPError):
             fleet_stats = live()[0].get("/v1/stats").get("fleet")
-        runs, failures, deliveries = agents.snapshot()
+        everything, failures, deliveries = agents.snapshot()
+        runs = [r for r in everything if r.kind != "loop"]
         stored = store.incident_spans()
         blocked = recoverability(runs, failures, ledger, stored, killed, float("inf"))
         recoverable = [r for r in runs if r.index not in blocked]
+        per_escalation = store.approvals_per_escalation()
         outage_sent = [
             f
             for f in failures
@@ -619,8 +646,8 @@ def run_fleet(plan: Plan, directory: Path, database_url: str) -> Figures:
             unsigned=sum(1 for d in deliveries if not d.signed),
             duplicates=duplicates,
             redelivered=redelivered,
-            escalations=sum(1 for r in runs if r.kind == "escalate"),
-            approvals_per_escalation=dict(store.approvals_per_escalation()),
+            escalations=sum(per_escalation.values()),
+            approvals_per_escalation=dict(per_escalation),
             answers_per_approval=dict(Counter(approver.answers.values())),
             answer_conflicts=approver.conflicts,
             outage_failures=len(outage_sent),
@@ -631,6 +658,8 @@ def run_fleet(plan: Plan, directory: Path, database_url: str) -> Figures:
             remediation_takeover_s=watch.taken_after_s,
             held_deliveries=held_deliveries,
             delivery_takeover_s=delivery_takeover,
+            loops=len(loops),
+            loops_caught=len(loops & store.looping_runs()),
             fleet_stats=fleet_stats,
             waited_s=waited,
         )

