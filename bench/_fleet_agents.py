@@ -150,8 +150,13 @@ class Ledger:
 
     def acknowledged_by(self, span_id: str) -> str | None:
         """The sidecar that answered an export of the span with success, if one did."""
+        found = self.acknowledgement(span_id)
+        return None if found is None else found.target
+
+    def acknowledgement(self, span_id: str) -> Export | None:
+        """The export of the span that a sidecar answered with success, if one did."""
         with self._lock:
-            return next((e.target for e in self._exports.get(span_id, ()) if e.ok), None)
+            return next((e for e in self._exports.get(span_id, ()) if e.ok), None)
 
 
 class RecordingExporter(OTLPSpanExporter):
@@ -355,9 +360,10 @@ class Agents:
 def plan_runs(count: int, steps: int, targets: int, victim: int, loops: int = 0) -> list[Run]:
     """``count`` runs, the kinds in turn, then ``loops`` looping runs.
 
-    Half the remediated runs fail on the ``victim``, so the sidecar that is
-    killed judges timeouts and holds their remediations (each run's first
-    failure is its trace number ``fail_step``).
+    Half the remediated runs fail on the ``victim`` (each run's first failure
+    is its trace number ``fail_step``; with 4 steps or more, one of steps 1 to 3
+    goes there), so the sidecar that is killed judges timeouts and holds their
+    remediations.
     """
     runs: list[Run] = []
     for index in range(count):

@@ -86,6 +86,7 @@ from bench.harness import command_line
 from supervisor.testing.sidecar_process import SidecarProcess, wait_until
 from tests.tcp_proxy import TcpProxy
 
+ROOT = Path(__file__).resolve().parents[1]
 REDIS = ("127.0.0.1", 6379)
 WORKFLOW = "spanvisor.remediate"
 #: An answer written this long before the kill may not have been recorded by its sender.
@@ -170,6 +171,9 @@ class Figures:
     recoverable: int
     completed: int
     unrecoverable: Mapping[str, int]
+    #: For each failure only in the killed sidecar's ingest log: how long before
+    #: the kill it was acknowledged (seconds).
+    unstored_before_kill_s: tuple[float, ...]
     stuck: tuple[str, ...]
     failures: int
     deliveries: int
@@ -203,6 +207,14 @@ class Figures:
         return [
             f"runs completed: {self.completed} of {self.recoverable} recoverable"
             f" ({self.runs} runs; not recoverable: {dict(self.unrecoverable) or 0})",
+            *(
+                [
+                    "  acknowledged by the killed sidecar and not stored, this long before"
+                    f" the kill: {', '.join(f'{s:.3f} s' for s in self.unstored_before_kill_s)}"
+                ]
+                if self.unstored_before_kill_s
+                else []
+            ),
             *(f"  stuck: {line}" for line in self.stuck),
             f"deliveries: {self.deliveries} ({self.unsigned} badly signed);"
             f" duplicates by Idempotency-Key: {self.duplicates};"
@@ -440,6 +452,7 @@ def start_sidecars(
     """The fleet's sidecars, one after the other (each healthy before the next starts)."""
     token = secrets.token_urlsafe(16)
     env = {
+        "PYTHONPATH": str(ROOT),  # the sidecars run this tree, from any directory
         "SPANVISOR_INSTANCE_HEARTBEAT_S": f"{plan.heartbeat_s:g}",
         "SPANVISOR_INSTANCE_DEAD_AFTER_S": f"{plan.dead_after_s:g}",
     }
@@ -636,6 +649,15 @@ def run_fleet(plan: Plan, directory: Path, database_url: str) -> Figures:
             recoverable=len(recoverable),
             completed=sum(1 for r in recoverable if r.state == "done"),
             unrecoverable=dict(Counter(blocked.values())),
+            unstored_before_kill_s=tuple(
+                sorted(
+                    kill_at - found.at
+                    for f in failures
+                    if f.span_id not in stored
+                    and (found := ledger.acknowledgement(f.span_id)) is not None
+                    and found.target == killed
+                )
+            ),
             stuck=tuple(
                 f"{r.session} ({r.kind}, step {r.step} of {r.steps}, {r.state})"
                 for r in recoverable

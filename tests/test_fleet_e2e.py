@@ -22,7 +22,7 @@ from tests.postgres import fresh_schema
 
 pytestmark = pytest.mark.slow
 
-PLAN = Plan(runs=9, loops=2, steps=3, outage_at_s=1.0, outage_s=4.0, kill_at_s=2.0, settle_s=20.0)
+PLAN = Plan(runs=9, loops=2, steps=4, outage_at_s=1.0, outage_s=4.0, kill_at_s=2.0, settle_s=20.0)
 #: A dead sidecar is noticed after ``dead_after_s``; its work must move within a few more.
 TAKEOVER_BOUND_S = PLAN.dead_after_s + PLAN.remediate_delay_s + 4.0
 
