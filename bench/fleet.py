@@ -244,11 +244,18 @@ class SharedStore:
         self.url = url
 
     def rows(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-        with psycopg.connect(self.url, connect_timeout=3) as db:
+        """The query's rows; a server too busy to connect is asked again, three times."""
+        for attempt in range(3):
             try:
-                return list(db.execute(sql, args).fetchall())
+                with psycopg.connect(self.url, connect_timeout=3) as db:
+                    return list(db.execute(sql, args).fetchall())
             except psycopg.errors.UndefinedTable:
                 return []  # not created yet
+            except psycopg.OperationalError:
+                if attempt == 2:
+                    raise
+                time.sleep(0.5)
+        raise AssertionError("unreachable")
 
     def incident_spans(self) -> set[str]:
         return {str(r[0]) for r in self.rows("SELECT span_id FROM incidents")}
@@ -483,7 +490,7 @@ def start_sidecars(
             policy=policy(plan.remediate_delay_s),
             env=env,
             name=name,
-            startup_timeout_s=30,
+            startup_timeout_s=60,
         )
         sidecar.start()
         stack.callback(sidecar.stop)
