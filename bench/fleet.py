@@ -58,41 +58,33 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as `python bench/fleet.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
-import psycopg
 
 from bench._fleet_agents import (
     LOOP_CALLS,
     SECRET,
     Agents,
     AgentWebhooks,
-    Delivery,
     Exporters,
-    FailureSent,
     Ledger,
-    Run,
     plan_runs,
 )
+from bench._fleet_figures import Figures, delivery_figures, recoverability
+from bench._fleet_store import SharedStore, TakeoverWatch
 from bench.harness import command_line
 from supervisor.testing.sidecar_process import SidecarProcess, wait_until
 from tests.tcp_proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parents[1]
 REDIS = ("127.0.0.1", 6379)
-WORKFLOW = "spanvisor.remediate"
-#: An answer written this long before the kill may not have been recorded by its sender.
-ACK_GRACE_S = 0.5
-#: A failing span not acknowledged this long after it was sent never will be.
-EXPORT_GIVE_UP_S = 8.0
 
 
 def policy(remediate_delay_s: float) -> str:
@@ -163,134 +155,6 @@ class Plan:
     seed: int = 1
 
 
-@dataclass(frozen=True)
-class Figures:
-    """What one fleet run measured (see the module docstring for each)."""
-
-    runs: int
-    recoverable: int
-    completed: int
-    unrecoverable: Mapping[str, int]
-    #: For each failure only in the killed sidecar's ingest log: how long before
-    #: the kill it was acknowledged (seconds).
-    unstored_before_kill_s: tuple[float, ...]
-    stuck: tuple[str, ...]
-    failures: int
-    deliveries: int
-    unsigned: int
-    duplicates: int
-    redelivered: int
-    #: Escalated incidents in the store.
-    escalations: int
-    approvals_per_escalation: Mapping[int, int]
-    answers_per_approval: Mapping[int, int]
-    answer_conflicts: int
-    outage_failures: int
-    outage_lost: int
-    killed: str
-    kill_at_s: float
-    held_remediations: int
-    remediation_takeover_s: float | None
-    held_deliveries: int
-    delivery_takeover_s: float | None
-    loops: int
-    loops_caught: int
-    fleet_stats: Any = None
-    waited_s: float = 0.0
-
-    def lines(self) -> list[str]:
-        def took(value: float | None, held: int) -> str:
-            if held == 0:
-                return "n/a (none held)"
-            return "not within the run" if value is None else f"{value:.1f} s"
-
-        return [
-            f"runs completed: {self.completed} of {self.recoverable} recoverable"
-            f" ({self.runs} runs; not recoverable: {dict(self.unrecoverable) or 0})",
-            *(
-                [
-                    "  acknowledged by the killed sidecar and not stored, this long before"
-                    f" the kill: {', '.join(f'{s:.3f} s' for s in self.unstored_before_kill_s)}"
-                ]
-                if self.unstored_before_kill_s
-                else []
-            ),
-            *(f"  stuck: {line}" for line in self.stuck),
-            f"deliveries: {self.deliveries} ({self.unsigned} badly signed);"
-            f" duplicates by Idempotency-Key: {self.duplicates};"
-            f" redelivered after an attempt in flight at the kill: {self.redelivered}",
-            f"escalations: {self.escalations}; approvals per escalation"
-            f" {{count: escalations}}: {dict(self.approvals_per_escalation)};"
-            f" answers per approval: {dict(self.answers_per_approval)};"
-            f" answers refused (already answered): {self.answer_conflicts}",
-            f"decisions lost while Redis was away: {self.outage_lost}"
-            f" of {self.outage_failures} failures sent then",
-            f"killed {self.killed} at {self.kill_at_s:.1f} s holding"
-            f" {self.held_remediations} remediations and {self.held_deliveries}"
-            " deliveries in flight",
-            f"takeover of its remediations: "
-            f"{took(self.remediation_takeover_s, self.held_remediations)};"
-            f" of its deliveries: {took(self.delivery_takeover_s, self.held_deliveries)}",
-            f"loops caught, each spread over the sidecars: {self.loops_caught} of {self.loops}",
-            f"fleet stats: {self.fleet_stats if self.fleet_stats is not None else 'none'}",
-            f"waited {self.waited_s:.0f} s for the runs after the last one started",
-        ]
-
-
-class SharedStore:
-    """The fleet's tables in PostgreSQL, read directly (as every sidecar's API reads them)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def rows(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-        """The query's rows; a server too busy to connect is asked again, three times."""
-        for attempt in range(3):
-            try:
-                with psycopg.connect(self.url, connect_timeout=3) as db:
-                    return list(db.execute(sql, args).fetchall())
-            except psycopg.errors.UndefinedTable:
-                return []  # not created yet
-            except psycopg.OperationalError:
-                if attempt == 2:
-                    raise
-                time.sleep(0.5)
-        raise AssertionError("unreachable")
-
-    def incident_spans(self) -> set[str]:
-        return {str(r[0]) for r in self.rows("SELECT span_id FROM incidents")}
-
-    def held_remediations(self, executor: str) -> set[str]:
-        """Remediation workflows pending under ``executor`` (DBOS's ``workflow_status``).
-
-        One that another executor took over (its id moves) or that ended is not.
-        """
-        return {
-            str(r[0])
-            for r in self.rows(
-                "SELECT workflow_uuid FROM workflow_status"
-                " WHERE name = %s AND status = 'PENDING' AND executor_id = %s",
-                WORKFLOW,
-                executor,
-            )
-        }
-
-    def looping_runs(self) -> set[str]:
-        """The runs a loop was detected in."""
-        rows = self.rows(
-            "SELECT DISTINCT run_id FROM incidents WHERE rule LIKE %s", "%reasoning_loop"
-        )
-        return {str(r[0]) for r in rows}
-
-    def approvals_per_escalation(self) -> Counter[int]:
-        """{approvals: how many escalations have that many} over every escalated incident."""
-        rows = self.rows(
-            "SELECT i.key, count(a.id) FROM incidents i LEFT JOIN approvals a"
-            " ON a.incident_key = i.key WHERE i.action = 'escalate' GROUP BY i.key"
-        )
-        return Counter(int(r[1]) for r in rows)
-
-
 class Approver:
     """Answers each pending approval once (approve), each time through a random live sidecar."""
 
@@ -330,92 +194,6 @@ class Approver:
                     raise
                 self.conflicts += 1
             self.answers[approval["id"]] += 1
-
-
-class TakeoverWatch:
-    """From the kill on, when the killed sidecar's remediations stop being held by it."""
-
-    def __init__(self, store: SharedStore, executor: str, held: set[str], kill_at: float) -> None:
-        self.store, self.executor, self.held, self.kill_at = store, executor, held, kill_at
-        self.taken_after_s: float | None = None if held else 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="fleet-takeover", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _loop(self) -> None:
-        while self.taken_after_s is None and not self._stop.wait(0.1):
-            with contextlib.suppress(psycopg.Error):
-                if not self.held & self.store.held_remediations(self.executor):
-                    self.taken_after_s = time.time() - self.kill_at
-
-
-def recoverability(
-    runs: Sequence[Run],
-    failures: Sequence[FailureSent],
-    ledger: Ledger,
-    stored: set[str],
-    killed: str,
-    now: float,
-) -> dict[int, str]:
-    """Why each run cannot be recovered (see the module docstring); recoverable runs absent.
-
-    A failure sent less than :data:`EXPORT_GIVE_UP_S` ago that no sidecar
-    acknowledged yet may still be: it does not count against its run yet.
-    """
-    reasons: dict[int, str] = {}
-    for failure in failures:
-        by = ledger.acknowledged_by(failure.span_id)
-        if by is None and now - failure.at > EXPORT_GIVE_UP_S:
-            reasons[failure.run] = "a failure no sidecar acknowledged"
-        elif by == killed and failure.span_id not in stored:
-            reasons[failure.run] = "a failure only in the killed sidecar's ingest log"
-    return {run.index: reasons[run.index] for run in runs if run.index in reasons}
-
-
-def delivery_figures(
-    deliveries: Sequence[Delivery], killed: str, kill_at: float
-) -> tuple[int, int, int, float | None]:
-    """(duplicates, redelivered, deliveries held by the killed sidecar, their takeover time).
-
-    Held: an attempt from the killed sidecar that was not answered before the
-    kill. Taken over: delivered after the kill by another sidecar.
-    """
-    by_key: dict[str, list[Delivery]] = defaultdict(list)
-    for delivery in sorted(deliveries, key=lambda d: d.arrived):
-        if delivery.signed:
-            by_key[delivery.key].append(delivery)
-    duplicates = redelivered = 0
-    takeovers: list[float | None] = []
-    for copies in by_key.values():
-        for n in range(1, len(copies)):
-            acknowledged = any(
-                e.answered is not None
-                and (e.instance != killed or e.answered < kill_at - ACK_GRACE_S)
-                for e in copies[:n]
-            )
-            if acknowledged:
-                duplicates += 1
-            else:
-                redelivered += 1
-        held = any(
-            d.instance == killed
-            and d.arrived < kill_at
-            and (d.answered is None or d.answered >= kill_at)
-            for d in copies
-        )
-        if held:
-            after = [d.arrived for d in copies if d.arrived >= kill_at and d.instance != killed]
-            takeovers.append(min(after) - kill_at if after else None)
-    if not takeovers:
-        return duplicates, redelivered, 0, None
-    slowest = None if None in takeovers else max(t for t in takeovers if t is not None)
-    return duplicates, redelivered, len(takeovers), slowest
 
 
 def in_flight(agents: Agents, instance: str) -> int:

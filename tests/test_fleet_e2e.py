@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.fleet import Figures, Plan, run_fleet
+from bench._fleet_figures import Figures
+from bench.fleet import Plan, run_fleet
 from tests.postgres import fresh_schema
 
 pytestmark = pytest.mark.slow
