@@ -341,28 +341,22 @@ class RunTracker:
         run.output_tokens += completion
         if prompt or completion:
             charges = self._charges
-            if share is None or settings.budget is None or charges.models is None:
-                charges.charge(
-                    run,
-                    span.span_id,
-                    dependency,
-                    prompt,
-                    completion,
-                    settings=settings,
-                    found=found,
-                )
-            else:
-                over: list[Detection] = []
-                cost = charges.charge(
-                    run,
-                    span.span_id,
-                    dependency,
-                    prompt,
-                    completion,
-                    settings=settings,
-                    found=found,
-                    over=over,
-                )
+            # A run the fleet counts: its budget crossing waits for the fleet's answer.
+            shared = (
+                share is not None and settings.budget is not None and charges.models is not None
+            )
+            over: list[Detection] | None = [] if shared else None
+            cost = charges.charge(
+                run,
+                span.span_id,
+                dependency,
+                prompt,
+                completion,
+                settings=settings,
+                found=found,
+                over=over,
+            )
+            if share is not None and over is not None:
                 share.charge(
                     span_id=span.span_id,
                     dependency=dependency,
