@@ -301,6 +301,12 @@ class RunTracker:
         if self.fleet is not None:
             self.fleet.send(found)
 
+    def share_backlog(self, found: list[Detection]) -> None:
+        """Between batches: what the fleet did not count while Redis was away, sent when it
+        may answer (see :meth:`.FleetRuns.catch_up`); never waits. Without a fleet, nothing."""
+        if self.fleet is not None:
+            self.fleet.catch_up(found)
+
     def share_end_steps(self, found: list[Detection]) -> Steps[None]:
         """What the fleet, or this sidecar's own count, found in sessions' runs goes to
         ``found``: awaited if Redis has not answered yet."""
@@ -824,7 +830,9 @@ class RunTracker:
         if fleet is not None:  # sessions' batches counted fleet-wide, and judged here alone
             found["fleet_shared"] = fleet.shared
             found["fleet_unshared"] = fleet.unshared
+            found["fleet_backlog"] = fleet.backlog
             found["fleet_backlog_dropped"] = fleet.backlog_dropped
+            found["fleet_backlog_calls_dropped"] = fleet.backlog_calls_dropped
         return found
 
 
