@@ -49,19 +49,21 @@ kept (:meth:`RunShare.kept`; at most ``max_backlog`` runs, and a window's worth
 of each run's loop calls of each kind; what is not kept is counted): the loop
 calls, each with the occurrences of its loop this sidecar reported meanwhile
 (which the fleet then does not report again), and the spend, as one charge
-with the crossings reported here marked. The backlog goes to Redis in the
-round trips that follow once the link is no longer resting: a run's with its
-next batch, and up to ``catch_up`` runs more with any batch, so that runs
-seen here only while Redis was away are counted too. The script counts them
-as they arrive, after whatever other sidecars sent meanwhile: a loop whose
-repeats were split between sidecars while Redis was away is found once every
-sidecar that saw part of it has caught up, and reported late (at that time,
-by the sidecar whose call completed it, naming the first repeated call as
-usual). What stays missed: a budget crossed only by the fleet's total is
-reported when the backlog joins it, and each sidecar may report a crossing of
-its own meanwhile; a loop this sidecar reported meanwhile may be reported
-again if the other sidecars' calls alone make it one before this sidecar's
-backlog arrives; and whatever a sidecar kept when it stops.
+with the crossings reported here marked. Once the link is no longer resting
+(:meth:`~supervisor.shared_breakers.RedisLink.resting`; nothing is asked to
+find out), the backlog goes in the round trips that follow: a run's with its
+next batch, up to ``catch_up`` runs more with any batch, and between batches
+from the app's once-a-second watch (:meth:`FleetRuns.catch_up`), so that runs
+this sidecar sees no more are counted too. The script counts them as they
+arrive, after whatever other sidecars sent meanwhile: a loop whose repeats
+were split between sidecars while Redis was away is found once the last of
+them has caught up, and **reported late**: then, by the sidecar whose backlog
+completed it, naming the first repeated call as usual. What the fleet still
+gets wrong: a budget crossed only by the fleet's total is reported when the
+backlogs join it, and each sidecar may have reported a crossing of its own
+meanwhile; a loop reported here meanwhile is reported again if the other
+sidecars' calls alone make one before this sidecar's backlog arrives; and what
+a sidecar kept is lost if it stops first.
 """
 
 from __future__ import annotations

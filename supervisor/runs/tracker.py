@@ -30,7 +30,8 @@ Lifecycle: built by the wiring, then :meth:`restore` d from the journal of a
 sidecar that ran before (:mod:`.journal`); :meth:`observe`, :meth:`share_begin`
 (once a batch's spans are observed) and :meth:`share_end_steps`,
 :meth:`run_of`, :meth:`commanded` and :meth:`failed` from the pipeline's
-thread; :meth:`stalled`, :meth:`snapshot` and :meth:`journal_changes` from the
+thread; :meth:`stalled`, :meth:`share_backlog`, :meth:`snapshot` and
+:meth:`journal_changes` from the
 same thread (the event loop), never concurrently. :meth:`notice` is the one
 method other threads may call: what it is told is applied on the next tick.
 """
