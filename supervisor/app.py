@@ -58,6 +58,7 @@ from supervisor.runs.journal import RunJournal
 from supervisor.settings import Settings
 
 if TYPE_CHECKING:
+    from supervisor.runs import Detection
     from supervisor.shared_breakers import RedisLink
 
 log = logging.getLogger("spanvisor.app")
@@ -638,12 +639,13 @@ class Sidecar:
 
     async def _watch_runs(self) -> None:
         """Every second: runs silent past their limit are stalls, judged like failures;
-        the runs that changed are journaled (off the loop)."""
+        the fleet's backlog is sent; the runs that changed are journaled (off the loop)."""
         while True:
             await asyncio.sleep(1.0)
             try:
                 await self._between_batches.wait()  # never judge inside another batch
                 self.check_stalls()
+                self.share_backlog()
                 await self._journal_runs()
             except Exception:  # the watch must never end
                 log.exception("stall check failed; trying again")
@@ -662,6 +664,19 @@ class Sidecar:
             return []
         now_ns = time.time_ns()
         outcomes = self.pipeline.judge_detected([detected_failure(s, now_ns) for s in found])
+        drive(self._report(outcomes, None))
+        self._act(outcomes)
+        return outcomes
+
+    def share_backlog(self) -> list[Outcome]:
+        """Sessions' loops and spend the fleet did not count while Redis was away, sent
+        when a sidecar gets no batch to send them with; what the fleet found is judged."""
+        found: list[Detection] = []
+        self.runs.share_backlog(found)
+        if not found:
+            return []
+        now_ns = time.time_ns()
+        outcomes = self.pipeline.judge_detected([detected_failure(d, now_ns) for d in found])
         drive(self._report(outcomes, None))
         self._act(outcomes)
         return outcomes
