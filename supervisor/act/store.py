@@ -701,12 +701,21 @@ class Store:
             )
 
     def incidents_where(
-        self, *, action: str | None = None, run_id: str | None = None, limit: int = 100
+        self,
+        *,
+        action: str | None = None,
+        run_id: str | None = None,
+        judged_by: str | None = None,
+        limit: int = 100,
     ) -> list[Incident]:
-        """The newest incidents with this action and/or run (a scan: for tools, not hot paths)."""
+        """The newest incidents with this action, run and/or judge (a scan: for tools and
+        takeovers, not hot paths)."""
         sql = _SELECT_INCIDENTS
         clauses: list[str] = []
         args: list[Any] = []
+        if judged_by is not None:
+            clauses.append("judged_by = ?")
+            args.append(judged_by)
         if action is not None:
             clauses.append("action = ?")
             args.append(action)
