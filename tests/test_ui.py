@@ -33,6 +33,7 @@ from supervisor.api.control import Control
 from supervisor.api.server import build_control_app
 from supervisor.app import BackgroundSidecar
 from supervisor.records import Action
+from supervisor.runs import RunView
 from supervisor.settings import AgentDelivery, PullChannel, load_settings
 from supervisor.ui.app import HEADERS, ConsoleOptions
 from supervisor.ui.sessions import Sessions
@@ -262,6 +263,87 @@ def test_approving_takes_two_steps_and_answers_once(client: TestClient, control:
     assert stale.status_code == 409 and "already approved" in Page(stale.text).all_text
     results = [c for c in control.store.commands() if c.command.type.value == "approval_result"]
     assert [c.command.params["approved"] for c in results] == [True]
+
+
+class _Runs:
+    """Runs listed as the tracker lists them, over fixed views."""
+
+    def __init__(self, views: list[RunView]) -> None:
+        self.views = sorted(views, key=lambda v: v.last_seen_at, reverse=True)
+
+    def snapshot(
+        self,
+        limit: int = 100,
+        now: float | None = None,
+        *,
+        before: tuple[float, str] | None = None,
+        service: str | None = None,
+        status: str | None = None,
+    ) -> list[RunView]:
+        found = [
+            v
+            for v in self.views
+            if (service is None or v.service == service) and (status is None or v.status == status)
+        ]
+        return found[:limit]
+
+    def stats(self) -> dict[str, int]:
+        return {"tracked": len(self.views)}
+
+    def find(self, run_id: str) -> RunView | None:
+        return next((v for v in self.views if v.run_id == run_id), None)
+
+
+def _run(run_id: str, service: str, status: str, step: str, at: float) -> RunView:
+    return RunView(
+        run_id=run_id,
+        service=service,
+        status=status,
+        started_at=at - 60,
+        last_seen_at=at,
+        idle_s=5.0,
+        spans=10,
+        llm_calls=3,
+        tool_calls=4,
+        errors=1 if status == "failing" else 0,
+        input_tokens=100,
+        output_tokens=20,
+        step=step,
+        spans_per_minute=10.0,
+        cost_usd=0.0123,
+    )
+
+
+def test_runs_are_filtered_by_status_service_and_text(control: Control) -> None:
+    control.runs = _Runs(
+        [
+            _run("sess-a", "checkout", "running", "chat gpt-4o", 1_000.0),
+            _run("sess-b", "checkout", "failing", "execute_tool search", 1_010.0),
+            _run("sess-c", "billing", "stalled", "execute_tool refund", 1_020.0),
+        ]
+    )
+    app = build_control_app(token=TOKEN, control=control, console=ConsoleOptions())
+    client = TestClient(app, base_url=BASE, headers={"Authorization": f"Bearer {TOKEN}"})
+
+    def listed(query: str) -> list[str]:
+        page = Page(client.get(f"/ui/runs{query}").text)
+        assert page.find("form", id="run-filters") and page.find("table", id="runs")
+        return [a["data-run-id"] for t, a in page.elements if t == "tr" and "data-run-id" in a]
+
+    assert listed("") == ["sess-c", "sess-b", "sess-a"]
+    assert listed("?status=failing") == ["sess-b"]
+    assert listed("?service=checkout") == ["sess-b", "sess-a"]
+    assert listed("?text=TOOL") == ["sess-c", "sess-b"]
+    assert listed("?service=checkout&text=search") == ["sess-b"]
+    bad = client.get("/ui/runs?status=nonsense")
+    assert bad.status_code == 400 and "status must be one of" in Page(bad.text).all_text
+    run = Page(client.get("/ui/runs/sess-b").text)
+    assert run.find("h1", id="run-title") and run.find("ol", id="timeline")
+    assert [a["data-kind"] for t, a in run.elements if t == "li" and "data-kind" in a] == [
+        "span",
+        "span",
+    ]
+    assert not run.find("a", id="trace-link")  # no ui_trace_url
 
 
 def test_sessions_expire_and_are_bounded() -> None:
