@@ -10,6 +10,7 @@ failing span sent over OTLP/HTTP as an agent sends it. Pages are parsed with
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from supervisor.settings import AgentDelivery, PullChannel, load_settings
 from supervisor.ui.app import HEADERS, ConsoleOptions
 from supervisor.ui.sessions import Sessions
 from supervisor.wiring import build_sidecar
+from tests.postgres import fresh_schema
 from tests.test_api import _outcome
 
 TOKEN = "t0k3n-for-the-console"
@@ -344,6 +346,30 @@ def test_runs_are_filtered_by_status_service_and_text(control: Control) -> None:
         "span",
     ]
     assert not run.find("a", id="trace-link")  # no ui_trace_url
+
+
+@pytest.mark.parametrize("where", ["sqlite", "postgresql"])
+def test_a_runs_timeline_holds_its_failures_decisions_commands_and_approvals(
+    where: str,
+) -> None:
+    with contextlib.ExitStack() as stack:
+        target = ":memory:" if where == "sqlite" else stack.enter_context(fresh_schema())
+        store = Store.open(target)
+        stack.callback(store.close)
+        control = _control(store)
+        control.actor.record([_outcome(Action.ESCALATE)])
+        [pending] = store.approvals(status="pending")
+        control.actor.answer(pending.id, approved=True, by="ops", note="")
+        app = build_control_app(token=TOKEN, control=control, console=ConsoleOptions())
+        client = TestClient(app, base_url=BASE, headers={"Authorization": f"Bearer {TOKEN}"})
+
+        run = Page(client.get("/ui/runs/run-1").text)
+
+    kinds = [a["data-kind"] for t, a in run.elements if t == "li" and "data-kind" in a]
+    # No tracker here: no spans; the failure comes from its stored incident.
+    assert sorted(kinds) == ["approval", "command", "command", "decision", "failure"]
+    assert "does not track this run" in run.all_text
+    assert "approval_result" in run.all_text and "pause_run" in run.all_text
 
 
 def test_sessions_expire_and_are_bounded() -> None:
