@@ -372,6 +372,22 @@ def test_a_runs_timeline_holds_its_failures_decisions_commands_and_approvals(
     assert "approval_result" in run.all_text and "pause_run" in run.all_text
 
 
+def test_a_timeline_says_once_why_it_shows_no_remediations() -> None:
+    app_control = _control(Store.open(":memory:"))
+    app_control.actor.record(
+        [_outcome(Action.REMEDIATE, span=f"00000000000000c{n}", kind="auth") for n in range(3)]
+    )
+    app = build_control_app(token=TOKEN, control=app_control, console=ConsoleOptions())
+    bearer = TestClient(app, base_url=BASE, headers={"Authorization": f"Bearer {TOKEN}"})
+
+    page = Page(bearer.get("/ui/runs/run-1").text)
+
+    notes = [n for n in page.text if "Remediations are not shown" in n]
+    assert notes == ["Remediations are not shown: remediations are not running on this sidecar"]
+    kinds = [a["data-kind"] for t, a in page.elements if t == "li" and "data-kind" in a]
+    assert kinds.count("decision") == 3 and "remediation" not in kinds
+
+
 def test_sessions_expire_and_are_bounded() -> None:
     now = [1_000.0]
     sessions = Sessions(60.0, max_sessions=2, clock=lambda: now[0])
