@@ -344,6 +344,7 @@ class Sidecar:
             runs=self.runs,
             exposition=exposition(self.metric_sources()),
             fleet_breakers=_fleet_breakers(self.breaker_link),
+            breaker_history=self.breakers.history,
         )
         control = build_control_app(token=self.token, control=self.control)
         self._api, api_port = await self._serve(
