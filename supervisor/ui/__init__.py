@@ -1,0 +1,1 @@
+"""The operator console at /ui: pages, charts and what they read, over the control API."""
