@@ -199,3 +199,22 @@ def test_a_shared_store_made_before_redeliveries_were_recorded_gets_their_column
         finally:
             store.close()
     assert (again.status, again.redeliveries, again.redelivered_by) == ("pending", 1, "ops")
+
+
+def test_two_sidecars_of_a_fleet_asked_for_one_dead_letter_put_it_back_once() -> None:
+    with fresh_schema() as url:
+        a, b = Store.open(url, instance_id="sidecar-a"), Store.open(url, instance_id="sidecar-b")
+        try:
+            dead = command(1)
+            a.record([incident(1, "transient", "timeout", command=dead)], T0)
+            a.dead(dead.id, "gone", T0)
+            b.redeliver(dead.id, channel_for=lambda s: "webhook", by="bob", now=T0 + 1)
+            with pytest.raises(RedeliveryError) as late:
+                a.redeliver(dead.id, channel_for=lambda s: "webhook", by="ann", now=T0 + 2)
+            found = a.command(dead.id)
+        finally:
+            a.close()
+            b.close()
+    assert late.value.why == "not_dead"
+    assert found is not None
+    assert (found.status, found.redeliveries, found.redelivered_by) == ("pending", 1, "bob")

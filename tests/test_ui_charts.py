@@ -187,3 +187,12 @@ def test_two_strips_on_one_page_never_share_a_pattern_id() -> None:
 
 def ids(root: ET.Element) -> set[str]:
     return {e.attrib["id"] for e in root.iter() if "id" in e.attrib}
+
+
+@pytest.mark.parametrize(
+    ("busiest", "axis"),
+    [(0, "0 1 2"), (3, "0 2 4"), (5, "0 3 6"), (24, "0 15 30"), (150, "0 100 200")],
+)
+def test_the_value_axis_ends_on_a_round_number_with_a_whole_half(busiest: int, axis: str) -> None:
+    root = parse(incidents_chart(counts(("transient", "timeout", (busiest, 0)))))
+    assert words(root).startswith(axis)

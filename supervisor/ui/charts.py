@@ -248,15 +248,15 @@ def _summary(
 
 
 def _nice_ceiling(value: int) -> int:
-    """The smallest of 1, 2, 5 times a power of ten (and even) at or above ``value``."""
+    """The axis' top: a round even number at or above ``value`` (its half is a whole one)."""
     if value <= 2:
         return 2
     power = int(10 ** math.floor(math.log10(value)))
-    for step in (1, 2, 5, 10):
-        if step * power >= value:
-            found = step * power
-            return found if found % 2 == 0 else found * 2
-    return value
+    for step in (1, 2, 3, 4, 5, 6, 8, 10):
+        found = step * power
+        if found >= value and found % 2 == 0:
+            return found
+    return value + value % 2
 
 
 def _duration(seconds: float) -> str:
