@@ -346,6 +346,7 @@ class Sidecar:
             runs=self.runs,
             exposition=exposition(self.metric_sources()),
             fleet_breakers=_fleet_breakers(self.breaker_link),
+            breaker_history=self.breakers.history,
         )
         console = (
             ConsoleOptions(
