@@ -447,9 +447,13 @@ class Control:
         found = sorted(n for n in names if after is None or n > str(after[0]))
         page = found[:limit]
         more = len(found) > limit
+        offset = self.clock() - board.now()
         # Only the page's names are read from Redis (one round trip each, as GET one does).
         rows = [
-            {**_breaker_json(asdict(here.get(n) or board.info(n))), "tracked_here": n in here}
+            {
+                **_breaker_json(asdict(here.get(n) or board.info(n)), offset),
+                "tracked_here": n in here,
+            }
             for n in page
         ]
         answer: dict[str, Any] = {
@@ -484,7 +488,7 @@ class Control:
         start = end - window_s
         found: dict[str, BreakerTimeline] = {}
         for dependency in dependencies:
-            state = _breaker_json(asdict(board.info(dependency)))["state"]
+            state = board.info(dependency).state.value
             history = self.breaker_history
             if history is None or dependency not in tracked:
                 found[dependency] = BreakerTimeline(dependency, start, end, state, end, ())
@@ -494,7 +498,8 @@ class Control:
 
     def breaker(self, dependency: str) -> dict[str, Any]:
         self.governor.breaker_state(dependency)  # moves an elapsed open breaker to half-open
-        return _breaker_json(asdict(self.governor.board.info(dependency)))
+        board = self.governor.board
+        return _breaker_json(asdict(board.info(dependency)), self.clock() - board.now())
 
     def isolate(self, dependency: str) -> dict[str, Any]:
         if not dependency:
@@ -697,9 +702,18 @@ def _command_view(stored: StoredCommand) -> dict[str, Any]:
     }
 
 
-def _breaker_json(info: dict[str, Any]) -> dict[str, Any]:
+def _breaker_json(info: dict[str, Any], offset: float) -> dict[str, Any]:
+    """A breaker for people: its state's name, its times in Unix seconds.
+
+    ``offset``: Unix time minus the board's clock (a monotonic one, which no one
+    can read as a date).
+    """
     state = info.get("state")
-    return {**info, "state": getattr(state, "value", state)}
+    times = {
+        k: None if info.get(k) is None else round(info[k] + offset, 3)
+        for k in ("opened_at", "reopens_at")
+    }
+    return {**info, **times, "state": getattr(state, "value", state)}
 
 
 def _check_remediation_id(remediation_id: str) -> None:
