@@ -446,8 +446,8 @@ def build_control_app(
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         cursor: Cursor = None,
     ) -> dict[str, Any]:
-        # On the loop, no worker thread: the run tracker is the loop's (and bounded).
-        return control.run_list(status=status, service=service, limit=limit, cursor=cursor)
+        # The tracker on the loop (it is the loop's, and bounded); a fleet's table off it.
+        return await control.run_list(status=status, service=service, limit=limit, cursor=cursor)
 
     @app.post("/v1/policy/reload", dependencies=auth, summary="Reload the policy file")
     async def reload() -> dict[str, Any]:

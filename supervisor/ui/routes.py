@@ -185,7 +185,7 @@ async def runs(
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> Response:
     needle = text.strip().lower()
-    found = ui.control.run_list(
+    found = await ui.control.run_list(
         status=status or None,
         service=service or None,
         limit=RUNS_READ if needle else 100,
