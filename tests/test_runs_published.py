@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
@@ -23,11 +24,14 @@ from supervisor.act.failure_log import RecentFailures
 from supervisor.act.store import Store
 from supervisor.act.store_runs import StoredRuns
 from supervisor.api.control import Control
+from supervisor.api.server import build_control_app
 from supervisor.normalize import read_spans
 from supervisor.runs import RunTracker
 from supervisor.runs.publish import RunPublisher
+from supervisor.ui.app import ConsoleOptions
 from tests.postgres import fresh_schema
 from tests.tcp_proxy import TcpProxy
+from tests.test_ui import BASE, TOKEN, Page
 
 NOW = 1_000.0
 
@@ -191,6 +195,25 @@ def test_a_session_tracked_by_two_sidecars_has_one_row_the_latest_publisher_s(
 
     assert _ids(b.list()) == [("shared", "sidecar-a")]
     assert b.list()["runs"][0]["spans"] == 2  # type: ignore[index]
+
+
+def test_the_console_lists_the_fleet_s_runs_with_the_sidecar_tracking_each(
+    pair: tuple[Sidecar, Sidecar],
+) -> None:
+    a, b = pair
+    a.see(6, "checkout", NOW, session="sess-a")
+    b.see(7, "search", NOW + 1, session="sess-b")
+    a.publish()
+    b.publish()
+    app = build_control_app(token=TOKEN, control=a.control, console=ConsoleOptions())
+    client = TestClient(app, base_url=BASE, headers={"Authorization": f"Bearer {TOKEN}"})
+
+    page = Page(client.get("/ui/runs").text)
+    rows = [e["data-run-id"] for t, e in page.elements if t == "tr" and "data-run-id" in e]
+    assert rows == ["sess-b", "sess-a"]
+    assert "Tracked by" in page.all_text and "sidecar-b" in page.all_text
+    run = Page(client.get("/ui/runs/sess-b").text)  # tracked by the other sidecar
+    assert "does not track this run" not in run.all_text
 
 
 def test_only_changed_runs_are_published_and_a_round_is_bounded(url: str) -> None:

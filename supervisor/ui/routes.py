@@ -203,6 +203,7 @@ async def runs(
         runs=listed[:RUNS_SHOWN],
         cut=len(listed) > RUNS_SHOWN,
         tracking=found["tracking"],
+        fleet=found.get("fleet", False),
         next_cursor=found["next_cursor"],
         filters={"status": status, "service": service, "text": text},
         statuses=RUN_STATUSES,
