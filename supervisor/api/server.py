@@ -438,7 +438,9 @@ def build_control_app(
         + ", ".join(RUN_STATUSES)
         + "), spans, LLM and tool calls, errors, tokens, current step, rate and idle"
         " time. `status` and `service` filter every tracked run."
-        " `tracking` is false, and the list empty, when the sidecar tracks no runs.",
+        " `tracking` is false, and the list empty, when the sidecar tracks no runs."
+        " With `database_url`, the fleet's runs (`fleet` true), each with the sidecar that"
+        " `tracked_by` it, up to 2 s behind.",
     )
     async def runs(
         status: Annotated[str | None, Query(max_length=16)] = None,
