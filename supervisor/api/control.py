@@ -187,15 +187,12 @@ class Control:
     outage: StoreOutage = field(default_factory=StoreOutage)
     #: The breakers' recent changes as this sidecar saw them (None: not kept).
     breaker_history: BreakerHistory | None = None
-<<<<<<< HEAD
     #: Incident counts kept a few seconds per window (see :meth:`incident_counts`).
     recent_counts: RecentAnswers[IncidentCounts] = field(
         default_factory=lambda: RecentAnswers(COUNTS_KEPT_S)
     )
-=======
     #: The fleet's runs in the shared store (None: not a fleet, runs are this sidecar's).
     fleet_runs: StoredRuns | None = None
->>>>>>> fleetruns
 
     def health(self) -> list[str]:
         """What degrades the sidecar now: the sidecar's own reasons and a store found down."""
