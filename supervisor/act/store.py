@@ -66,6 +66,7 @@ from supervisor.act.store_rows import (
     command_row,
     dumps_json,
 )
+from supervisor.act.store_runs import prune_runs
 from supervisor.act.store_schema import connect
 from supervisor.errors import SupervisorError
 from supervisor.records import Command
@@ -1034,8 +1035,6 @@ class Store:
                 (horizon,),
             ).rowcount
             if db.shared:  # a fleet's runs (:mod:`.store_runs`), silent for the retention
-                from supervisor.act.store_runs import prune_runs
-
                 removed += prune_runs(db, horizon)
         return removed
 

@@ -15,16 +15,18 @@ these off the event loop (:meth:`Store.call <supervisor.act.store.Store.call>`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from supervisor.act.store import Store
 from supervisor.act.store_db import Database
 
 __all__ = ["PublishedRun", "StoredRuns", "prune_runs"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +40,21 @@ class PublishedRun:
     summary: dict[str, Any]
 
 
+class Transactions(Protocol):
+    """What of :class:`~supervisor.act.store.Store` the table needs (the store imports this
+    module to prune it, so it is not imported here)."""
+
+    instance_id: str
+
+    def transaction(self) -> AbstractContextManager[Database]: ...
+
+    async def call(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T: ...
+
+
 class StoredRuns:
     """The fleet's ``runs`` table, read and written through ``store``; see the module."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Transactions) -> None:
         self.store = store
 
     def publish(self, runs: Sequence[PublishedRun], now: float) -> int:
