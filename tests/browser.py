@@ -95,6 +95,9 @@ class Watched:
     page_errors: list[str] = field(default_factory=list)
     csp_violations: list[dict[str, Any]] = field(default_factory=list)
 
+    def csp_violation(self, violation: dict[str, Any]) -> None:
+        self.csp_violations.append(violation)
+
     def watch(self, page: Page) -> Page:
         def on_dialog(dialog: Dialog) -> None:
             self.dialogs.append(f"{dialog.type}: {dialog.message} on {page.url}")
@@ -140,7 +143,7 @@ def console(browser: Browser, request: pytest.FixtureRequest, tmp_path: Path) ->
     context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
     context.set_default_timeout(TIMEOUT_MS)
     watched = Watched()
-    context.expose_function("__spanvisorCsp", watched.csp_violations.append)
+    context.expose_function("__spanvisorCsp", watched.csp_violation)
     context.add_init_script(_CSP_LISTENER)
     request.node.stash.setdefault(ON_FAILURE, []).append(lambda: screenshot_all(context, tmp_path))
     try:

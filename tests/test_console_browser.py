@@ -1,0 +1,347 @@
+"""The operator console (/ui) in Chromium, against a real ``spanvisor run`` process.
+
+* An escalation approved in the console: the LangGraph example agent
+  (``examples/langgraph_agent.py``, the harness of ``test_e2e_langgraph``: its
+  sidecar, its fake provider, its scenario ``approvals``) meets a 401, which
+  the sidecar escalates; a person logs in with the token, finds the paused run,
+  approves it on the approvals page with a note, through the confirmation,
+  and the run goes on to the end. The answer is recorded as the CLI's would be.
+* Hostile span content: spans whose service, span name, attribute values,
+  model and error message are markup and ``javascript:`` URLs, sent over
+  OTLP with the OpenTelemetry SDK, make incidents, an approval, an open
+  breaker and dead letters; every page shows them as text, runs no script,
+  opens no dialog, sends its Content Security Policy and breaks none of it.
+* The keyboard: logging in and reaching the approvals page with Tab and Enter.
+
+The browser is the system's Chromium (see ``tests/browser.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from playwright.sync_api import Page, Response, expect
+
+from supervisor.testing.fake_provider import Reply
+from supervisor.testing.sidecar_process import SidecarProcess, wait_until
+from tests.browser import Console, browser, console, login  # noqa: F401 - fixtures
+from tests.test_e2e_langgraph import (
+    MODELS,
+    SERVICES,
+    TOKEN,
+    Stack,
+    explained,
+    in_step,
+    stack,  # noqa: F401 - the fixture: a sidecar and the fake provider, for the module
+    start_agent,
+)
+
+pytestmark = pytest.mark.slow
+
+#: What every /ui response says, word for word (the console's security contract).
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:;"
+    " connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+NOTE = "checked the key with the provider <b>rotated</b>"
+
+# -- (a) an escalation approved in the console --------------------------------------------------
+
+
+def pending_approval(sidecar: SidecarProcess, service: str) -> dict[str, Any] | None:
+    found = sidecar.get("/v1/approvals", status="pending")["approvals"]
+    return next((a for a in found if a["service"] == service), None)
+
+
+def test_a_person_approves_an_escalation_in_the_console_and_the_run_goes_on(
+    stack: Stack,  # noqa: F811 - the fixture imported above
+    console: Console,  # noqa: F811
+) -> None:
+    service, api = SERVICES["approvals"], stack.sidecar.api
+    stack.fake.burst(
+        Reply.unauthorized(),
+        model=MODELS["approvals"],
+        when=in_step("approvals", 0, "user"),
+        name="401",
+    )
+    agent = start_agent(stack, "approvals")
+    try:
+        with explained(stack, agent):
+            approval = wait_until(
+                lambda: pending_approval(stack.sidecar, service), 25, "the 401's approval request"
+            )
+            approval_id, run_id = approval["id"], approval["run_id"]
+            page = console.new_page()
+            login(page, api, TOKEN)
+
+            # The paused run is on the runs page, and its row leads to its page.
+            row = page.locator(f'#runs tr[data-run-id="{run_id}"]')
+            expect(row).to_contain_text(service)
+            row.locator("a.run-link").click()
+            expect(page.locator("#run-title")).to_contain_text(run_id)
+            expect(page.locator('#timeline li[data-kind="approval"]')).not_to_have_count(0)
+
+            page.locator("#nav").get_by_role("link", name=re.compile("approvals", re.I)).click()
+            page.wait_for_url(f"{api}/ui/approvals")
+            request = page.locator(f'article[data-approval-id="{approval_id}"]')
+            for shown in (service, run_id):
+                expect(request).to_contain_text(shown)
+            request.locator('textarea[name="note"]').fill(NOTE)
+            request.locator('button[name="action"][value="approve"]').click()
+
+            # The confirmation says what will happen; nothing is answered before it.
+            expect(page.locator("#confirm-form")).to_be_visible()
+            assert stack.sidecar.get(f"/v1/approvals/{approval_id}")["status"] == "pending"
+            page.click("#confirm-yes")
+            page.wait_for_url(f"{api}/ui/approvals")
+            expect(page.locator("#flash")).to_be_visible()
+            expect(page.locator("#flash")).to_contain_text(re.compile("approved", re.I))
+
+            answered = stack.sidecar.get(f"/v1/approvals/{approval_id}")
+            assert (answered["status"], answered["answered_by"], answered["note"]) == (
+                "approved",
+                "ui",
+                NOTE,
+            )
+
+            # The run goes on: the agent gets the approval and finishes its thread.
+            agent.finish(timeout_s=40)
+            assert agent.returncode == 0
+            thread = agent.thread()
+            assert thread["status"] == "completed"
+            assert [(c["type"], c["action"]) for c in thread["commands"]] == [
+                ("pause_run", "wait"),
+                ("approval_result", "continue"),
+            ]
+            assert [(f["step"], f["status_code"]) for f in thread["failures"]] == [(0, 401)]
+
+            # And the console lists the request as answered, with the person's note.
+            page.reload()
+            request = page.locator(f'article[data-approval-id="{approval_id}"]')
+            expect(request).to_contain_text("approved")
+            expect(request).to_contain_text(NOTE)
+    finally:
+        agent.finish(timeout_s=30)
+
+
+# -- (b) hostile span content ------------------------------------------------------------------
+
+#: Markup and URLs that would run a script if the console rendered them as HTML or links.
+HOSTILE = (
+    "<script>window.__pwned=1</script>",
+    '<img src=x onerror="window.__pwned=1">',
+    "javascript:window.__pwned=1",
+    '<svg onload="window.__pwned=1"></svg>',
+)
+HOSTILE_SERVICE = f"evil-agent {HOSTILE[1]}"
+HOSTILE_MODEL = f"gpt-evil {HOSTILE[3]}"
+HOSTILE_RUN = f"run {HOSTILE[1]}"
+#: Every page of the console that lists things (the run pages are found from the runs page).
+PAGES = ("/ui/runs", "/ui/incidents", "/ui/approvals", "/ui/breakers", "/ui/dead-letters")
+HOSTILE_POLICY = """\
+version: 1
+policies:
+  - name: hostile.auth_needs_a_person
+    match: {kind: auth}
+    action: escalate
+breakers:
+  default: {fail_max: 2, reset_timeout_s: 600}
+"""
+
+
+@dataclass
+class Hostile:
+    sidecar: SidecarProcess
+    approval_id: str
+
+
+def send_hostile_spans(sidecar: SidecarProcess) -> None:
+    """Three 503s (the breaker opens) and a 401 (escalated), every text field hostile.
+
+    The service has no command channel, so every command for it is a dead letter.
+    """
+    provider = TracerProvider(resource=Resource.create({"service.name": HOSTILE_SERVICE}))
+    provider.add_span_processor(
+        SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{sidecar.otlp_endpoint}/v1/traces"))
+    )
+    tracer = provider.get_tracer("hostile")
+    try:
+        for status in (503, 503, 503, 401):
+            span = tracer.start_span(f"chat {HOSTILE[0]}", kind=SpanKind.CLIENT)
+            span.set_attributes(
+                {
+                    "gen_ai.operation.name": "chat",
+                    "gen_ai.system": "openai",
+                    "gen_ai.request.model": HOSTILE_MODEL,
+                    "gen_ai.conversation.id": HOSTILE_RUN,
+                    "http.response.status_code": status,
+                    "error.type": str(status),
+                    "user.note": " ".join(HOSTILE),
+                    "link.like": HOSTILE[2],
+                }
+            )
+            message = f"Error code: {status} - {HOSTILE[2]} {HOSTILE[0]}"
+            span.add_event(
+                "exception",
+                {"exception.type": "openai.APIStatusError", "exception.message": message},
+            )
+            span.set_status(Status(StatusCode.ERROR, message))
+            span.end()
+    finally:
+        provider.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
+    tmp = tmp_path_factory.mktemp("console-hostile")
+    with SidecarProcess({}, tmp, policy=HOSTILE_POLICY) as sidecar:
+        send_hostile_spans(sidecar)
+
+        def approval() -> str | None:
+            found = sidecar.get("/v1/approvals", status="pending")["approvals"]
+            return next((a["id"] for a in found if a["service"] == HOSTILE_SERVICE), None)
+
+        approval_id = wait_until(approval, 20, "the hostile 401's approval request")
+        wait_until(
+            lambda: any(b["state"] == "open" for b in sidecar.get("/v1/breakers")["breakers"]),
+            20,
+            "the hostile dependency's breaker to open",
+        )
+        wait_until(lambda: sidecar.get("/v1/dead-letters")["dead_letters"], 20, "a dead letter")
+        yield Hostile(sidecar, approval_id)
+
+
+def visit(page: Page, url: str, console: Console) -> str:  # noqa: F811
+    """Go to ``url``; :func:`checked`."""
+    return checked(page, page.goto(url), console)
+
+
+def checked(page: Page, response: Response | None, console: Console) -> str:  # noqa: F811
+    """The page's text, once its headers are right and nothing in it ran or became markup."""
+    url = page.url
+    assert response is not None and response.status == 200, (url, response and response.status)
+    headers = response.headers
+    assert headers.get("content-security-policy") == CSP, url
+    assert headers.get("x-content-type-options") == "nosniff", url
+    assert page.evaluate("typeof window.__pwned") == "undefined", f"a script ran on {url}"
+    # Nothing hostile became an element: no inline script, image, handler, style or link.
+    for selector in (
+        "script:not([src])",
+        "img[src='x']",
+        "[onerror]",
+        "[onload]",
+        "[style]",
+        "a[href^='javascript:' i]",
+    ):
+        assert page.locator(selector).count() == 0, f"{selector} on {url}"
+    assert console.watched.dialogs == [], url
+    return page.inner_text("body")
+
+
+def test_hostile_span_content_is_shown_as_text_and_never_runs(
+    hostile: Hostile,
+    console: Console,  # noqa: F811
+) -> None:
+    api = hostile.sidecar.api
+    page = console.new_page()
+    login(page, api, hostile.sidecar.token)
+
+    texts: dict[str, str] = {}
+    for path in PAGES:
+        texts[path] = visit(page, f"{api}{path}", console)
+    page.goto(f"{api}/ui/runs")
+    run_pages = [
+        href
+        for href in page.locator("#runs a.run-link").evaluate_all("els => els.map(e => e.href)")
+        if href
+    ]
+    assert run_pages, "the runs page links no run"
+    for href in run_pages:
+        texts[urlsplit(href).path] = visit(page, href, console)
+    # The confirmation of an answer shows what is approved: hostile too.
+    page.goto(f"{api}/ui/approvals")
+    request = page.locator(f'article[data-approval-id="{hostile.approval_id}"]')
+    with page.expect_navigation() as confirmation:
+        request.locator('button[name="action"][value="approve"]').click()
+    expect(page.locator("#confirm-form")).to_be_visible()
+    texts["confirm"] = checked(page, confirmation.value, console)
+
+    # What was sent is shown, as the text it is.
+    everything = "\n".join(texts.values())
+    for hostile_text in HOSTILE:
+        assert hostile_text in everything, f"{hostile_text!r} is shown on no page"
+    assert HOSTILE_SERVICE in texts["/ui/runs"]
+    assert HOSTILE_SERVICE in texts["/ui/incidents"]
+    assert HOSTILE_SERVICE in texts["/ui/approvals"]
+    assert HOSTILE_MODEL in texts["/ui/breakers"]
+    assert any(HOSTILE[0] in text for path, text in texts.items() if path.startswith("/ui/runs/"))
+
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert console.watched.dialogs == []
+    assert console.watched.page_errors == []
+    own = [v for v in console.watched.csp_violations if is_own(v, api)]
+    assert own == [], f"the console's own assets break its CSP: {own}"
+    assert console.watched.csp_violations == [], "hostile content reached the page as markup"
+    csp_errors = [e for e in console.watched.console_errors if "Content Security Policy" in e]
+    assert csp_errors == []
+    # Answering was not confirmed: the request still waits.
+    assert hostile.sidecar.get(f"/v1/approvals/{hostile.approval_id}")["status"] == "pending"
+
+
+def is_own(violation: dict[str, Any], api: str) -> bool:
+    """A violation by the console's own code: its scripts, or an inline one in its page."""
+    source = str(violation.get("source") or "")
+    blocked = str(violation.get("blocked") or "")
+    return source.startswith(api) or blocked.startswith(f"{api}/ui/static")
+
+
+# -- (c) the keyboard --------------------------------------------------------------------------
+
+#: Most Tab presses to reach an element: a page with more before it has lost a keyboard user.
+MAX_TABS = 40
+
+
+def tab_to(page: Page, test: str, what: str) -> None:
+    """Press Tab until ``test`` (a JS expression on ``el``, the focused element) holds."""
+    for _ in range(MAX_TABS):
+        page.keyboard.press("Tab")
+        if page.evaluate(f"(() => {{ const el = document.activeElement; return !!({test}); }})()"):
+            return
+    raise AssertionError(f"{MAX_TABS} Tab presses never reached {what} on {page.url}")
+
+
+def test_the_keyboard_alone_logs_in_and_reaches_the_approvals_page(
+    hostile: Hostile,
+    console: Console,  # noqa: F811
+) -> None:
+    api = hostile.sidecar.api
+    page = console.new_page()
+    page.goto(f"{api}/ui/login")
+    tab_to(page, "el.id === 'token'", "the token field")
+    page.keyboard.type(hostile.sidecar.token)
+    page.keyboard.press("Enter")
+    page.wait_for_url(f"{api}/ui/runs")
+
+    tab_to(page, "el.tagName === 'A' && new URL(el.href).pathname === '/ui/approvals'", "the link")
+    focus = page.evaluate(
+        "(() => { const s = getComputedStyle(document.activeElement);"
+        " return [s.outlineStyle, s.boxShadow]; })()"
+    )
+    assert focus != ["none", "none"], "the focused link shows no focus"
+    page.keyboard.press("Enter")
+    page.wait_for_url(f"{api}/ui/approvals")
+    tab_to(
+        page,
+        "el.tagName === 'BUTTON' && el.value === 'approve'",
+        "an approval's approve button",
+    )
