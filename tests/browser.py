@@ -36,6 +36,7 @@ try:
         ConsoleMessage,
         Dialog,
         Page,
+        ViewportSize,
         sync_playwright,
     )
     from playwright.sync_api import Error as PlaywrightError
@@ -47,7 +48,7 @@ else:
 #: Where the browser is, unless ``SPANVISOR_CHROMIUM`` says elsewhere.
 DEFAULT_CHROMIUM = "/usr/bin/chromium"
 #: The size of every page: a laptop's screen, and the documentation's screenshots.
-VIEWPORT = {"width": 1280, "height": 800}
+VIEWPORT: ViewportSize = {"width": 1280, "height": 800}
 #: Most a browser action or expectation waits (ms): a page of the console renders in far less.
 TIMEOUT_MS = 10_000
 
@@ -140,7 +141,7 @@ def browser() -> Iterator[Browser]:
 
 @pytest.fixture
 def console(browser: Browser, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Console]:
-    context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
+    context = browser.new_context(viewport=VIEWPORT)
     context.set_default_timeout(TIMEOUT_MS)
     watched = Watched()
     context.expose_function("__spanvisorCsp", watched.csp_violation)
