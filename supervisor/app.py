@@ -56,6 +56,7 @@ from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
 from supervisor.runs.journal import RunJournal
 from supervisor.settings import Settings
+from supervisor.ui.app import ConsoleOptions
 
 if TYPE_CHECKING:
     from supervisor.shared_breakers import RedisLink
@@ -345,7 +346,15 @@ class Sidecar:
             exposition=exposition(self.metric_sources()),
             fleet_breakers=_fleet_breakers(self.breaker_link),
         )
-        control = build_control_app(token=self.token, control=self.control)
+        console = (
+            ConsoleOptions(
+                trace_url=self.settings.ui_trace_url,
+                session_ttl_s=self.settings.ui_session_ttl_s,
+            )
+            if self.settings.ui_enabled
+            else None
+        )
+        control = build_control_app(token=self.token, control=self.control, console=console)
         self._api, api_port = await self._serve(
             control, self.settings.api_host, self.settings.api_port
         )

@@ -152,6 +152,23 @@ class Settings(BaseSettings):
         description="Where the token made at start is written, and clients read it"
         " (SPANVISOR_TOKEN_FILE).",
     )
+    ui_enabled: bool = Field(
+        default=True,
+        description="Serve the operator console at /ui on the control API's port, behind"
+        " the same token; false: no /ui at all.",
+    )
+    ui_trace_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s]*\{trace_id\}",
+        description="Where the console links a run's trace: a URL with {trace_id}, e.g."
+        " http://localhost:16686/trace/{trace_id} (Jaeger); unset: no link.",
+    )
+    ui_session_ttl_s: float = Field(
+        default=8 * 3600.0,
+        ge=60,
+        le=30 * 86_400,
+        description="How long a console login lasts (seconds) before the token is asked again.",
+    )
     policy: Path | None = Field(default=None, description="Policy file; unset: the built-in one.")
     observe_only: bool = Field(default=False, description="Compute and trace decisions only.")
 

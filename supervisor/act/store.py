@@ -721,6 +721,32 @@ class Store:
             rows = self._db.execute(sql, args).fetchall()
         return [_incident(r) for r in rows]
 
+    def run_history(
+        self, run_id: str, limit: int = 200
+    ) -> tuple[list[Incident], list[StoredCommand], list[Approval]]:
+        """A run's newest ``limit`` incidents, their commands and its approval requests.
+
+        For the console's run page: scans (no index on a run's id; a page read
+        by a person, not a hot path), each bounded by ``limit``.
+        """
+        incidents = self.incidents_where(run_id=run_id, limit=limit)
+        keys = [i.key for i in incidents]
+        commands: list[StoredCommand] = []
+        with self._lock:
+            if keys:
+                marks = ", ".join("?" for _ in keys)
+                rows = self._db.execute(
+                    f"SELECT * FROM commands WHERE incident_key IN ({marks})"  # noqa: S608
+                    " ORDER BY rowid DESC LIMIT ?",
+                    (*keys, limit),
+                ).fetchall()
+                commands = [command_from_row(r) for r in rows]
+            found = self._db.execute(
+                "SELECT * FROM approvals WHERE run_id = ? ORDER BY rowid DESC LIMIT ?",
+                (run_id, limit),
+            ).fetchall()
+        return incidents, commands, [approval_from_row(r) for r in found]
+
     def approvals(self, *, status: str | None = None, limit: int = 100) -> list[Approval]:
         return self.approval_page(status=status, limit=limit).items
 

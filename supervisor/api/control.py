@@ -119,6 +119,8 @@ class RunsView(Protocol):
 
     def stats(self) -> dict[str, int]: ...
 
+    def find(self, run_id: str) -> RunEntry | None: ...
+
 
 class FailureList(Protocol):
     """What the control API reads of :class:`supervisor.act.failure_log.RecentFailures`."""
@@ -546,6 +548,14 @@ class Control:
         if callable(slo_status):
             answer["slo"] = slo_status()
         return answer
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        """One run as :meth:`run_list` shows it; None when this sidecar does not track it.
+
+        Synchronous on purpose, as :meth:`run_list`: the tracker is the event loop's.
+        """
+        found = self.runs.find(run_id) if self.runs is not None else None
+        return None if found is None else found.to_json()
 
     # -- decisions --------------------------------------------------------------
 

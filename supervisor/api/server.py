@@ -32,6 +32,7 @@ from supervisor.api.metrics import CONTENT_TYPE
 from supervisor.api.store_outage import RETRY_AFTER_S
 from supervisor.errors import ConfigError, StoreUnavailable
 from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
+from supervisor.ui.app import ConsoleOptions, mount_console
 
 __all__ = ["build_control_app", "ensure_token"]
 
@@ -190,8 +191,11 @@ def _store_down(control: Control) -> Callable[[Request, Exception], Awaitable[Re
     return answer
 
 
-def build_control_app(*, token: str, control: Control) -> FastAPI:
-    """The control API over ``control``; it holds no state of its own."""
+def build_control_app(
+    *, token: str, control: Control, console: ConsoleOptions | None = None
+) -> FastAPI:
+    """The control API over ``control``; it holds no state of its own but the
+    console's logins (the console is served at ``/ui`` when ``console`` is given)."""
     expected = f"Bearer {token}".encode()
 
     async def authenticated(request: Request) -> None:  # async: no thread-pool hop per call
@@ -438,4 +442,6 @@ def build_control_app(*, token: str, control: Control) -> FastAPI:
     async def decide(body: DecideBody) -> dict[str, Any]:
         return control.decide(Question(**body.model_dump()))
 
+    if console is not None:
+        mount_console(app, token=token, control=control, options=console)
     return app

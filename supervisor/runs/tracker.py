@@ -724,11 +724,23 @@ class RunTracker:
                 continue
             if service is not None and run.service != service:
                 continue
-            stalls = self.settings_for(run.service).stalls
-            found = phase.status(run, now, self.idle_limit(run) if stalls else None)
+            found = self._status(run, now)
             if status is None or found == status:
                 views.append(view(run, now, found))
         return views
+
+    def find(self, run_id: str, now: float | None = None) -> RunView | None:
+        """One run's view by its id (None: not tracked here), as :meth:`snapshot` lists it."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return None
+        now = self._clock() if now is None else now
+        return view(run, now, self._status(run, now))
+
+    def _status(self, run: RunState, now: float) -> str:
+        """Where the run is (:func:`supervisor.runs.phase.status`), stalls as its service's."""
+        stalls = self.settings_for(run.service).stalls
+        return phase.status(run, now, self.idle_limit(run) if stalls else None)
 
     # -- the journal: what a restart must not forget --------------------------
 
