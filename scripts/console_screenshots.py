@@ -11,8 +11,9 @@ as the browser tests use it: ``tests/browser.py``) and saves the viewport
 * ``console-breakers.png``: the breakers while ``gpt-4o``'s is open;
 * ``console-approvals.png``: billing-1's refund waiting for a person (taken
   before the demo's operator approves it);
-* ``console-runs.png``, ``console-run.png`` (billing-1: killed, resumed,
-  approved), ``console-incidents.png``: once the story is over.
+* ``console-runs.png``: once four runs have begun, some still going;
+* ``console-run.png`` (billing-1: killed, resumed, approved) and
+  ``console-incidents.png``: once the story is over.
 
 The run page links each trace to a Jaeger at localhost (``ui_trace_url``).
 Exits 1 when the story or a screenshot did not happen; prints the command
@@ -46,6 +47,8 @@ from tests.browser import VIEWPORT, chromium_path, login, missing_browser
 ROOT = Path(__file__).resolve().parents[1]
 #: Where the run page's trace link points: a Jaeger on this machine.
 TRACE_URL = "http://localhost:16686/trace/{trace_id}"
+#: Runs on the runs page's screenshot, some of them still going.
+RUNS_SHOWN = 4
 #: The most a screenshot may weigh in the repository.
 MAX_BYTES = 200_000
 
@@ -103,12 +106,15 @@ class ScreenshotDemo(Demo):
             self.camera.shoot("breakers", self.api, self.token, "/ui/breakers")
         if any(a.get("status") == "pending" for a in seen.approvals.values()):
             self.camera.shoot("approvals", self.api, self.token, "/ui/approvals")
+        going = [r for r in seen.runs if r.get("status") != "ended"]
+        if len(seen.runs) >= RUNS_SHOWN and going:
+            self.camera.shoot("runs", self.api, self.token, "/ui/runs")
         super()._operate(watcher)
 
     def _summary(self, watcher: Watcher, outage: Any, downstream: Downstream | None) -> None:
         super()._summary(watcher, outage, downstream)
         for name, path in (
-            ("runs", "/ui/runs"),
+            ("runs", "/ui/runs"),  # when no moment had enough runs going
             ("run", f"/ui/runs/{BILLING_PREFIX}-1"),
             ("incidents", "/ui/incidents"),
         ):
