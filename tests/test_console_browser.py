@@ -63,6 +63,11 @@ def pending_approval(sidecar: SidecarProcess, service: str) -> dict[str, Any] | 
     return next((a for a in found if a["service"] == service), None)
 
 
+def run_status(sidecar: SidecarProcess, run_id: str) -> str:
+    runs = sidecar.get("/v1/runs", limit=1000)["runs"]
+    return next((str(r["status"]) for r in runs if r["run_id"] == run_id), "")
+
+
 def test_a_person_approves_an_escalation_in_the_console_and_the_run_goes_on(
     stack: Stack,  # noqa: F811 - the fixture imported above
     console: Console,  # noqa: F811
@@ -81,12 +86,16 @@ def test_a_person_approves_an_escalation_in_the_console_and_the_run_goes_on(
                 lambda: pending_approval(stack.sidecar, service), 25, "the 401's approval request"
             )
             approval_id, run_id = approval["id"], approval["run_id"]
+            wait_until(
+                lambda: run_status(stack.sidecar, run_id) == "paused", 10, "the run to pause"
+            )
             page = console.new_page()
             login(page, api, TOKEN)
 
             # The paused run is on the runs page, and its row leads to its page.
             row = page.locator(f'#runs tr[data-run-id="{run_id}"]')
-            expect(row).to_contain_text(service)
+            for shown in (service, "paused"):
+                expect(row).to_contain_text(shown)
             row.locator("a.run-link").click()
             expect(page.locator("#run-title")).to_contain_text(run_id)
             expect(page.locator('#timeline li[data-kind="approval"]')).not_to_have_count(0)
@@ -148,7 +157,14 @@ HOSTILE_SERVICE = f"evil-agent {HOSTILE[1]}"
 HOSTILE_MODEL = f"gpt-evil {HOSTILE[3]}"
 HOSTILE_RUN = f"run {HOSTILE[1]}"
 #: Every page of the console that lists things (the run pages are found from the runs page).
-PAGES = ("/ui/runs", "/ui/incidents", "/ui/approvals", "/ui/breakers", "/ui/dead-letters")
+PAGES = (
+    "/ui/runs",
+    "/ui/incidents",
+    "/ui/approvals",
+    "/ui/breakers",
+    "/ui/remediations",
+    "/ui/dead-letters",
+)
 HOSTILE_POLICY = """\
 version: 1
 policies:
@@ -256,6 +272,16 @@ def test_hostile_span_content_is_shown_as_text_and_never_runs(
     api = hostile.sidecar.api
     page = console.new_page()
     login(page, api, hostile.sidecar.token)
+    # The session is a cookie no script can read, sent to nothing but the console.
+    [session] = [c for c in console.context.cookies() if c["name"] == "spanvisor_session"]
+    assert (session["httpOnly"], session["secure"], session["sameSite"], session["path"]) == (
+        True,
+        True,
+        "Strict",
+        "/ui",
+    )
+    assert session["value"] != hostile.sidecar.token
+    assert "spanvisor_session" not in page.evaluate("document.cookie")
 
     texts: dict[str, str] = {}
     for path in PAGES:
