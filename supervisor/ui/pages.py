@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from jinja2 import ChainableUndefined, Environment, FileSystemLoader
 
 from supervisor.cli.output import format_duration
 
@@ -60,7 +60,8 @@ def environment(clock: Callable[[], float] = time.time) -> Environment:
     env = Environment(
         loader=FileSystemLoader(TEMPLATES),
         autoescape=True,
-        undefined=StrictUndefined,
+        # A field an older row lacks shows as nothing, not as an error page.
+        undefined=ChainableUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
     )

@@ -210,7 +210,10 @@ async def _remediations(control: Control, incidents: list[Any], notes: list[str]
         try:
             shown = await control.remediation(rid)
         except ControlError as exc:
-            notes.append(f"Remediation {rid}: {exc}")
+            if exc.status != 404:  # the runner is not up, or did not answer: say it once
+                notes.append(f"Remediations are not shown: {exc}")
+                break
+            notes.append(f"Remediation {rid} is not known to the runner.")
             continue
         found.append(
             Item(
