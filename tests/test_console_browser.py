@@ -182,10 +182,15 @@ class Hostile:
     approval_id: str
 
 
-def send_hostile_spans(sidecar: SidecarProcess) -> None:
-    """Three 503s (the breaker opens) and a 401 (escalated), every text field hostile.
+def send_hostile_spans(
+    sidecar: SidecarProcess,
+    run: str = HOSTILE_RUN,
+    statuses: tuple[int, ...] = (503, 503, 503, 401),
+) -> None:
+    """LLM calls of ``run`` answered with ``statuses``, every text field hostile.
 
-    The service has no command channel, so every command for it is a dead letter.
+    By default three 503s (the breaker opens) and a 401 (escalated). The
+    service has no command channel, so every command for it is a dead letter.
     """
     provider = TracerProvider(resource=Resource.create({"service.name": HOSTILE_SERVICE}))
     provider.add_span_processor(
@@ -193,26 +198,27 @@ def send_hostile_spans(sidecar: SidecarProcess) -> None:
     )
     tracer = provider.get_tracer("hostile")
     try:
-        for status in (503, 503, 503, 401):
+        for status in statuses:
             span = tracer.start_span(f"chat {HOSTILE[0]}", kind=SpanKind.CLIENT)
             span.set_attributes(
                 {
                     "gen_ai.operation.name": "chat",
                     "gen_ai.system": "openai",
                     "gen_ai.request.model": HOSTILE_MODEL,
-                    "gen_ai.conversation.id": HOSTILE_RUN,
+                    "gen_ai.conversation.id": run,
                     "http.response.status_code": status,
-                    "error.type": str(status),
                     "user.note": " ".join(HOSTILE),
                     "link.like": HOSTILE[2],
                 }
             )
-            message = f"Error code: {status} - {HOSTILE[2]} {HOSTILE[0]}"
-            span.add_event(
-                "exception",
-                {"exception.type": "openai.APIStatusError", "exception.message": message},
-            )
-            span.set_status(Status(StatusCode.ERROR, message))
+            if status >= 400:
+                message = f"Error code: {status} - {HOSTILE[2]} {HOSTILE[0]}"
+                span.set_attribute("error.type", str(status))
+                span.add_event(
+                    "exception",
+                    {"exception.type": "openai.APIStatusError", "exception.message": message},
+                )
+                span.set_status(Status(StatusCode.ERROR, message))
             span.end()
     finally:
         provider.shutdown()
@@ -333,6 +339,30 @@ def is_own(violation: dict[str, Any], api: str) -> bool:
     """
     static = f"{api}/ui/static/"
     return any(str(violation.get(k) or "").startswith(static) for k in ("source", "blocked"))
+
+
+def test_the_runs_page_refreshes_itself_and_what_it_swaps_in_stays_text(
+    hostile: Hostile,
+    console: Console,  # noqa: F811
+) -> None:
+    api = hostile.sidecar.api
+    page = console.new_page()
+    login(page, api, hostile.sidecar.token)
+    # A run that begins while the page is open, named like markup with a slash in it.
+    run = f"live {HOSTILE[3]}"
+    send_hostile_spans(hostile.sidecar, run, statuses=(200,))
+    row = page.locator("#runs tr[data-run-id]").filter(has_text=run)
+    expect(row).to_have_count(1, timeout=15_000)  # htmx's refresh, every 5 s: no reload
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert page.locator("#runs svg[onload], #runs [onload]").count() == 0
+    assert console.watched.csp_violations == []
+    assert console.watched.page_errors == []
+    assert console.watched.dialogs == []
+
+    with page.expect_navigation() as opened:
+        row.locator("a.run-link").click()
+    checked(page, opened.value, console)
+    expect(page.locator("#run-title")).to_contain_text(run)
 
 
 # -- (c) the keyboard --------------------------------------------------------------------------
