@@ -10,7 +10,10 @@
   model and error message are markup and ``javascript:`` URLs, sent over
   OTLP with the OpenTelemetry SDK, make incidents, an approval, an open
   breaker and dead letters; every page shows them as text, runs no script,
-  opens no dialog, sends its Content Security Policy and breaks none of it.
+  opens no dialog, sends its Content Security Policy and breaks none of it;
+  and shows no time from 1970 (a monotonic reading taken for a date).
+* Live refresh: a run that begins while the runs page is open appears on it
+  (htmx, under the same CSP), its markup-like name still text.
 * The keyboard: logging in and reaching the approvals page with Tab and Enter.
 
 The browser is the system's Chromium (see ``tests/browser.py``).
@@ -268,7 +271,10 @@ def checked(page: Page, response: Response | None, console: Console) -> str:  # 
     ):
         assert page.locator(selector).count() == 0, f"{selector} on {url}"
     assert console.watched.dialogs == [], url
-    return page.inner_text("body")
+    text = page.inner_text("body")
+    # Every time shown is a wall-clock one (a monotonic reading shows as 1970).
+    assert "1970-01-01" not in text, f"a time from 1970 on {url}"
+    return text
 
 
 def test_hostile_span_content_is_shown_as_text_and_never_runs(
