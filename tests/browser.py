@@ -18,6 +18,7 @@ uses.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -178,3 +179,16 @@ def login(page: Page, api: str, token: str) -> None:
     page.fill("#token", token)
     page.click("#login")
     page.wait_for_url(f"{api}/ui/runs")
+
+
+@contextlib.contextmanager
+def as_assertions() -> Iterator[None]:
+    """A browser step that fails (a click that times out) as a failed expectation.
+
+    So that a wrapper which explains failed assertions (the agent's and the
+    sidecar's logs) explains these too.
+    """
+    try:
+        yield
+    except PlaywrightError as exc:
+        raise AssertionError(f"in the browser: {exc}") from exc

@@ -37,7 +37,13 @@ from playwright.sync_api import Page, Response, expect
 
 from supervisor.testing.fake_provider import Reply
 from supervisor.testing.sidecar_process import SidecarProcess, wait_until
-from tests.browser import Console, browser, console, login  # noqa: F401 - fixtures
+from tests.browser import (  # noqa: F401 - browser, console: fixtures
+    Console,
+    as_assertions,
+    browser,
+    console,
+    login,
+)
 from tests.test_e2e_langgraph import (
     MODELS,
     SERVICES,
@@ -84,7 +90,7 @@ def test_a_person_approves_an_escalation_in_the_console_and_the_run_goes_on(
     )
     agent = start_agent(stack, "approvals")
     try:
-        with explained(stack, agent):
+        with explained(stack, agent), as_assertions():
             approval = wait_until(
                 lambda: pending_approval(stack.sidecar, service), 25, "the 401's approval request"
             )
