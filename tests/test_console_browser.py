@@ -12,6 +12,8 @@
   breaker and dead letters; every page shows them as text, runs no script,
   opens no dialog, sends its Content Security Policy and breaks none of it;
   and shows no time from 1970 (a monotonic reading taken for a date).
+* Cross-site: a page elsewhere that posts an answer while the person is
+  logged in answers nothing.
 * Live refresh: a run that begins while the runs page is open appears on it
   (htmx, under the same CSP), its markup-like name still text.
 * The keyboard: logging in and reaching the approvals page with Tab and Enter.
@@ -375,6 +377,32 @@ def test_the_runs_page_refreshes_itself_and_what_it_swaps_in_stays_text(
         row.locator("a.run-link").click()
     checked(page, opened.value, console)
     expect(page.locator("#run-title")).to_contain_text(run)
+
+
+def test_a_form_on_another_site_cannot_answer_an_approval(
+    hostile: Hostile,
+    console: Console,  # noqa: F811
+) -> None:
+    """A logged-in person visits a page elsewhere that posts an answer to the console."""
+    api = hostile.sidecar.api
+    page = console.new_page()
+    login(page, api, hostile.sidecar.token)
+    target = f"{api}/ui/approvals/{hostile.approval_id}/answer"
+    attack = f"""<!doctype html><form id="f" method="post" action="{target}">
+      <input name="action" value="approve"><input name="note" value="forged">
+    </form><script>document.getElementById('f').submit()</script>"""
+    page.route(
+        "http://elsewhere.example/**",
+        lambda route: route.fulfill(status=200, content_type="text/html", body=attack),
+    )
+    with page.expect_navigation(url=re.compile(re.escape(api))) as landed:
+        page.goto("http://elsewhere.example/prize")
+    response = landed.value
+    # The session cookie (SameSite=Strict) does not go with it: the console asks who it is.
+    assert response is not None
+    assert (response.status, page.url) == (200, f"{api}/ui/login") or response.status == 403
+    # And nothing was answered.
+    assert hostile.sidecar.get(f"/v1/approvals/{hostile.approval_id}")["status"] == "pending"
 
 
 # -- (c) the keyboard --------------------------------------------------------------------------
