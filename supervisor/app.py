@@ -59,6 +59,7 @@ from supervisor.settings import Settings
 from supervisor.ui.app import ConsoleOptions
 
 if TYPE_CHECKING:
+    from supervisor.runs import Detection
     from supervisor.shared_breakers import RedisLink
 
 log = logging.getLogger("spanvisor.app")
@@ -345,6 +346,7 @@ class Sidecar:
             runs=self.runs,
             exposition=exposition(self.metric_sources()),
             fleet_breakers=_fleet_breakers(self.breaker_link),
+            breaker_history=self.breakers.history,
         )
         console = (
             ConsoleOptions(
@@ -647,12 +649,13 @@ class Sidecar:
 
     async def _watch_runs(self) -> None:
         """Every second: runs silent past their limit are stalls, judged like failures;
-        the runs that changed are journaled (off the loop)."""
+        the fleet's backlog is sent; the runs that changed are journaled (off the loop)."""
         while True:
             await asyncio.sleep(1.0)
             try:
                 await self._between_batches.wait()  # never judge inside another batch
                 self.check_stalls()
+                self.share_backlog()
                 await self._journal_runs()
             except Exception:  # the watch must never end
                 log.exception("stall check failed; trying again")
@@ -671,6 +674,19 @@ class Sidecar:
             return []
         now_ns = time.time_ns()
         outcomes = self.pipeline.judge_detected([detected_failure(s, now_ns) for s in found])
+        drive(self._report(outcomes, None))
+        self._act(outcomes)
+        return outcomes
+
+    def share_backlog(self) -> list[Outcome]:
+        """Sessions' loops and spend the fleet did not count while Redis was away, sent
+        when a sidecar gets no batch to send them with; what the fleet found is judged."""
+        found: list[Detection] = []
+        self.runs.share_backlog(found)
+        if not found:
+            return []
+        now_ns = time.time_ns()
+        outcomes = self.pipeline.judge_detected([detected_failure(d, now_ns) for d in found])
         drive(self._report(outcomes, None))
         self._act(outcomes)
         return outcomes

@@ -116,6 +116,15 @@ class RedisLink:
             self._recovered()
         return result
 
+    def resting(self) -> bool:
+        """Whether the link would not ask Redis now (it failed less than ``retry_s`` ago).
+
+        Asks nothing: for work that can wait until Redis may answer (the next
+        operation after the rest is the probe).
+        """
+        with self._lock:
+            return not self._up and self._clock() < self._retry_at
+
     def stats(self) -> LinkStats:
         with self._lock:
             return LinkStats(self._up, self._outages, self._errors, self._skipped)

@@ -18,13 +18,18 @@ from pathlib import Path
 import pytest
 
 from policies import load_policy
+from policies._actions import Remediate
 from supervisor.act.fleet import Fleet
 from supervisor.act.store import CLAIM_S, Store
 from supervisor.api.metrics import exposition
+from supervisor.app import BackgroundSidecar
 from supervisor.errors import ConfigError
+from supervisor.judge.pipeline import Outcome
+from supervisor.records import Action
 from supervisor.settings import load_settings
 from supervisor.wiring import build_sidecar
 from tests.postgres import fresh_schema
+from tests.test_api import _outcome
 from tests.test_store import PUSH, make_command, make_incident, span
 from tests.test_store_fleet import together
 from tests.test_wiring import close
@@ -51,7 +56,7 @@ class Resumed:
         self.ready = ready
         self.executors: list[str] = []
 
-    def __call__(self, executor: str) -> int | None:
+    def __call__(self, executor: str, instance: str) -> int | None:
         if not self.ready:
             return None
         self.executors.append(executor)
@@ -316,3 +321,72 @@ def test_a_sidecar_on_a_shared_store_has_a_fleet_named_by_its_instance(
     finally:
         gone.close()
         close(sidecar)
+
+
+REMEDIATE_POLICY = """\
+version: 1
+breakers: {enabled: false}
+retry_budget: {enabled: false}
+restart_intensity: {enabled: false}
+remediators:
+  later:
+    use: retry_step
+    params: {delay_s: 30}
+    verify_window_s: 0
+    on_unresolved: none
+policies:
+  - name: remediate_auth
+    match: {kind: auth}
+    action: remediate
+    remediator: later
+"""
+
+
+def test_a_takeover_starts_the_remediations_a_dead_sidecar_stored_and_never_started(
+    url: str, tmp_path: Path
+) -> None:
+    """The dead sidecar stored a remediate incident and died before dispatching it: no
+    workflow exists for it, so resuming its executor finds nothing; the takeover starts it."""
+    policy = load_policy(text=REMEDIATE_POLICY)
+    failure = _outcome(Action.REMEDIATE).failure
+    decision = Remediate("later").decide(failure, 1, "remediate_auth", False)
+    gone = build_sidecar(
+        load_settings(
+            overrides={
+                "state_path": str(tmp_path / "gone.db"),
+                "database_url": url,
+                "instance_id": "sidecar-gone",
+            }
+        ),
+        policy,
+    )
+    try:
+        gone.actor.store_outcomes([Outcome(failure, decision)])  # stored; never dispatched
+    finally:
+        close(gone)
+    here = BackgroundSidecar(
+        build_sidecar(
+            load_settings(
+                overrides={
+                    "state_path": str(tmp_path / "here.db"),
+                    "database_url": url,
+                    "instance_id": "sidecar-a",
+                }
+            ),
+            policy,
+        )
+    )
+    here.start()
+    try:
+        remediations = here.sidecar.remediations
+        deadline = time.monotonic() + 60
+        while remediations.runner is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # DBOS launches in the background at start
+        assert remediations.runner is not None
+        assert remediations.resume_executor("sidecar-gone", "sidecar-gone") == 1
+        rid = str(decision.params["remediation_id"])
+        assert rid in {w["id"] for w in remediations.runner.list(limit=10)}
+        # Started once: a second takeover round finds it known.
+        assert remediations.resume_executor("sidecar-gone", "sidecar-gone") == 0
+    finally:
+        here.stop()

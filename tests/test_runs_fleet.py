@@ -23,9 +23,10 @@ from policies import Policy, load_policy
 from policies._detectors import DetectorSettings
 from supervisor.app import BackgroundSidecar
 from supervisor.judge.pipeline import Pipeline
+from supervisor.judge.steps import drive
 from supervisor.normalize import read_spans
 from supervisor.runs import Detection, RunTracker
-from supervisor.runs.fleet import FleetRuns
+from supervisor.runs.fleet import MAX_BACKLOG, FleetRuns
 from supervisor.shared_breakers import RedisLink, shared_breakers
 from tests.redis_server import REDIS, RedisProxy, fresh_namespace, redis_client
 from tests.test_runs import llm, payload, span, tool
@@ -74,12 +75,13 @@ def sidecar(
     policy: Policy | None = None,
     settings: DetectorSettings | None = None,
     retry_s: float = 5.0,
+    max_backlog: int = MAX_BACKLOG,
 ) -> tuple[RunTracker, FleetRuns, RedisLink]:
     """One sidecar's run tracker, its fleet counts and link, as the wiring builds them."""
     _, link = shared_breakers(
         url, namespace=namespace, timeout_s=0.25, retry_s=retry_s, required=False
     )
-    fleet = FleetRuns(link, f"{namespace}:runs")
+    fleet = FleetRuns(link, f"{namespace}:runs", max_backlog=max_backlog)
     return tracker(policy, settings, fleet), fleet, link
 
 
@@ -285,6 +287,104 @@ def test_redis_hanging_keeps_loops_found_here_and_bounded(
     assert time.monotonic() - started < 1.0  # one timeout; then the link does not ask
     assert (loop.details["occurrence"], again.details["occurrence"]) == (1, 2)
     assert fleet.unshared == 3 and link.stats().outages == 1
+
+
+def test_a_loop_split_between_three_sidecars_while_redis_was_away_is_reported_once(
+    namespace: str, proxy: RedisProxy
+) -> None:
+    """Each sidecar sees one of the three calls while Redis is away; each catches up at its
+    next batch, of other runs, and the last to do so reports the loop."""
+    fleet = [sidecar(namespace, url=proxy.url, retry_s=0.1) for _ in range(3)]
+    calls = [weather(turn) for turn in (1, 2, 3)]
+    proxy.set("drop")
+    for n, ((runs, runs_fleet, _), call) in enumerate(zip(fleet, calls, strict=True)):
+        assert batch(runs, at(call, 1000.0 + n), now=1000.0 + n) == []
+        assert (runs_fleet.unshared, runs_fleet.backlog) == (1, 1)
+
+    proxy.set("forward")
+    time.sleep(0.15)  # the links ask Redis again after retry_s
+    other = [
+        tool("lookup", {"q": "a run of one trace"}),
+        in_session(tool("lookup", {"q": "another session"}), 9, session="conv-7"),
+        in_session(llm("unrelated"), 10, session="conv-8"),
+    ]
+    found = [
+        batch(runs, at(item, 1010.0), now=1010.0)
+        for (runs, _, _), item in zip(fleet, other, strict=True)
+    ]
+
+    assert [len(f) for f in found] == [0, 0, 1]  # reported by the sidecar that completed it
+    (loop,) = found[2]
+    (expected,) = batch(tracker(), *(weather(turn) for turn in (1, 2, 3)))
+    assert (loop.kind, loop.run_id, loop.span_id) == (
+        "reasoning_loop",
+        SESSION,
+        calls[1].span_id.hex(),
+    )
+    assert (loop.rule, loop.message, dict(loop.details)) == (
+        expected.rule,
+        expected.message,
+        dict(expected.details),
+    )
+    assert [f.backlog for _, f, _ in fleet] == [0, 0, 0]
+    # Reported once fleet-wide: the same calls re-sent anywhere report nothing more.
+    assert batch(fleet[0][0], *calls, now=1011.0) == []
+
+
+def test_a_loop_reported_here_while_redis_was_away_is_not_reported_again_by_the_fleet(
+    namespace: str, proxy: RedisProxy
+) -> None:
+    a, a_fleet, _ = sidecar(namespace, url=proxy.url, retry_s=0.1)
+    b, _, _ = sidecar(namespace, url=proxy.url, retry_s=0.1)
+    proxy.set("drop")
+    (loop,) = batch(a, *(weather(turn) for turn in (1, 2, 3)))  # found here, as alone
+    assert loop.details["occurrence"] == 1 and a_fleet.backlog == 1
+
+    proxy.set("forward")
+    time.sleep(0.15)
+    # The fleet counts a's three calls and finds the loop a reported: not again.
+    assert batch(a, tool("lookup", {"q": "a run of one trace"}), now=1001.0) == []
+    assert a_fleet.backlog == 0
+    # Its next occurrence, on b, is the second.
+    assert batch(b, at(weather(4), 1002.0), now=1002.0) == []
+    (again,) = batch(b, at(weather(5), 1003.0), now=1003.0)
+    assert again.details["occurrence"] == 2
+
+
+def test_a_sidecar_that_gets_no_batch_sends_its_backlog_between_batches(
+    namespace: str, proxy: RedisProxy
+) -> None:
+    a, a_fleet, a_link = sidecar(namespace, url=proxy.url, retry_s=0.1)
+    b, _, _ = sidecar(namespace, url=proxy.url, retry_s=0.1)
+    calls = [weather(turn) for turn in (1, 2, 3)]
+    proxy.set("drop")
+    assert batch(a, calls[0], calls[1]) == []  # two calls: no loop here
+    found: list[Detection] = []
+    a.share_backlog(found)  # the link rests after its failure: not asked
+    assert (a_fleet.backlog, a_link.stats().errors) == (1, 1)
+
+    proxy.set("forward")
+    time.sleep(0.15)
+    a.share_backlog(found)  # the app's every second: sent, without waiting
+    drive(a.share_end_steps(found))  # answered (the next batch, or second, collects it)
+    assert found == [] and a_fleet.backlog == 0
+    (loop,) = batch(b, at(calls[2], 1001.0), now=1001.0)  # the third call, on b
+    assert loop.span_id == calls[1].span_id.hex()
+
+
+def test_a_backlog_beyond_its_bounds_drops_and_counts(namespace: str, proxy: RedisProxy) -> None:
+    runs, fleet, _ = sidecar(
+        namespace, url=proxy.url, settings=DetectorSettings(loop_window=4), max_backlog=1
+    )
+    proxy.set("drop")
+    distinct = [in_session(tool("search", {"q": str(n)}), 1) for n in range(6)]
+    assert batch(runs, *distinct) == []  # a window's worth kept: the last 4
+    assert (fleet.backlog, fleet.backlog_dropped, fleet.backlog_calls_dropped) == (1, 0, 2)
+    other = [in_session(tool("search", {"q": str(n)}), 2, session="conv-7") for n in range(2)]
+    assert batch(runs, *other) == []  # a second run: beyond max_backlog
+    assert (fleet.backlog, fleet.backlog_dropped, fleet.backlog_calls_dropped) == (1, 1, 4)
+    stats = runs.stats()
+    assert (stats["fleet_backlog"], stats["fleet_backlog_calls_dropped"]) == (1, 4)
 
 
 def test_the_pipeline_judges_a_loop_alone_while_redis_hangs(

@@ -19,7 +19,8 @@ How:
   row it locked: of sidecars racing for it, exactly one gets it. It then
   resumes the dead executor's pending remediations (DBOS enqueues them; any
   live executor runs each from its last completed step, and a durable sleep
-  keeps its wake-up time) and makes the dead sidecar's claimed commands due
+  keeps its wake-up time), starts those it stored and had not started yet, and
+  makes the dead sidecar's claimed commands due
   now (:meth:`Store.release_claims <supervisor.act.store.Store.release_claims>`).
   A sidecar that cannot resume yet (its remediations are starting) gives the
   claim back, for the next round or another sidecar.
@@ -48,8 +49,9 @@ log = logging.getLogger("spanvisor.fleet")
 #: Dead sidecars one round takes over at most (the next round takes the rest).
 _MAX_PER_ROUND = 16
 
-#: Resumes an executor's pending remediations: how many; None when it cannot yet.
-Resume = Callable[[str], "int | None"]
+#: Takes over a dead sidecar's remediations, given its executor's id and its own:
+#: how many; None when it cannot yet.
+Resume = Callable[[str, str], "int | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +207,7 @@ class Fleet:
             if dead is None:
                 break
             try:
-                resumed = self._resume(dead.executor_id)
+                resumed = self._resume(dead.executor_id, dead.instance)
             except Exception:
                 log.exception("could not resume a dead instance's remediations")
                 resumed = None

@@ -56,6 +56,8 @@ from supervisor.act.store_rows import (
     Approval,
     CommandStatus,
     Incident,
+    IncidentCounts,
+    KindCounts,
     NewIncident,
     StoredCommand,
     approval_deadline,
@@ -72,8 +74,11 @@ __all__ = [
     "Approval",
     "ApprovalError",
     "Incident",
+    "IncidentCounts",
+    "KindCounts",
     "NewIncident",
     "Page",
+    "RedeliveryError",
     "Store",
     "StoredCommand",
 ]
@@ -88,6 +93,25 @@ CLAIM_S = 120.0
 
 class ApprovalError(SupervisorError):
     """An approval that cannot be answered: unknown, or answered already."""
+
+
+class RedeliveryError(SupervisorError):
+    """A dead letter that cannot be put back to pending; ``why`` says which case.
+
+    ``unknown``: no such command; ``not_dead``: it is not a dead letter (pending,
+    leased or delivered); ``no_channel``: its service has no delivery channel
+    now either; ``full``: ``max_pending`` commands already wait.
+    """
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+#: Incidents one count reads at most (the newest): a count is one scan of them.
+MAX_COUNTED_INCIDENTS = 10_000
+#: (class, kind, bucket) rows one count returns at most.
+_MAX_COUNT_ROWS = 20_000
 
 
 _INSERT_INCIDENT = (
@@ -452,6 +476,53 @@ class Store:
             return rows[:limit], int(rows[limit - 1]["seq"])
         return rows, None
 
+    def incident_counts(
+        self,
+        start: float,
+        bucket_s: float,
+        buckets: int,
+        *,
+        max_rows: int = MAX_COUNTED_INCIDENTS,
+    ) -> IncidentCounts:
+        """Incidents stored in ``buckets`` windows of ``bucket_s`` from ``start``, counted in
+        SQL by failure class and kind.
+
+        Bounded: the newest ``max_rows`` incidents are read (there is no index on
+        ``created_at``: it would cost every failure stored an insert; rows are
+        in about time order, so the newest rows are the window's). When the
+        first row left unread is inside the window too, ``complete`` is False.
+        """
+        if buckets < 1 or not bucket_s > 0:
+            raise ValueError("a count needs at least one bucket of a positive width")
+        db = self._db
+        end = start + buckets * bucket_s
+        bucket = db.whole("(created_at - ?) / ?")
+        sql = (
+            f"SELECT COALESCE({db.json_text('body', 'class')}, '') AS cls,"  # noqa: S608 - constants
+            f" COALESCE({db.json_text('body', 'kind')}, '') AS kind, {bucket} AS bucket,"
+            " COUNT(*) AS n FROM (SELECT body, created_at FROM incidents"
+            " ORDER BY rowid DESC LIMIT ?) AS newest WHERE created_at >= ? AND created_at < ?"
+            " GROUP BY cls, kind, bucket ORDER BY cls, kind, bucket LIMIT ?"
+        )
+        with self._lock:
+            rows = db.execute(
+                sql, (start, bucket_s, max_rows, start, end, _MAX_COUNT_ROWS + 1)
+            ).fetchall()
+            past = db.execute(
+                "SELECT created_at FROM incidents ORDER BY rowid DESC LIMIT 1 OFFSET ?",
+                (max_rows,),
+            ).fetchone()
+        complete = len(rows) <= _MAX_COUNT_ROWS and (past is None or past[0] < start)
+        counts: dict[tuple[str, str], list[int]] = {}
+        for row in rows[:_MAX_COUNT_ROWS]:
+            found = counts.setdefault((str(row[0]), str(row[1])), [0] * buckets)
+            found[min(max(int(row[2]), 0), buckets - 1)] += int(row[3])
+        series = sorted(
+            (KindCounts(cls, kind, tuple(n)) for (cls, kind), n in counts.items()),
+            key=lambda s: (-s.total, s.failure_class, s.kind),
+        )
+        return IncidentCounts(start, bucket_s, buckets, tuple(series), complete)
+
     def incident(self, key: str) -> Incident | None:
         with self._lock:
             row = self._db.execute(f"{_SELECT_INCIDENTS} WHERE key = ?", (key,)).fetchone()
@@ -542,6 +613,58 @@ class Store:
                 " AND status IN ('pending', 'leased')",
                 (error, now, command_id),
             ).rowcount
+
+    def redeliver(
+        self, command_id: str, *, channel_for: Callable[[str], str], by: str, now: float
+    ) -> StoredCommand:
+        """Put a dead letter back to pending, due at ``now``, for a person who asked.
+
+        The same row: its id and ``Idempotency-Key`` stay, so an agent that had
+        received it after all can drop it. Its attempts start again from 0,
+        on the channel its service has now (``channel_for``; one configured
+        since it died counts). Who asked and when are kept with it
+        (``redelivered_by``, ``redelivered_at``; ``redeliveries`` counts them);
+        its last error stays until an attempt replaces it. Raises
+        :class:`RedeliveryError` otherwise. In a fleet, two sidecars asked at
+        once put it back once: the update is conditional on ``dead``.
+        """
+        with self._transaction() as db:
+            row = db.execute(
+                "SELECT status, service FROM commands WHERE id = ?", (command_id,)
+            ).fetchone()
+            if row is None:
+                raise RedeliveryError(f"no command {command_id!r}", "unknown")
+            if row["status"] != "dead":
+                raise RedeliveryError(
+                    f"command {command_id!r} is {row['status']}, not a dead letter", "not_dead"
+                )
+            channel = channel_for(row["service"])
+            if not channel:
+                raise RedeliveryError(
+                    f"no delivery channel is configured for service {row['service']!r}:"
+                    " configure agents in the settings first",
+                    "no_channel",
+                )
+            if db.shared:
+                self._waiting = self._count_waiting(db)
+            if self._waiting >= self.max_pending:
+                raise RedeliveryError(
+                    f"{self.max_pending} commands are already waiting; try again later", "full"
+                )
+            changed = db.execute(
+                "UPDATE commands SET status = 'pending', channel = ?, attempts = 0,"
+                " next_attempt_at = ?, lease_until = NULL, finished_at = NULL,"
+                " delivered_by = '', redeliveries = redeliveries + 1, redelivered_by = ?,"
+                " redelivered_at = ? WHERE id = ? AND status = 'dead'",
+                (channel, now, by[:200], now, command_id),
+            ).rowcount
+            if not changed:
+                raise RedeliveryError(
+                    f"command {command_id!r} was re-delivered meanwhile", "not_dead"
+                )
+            self._waiting += 1
+            row = db.execute("SELECT * FROM commands WHERE id = ?", (command_id,)).fetchone()
+        return command_from_row(row)
 
     def commands(
         self, *, status: str | None = None, service: str | None = None, limit: int = 100
@@ -701,12 +824,21 @@ class Store:
             )
 
     def incidents_where(
-        self, *, action: str | None = None, run_id: str | None = None, limit: int = 100
+        self,
+        *,
+        action: str | None = None,
+        run_id: str | None = None,
+        judged_by: str | None = None,
+        limit: int = 100,
     ) -> list[Incident]:
-        """The newest incidents with this action and/or run (a scan: for tools, not hot paths)."""
+        """The newest incidents with this action, run and/or judge (a scan: for tools and
+        takeovers, not hot paths)."""
         sql = _SELECT_INCIDENTS
         clauses: list[str] = []
         args: list[Any] = []
+        if judged_by is not None:
+            clauses.append("judged_by = ?")
+            args.append(judged_by)
         if action is not None:
             clauses.append("action = ?")
             args.append(action)

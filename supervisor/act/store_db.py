@@ -61,6 +61,14 @@ class Database(Protocol):
 
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
 
+    def json_text(self, column: str, key: str) -> str:
+        """SQL for the text of ``key`` in the JSON object in ``column`` (a constant key)."""
+        ...
+
+    def whole(self, expression: str) -> str:
+        """SQL for the integer part of a non-negative ``expression`` (a bucket's number)."""
+        ...
+
     def transaction(self) -> Any: ...
 
     def close(self) -> None: ...
@@ -81,6 +89,13 @@ class SqliteDatabase:
 
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         self._db.executemany(sql, rows)
+
+    def json_text(self, column: str, key: str) -> str:
+        return f"json_extract({column}, '$.{key}')"
+
+    def whole(self, expression: str) -> str:
+        # CAST truncates, the floor of what is not negative; floor() may be compiled out.
+        return f"CAST(({expression}) AS INTEGER)"
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
@@ -193,6 +208,13 @@ class PostgresDatabase:
         if rows:
             with self._reaching(), self._connection().cursor() as cursor:
                 cursor.executemany(_placeholders(sql), [tuple(row) for row in rows])
+
+    def json_text(self, column: str, key: str) -> str:
+        return f"(({column})::json ->> '{key}')"
+
+    def whole(self, expression: str) -> str:
+        # PostgreSQL's CAST rounds to the nearest integer: a bucket's number is the floor.
+        return f"CAST(FLOOR({expression}) AS BIGINT)"
 
     @contextmanager
     def transaction(self) -> Iterator[None]:

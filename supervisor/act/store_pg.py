@@ -53,6 +53,10 @@ CREATE TABLE IF NOT EXISTS commands (
     delivered_by TEXT NOT NULL DEFAULT '',
     rowid BIGINT GENERATED ALWAYS AS IDENTITY
 )""",
+    # Added after the first release: a store made before gets them here.
+    "ALTER TABLE commands ADD COLUMN IF NOT EXISTS redeliveries INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE commands ADD COLUMN IF NOT EXISTS redelivered_by TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE commands ADD COLUMN IF NOT EXISTS redelivered_at DOUBLE PRECISION",
     "CREATE INDEX IF NOT EXISTS commands_rowid ON commands (rowid)",
     "CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at)",
     "CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status)",

@@ -54,6 +54,10 @@ class StoredCommand:
     #: The instances that judged it and delivered it ("" before delivery).
     judged_by: str = ""
     delivered_by: str = ""
+    #: How often a person put it back to pending from the dead letters, who last, and when.
+    redeliveries: int = 0
+    redelivered_by: str = ""
+    redelivered_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -72,6 +76,50 @@ class Incident:
     created_at: float
     #: The instance that judged it (``instance_id``).
     judged_by: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KindCounts:
+    """Incidents of one failure class and kind, counted per time bucket (oldest first)."""
+
+    failure_class: str
+    kind: str
+    counts: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentCounts:
+    """Incidents stored in ``[start, start + buckets * bucket_s)``, by class and kind.
+
+    ``series`` holds the pairs with at least one incident, most incidents
+    first. ``complete`` is False when the count was bounded (more incidents
+    than one count reads, or more pairs than it returns): the counts are then
+    those of the newest incidents.
+    """
+
+    start: float
+    bucket_s: float
+    buckets: int
+    series: tuple[KindCounts, ...]
+    complete: bool = True
+
+    @property
+    def end(self) -> float:
+        return self.start + self.buckets * self.bucket_s
+
+    @property
+    def total(self) -> int:
+        return sum(s.total for s in self.series)
+
+    def bucket_totals(self) -> tuple[int, ...]:
+        """Every class and kind together, per bucket."""
+        return tuple(
+            sum(column) for column in zip(*(s.counts for s in self.series), strict=True)
+        ) or ((0,) * self.buckets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +212,9 @@ def command_from_row(row: Row) -> StoredCommand:
         finished_at=row["finished_at"],
         judged_by=row["judged_by"],
         delivered_by=row["delivered_by"],
+        redeliveries=row["redeliveries"],
+        redelivered_by=row["redelivered_by"],
+        redelivered_at=row["redelivered_at"],
     )
 
 

@@ -51,7 +51,11 @@ CREATE TABLE IF NOT EXISTS commands (
     finished_at REAL,
     judged_by TEXT NOT NULL DEFAULT '',
     -- The instance that delivered it (a push attempt that succeeded, a pull ack).
-    delivered_by TEXT NOT NULL DEFAULT ''
+    delivered_by TEXT NOT NULL DEFAULT '',
+    -- A dead letter put back to pending by a person: how often, who last, and when.
+    redeliveries INTEGER NOT NULL DEFAULT 0,
+    redelivered_by TEXT NOT NULL DEFAULT '',
+    redelivered_at REAL
 );
 CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at);
 CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status);
@@ -95,6 +99,9 @@ ADDED_COLUMNS = (
     ("commands", "delivered_by", "TEXT NOT NULL DEFAULT ''"),
     ("approvals", "judged_by", "TEXT NOT NULL DEFAULT ''"),
     ("approvals", "answered_on", "TEXT NOT NULL DEFAULT ''"),
+    ("commands", "redeliveries", "INTEGER NOT NULL DEFAULT 0"),
+    ("commands", "redelivered_by", "TEXT NOT NULL DEFAULT ''"),
+    ("commands", "redelivered_at", "REAL"),
 )
 INDEXES = """
 CREATE INDEX IF NOT EXISTS approvals_expiry ON approvals (status, expires_at)

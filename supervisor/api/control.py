@@ -17,6 +17,7 @@ import builtins
 import concurrent.futures
 import contextlib
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -25,13 +26,21 @@ from typing import Any, Protocol, TypeVar, cast
 
 from policies import Governor, Policy
 from supervisor.act.actor import Actor
-from supervisor.act.store import ApprovalError, Incident, Store
+from supervisor.act.store import (
+    ApprovalError,
+    Incident,
+    IncidentCounts,
+    RedeliveryError,
+    Store,
+    StoredCommand,
+)
 from supervisor.act.store_rows import APPROVAL_STATUSES
 from supervisor.api.inline import Question, decide
 from supervisor.api.paging import CursorError, Key, decode_cursor, encode_cursor
 from supervisor.api.store_outage import StoreOutage
 from supervisor.api.thread_cpu import thread_cpu
 from supervisor.errors import ConfigError
+from supervisor.forward.breaker_history import BreakerHistory, BreakerTimeline
 from supervisor.records import REMEDIATION_STATUSES, RUN_STATUSES
 from supervisor.settings import AgentDelivery, PullChannel
 
@@ -46,6 +55,14 @@ _MAX_REMEDIATIONS_READ = 20_000
 REMEDIATION_ID = re.compile(r"^rem_[0-9a-f]{1,64}$")
 #: States in which a remediation is over: nothing left to cancel.
 FINISHED = frozenset({"SUCCESS", "ERROR", "CANCELLED"})
+#: The longest window incidents are counted over (a retention is a week by default).
+MAX_COUNT_WINDOW_S = 31 * 86_400.0
+#: The most buckets one count of incidents has.
+MAX_COUNT_BUCKETS = 200
+#: The longest window a breaker's changes are shown over.
+MAX_BREAKER_WINDOW_S = 7 * 86_400.0
+#: What a re-delivery refused answers, by :attr:`RedeliveryError.why`.
+_REDELIVERY_STATUS = {"unknown": 404, "not_dead": 409, "no_channel": 409, "full": 503}
 #: Why remediations are unavailable when the control API has no remediations at all.
 NOT_RUNNING = "remediations are not running on this sidecar"
 
@@ -164,6 +181,8 @@ class Control:
     fleet_breakers: Callable[[], builtins.list[str] | None] | None = None
     #: The shared store as requests last found it (an outage: 503, said once in the log).
     outage: StoreOutage = field(default_factory=StoreOutage)
+    #: The breakers' recent changes as this sidecar saw them (None: not kept).
+    breaker_history: BreakerHistory | None = None
 
     def health(self) -> list[str]:
         """What degrades the sidecar now: the sidecar's own reasons and a store found down."""
@@ -229,16 +248,54 @@ class Control:
         )
         return {
             # Which sidecar judged and delivered each: for operators, not sent to agents.
-            "commands": [
-                {**c.to_json(), "judged_by": c.judged_by, "delivered_by": c.delivered_by}
-                for c in page.items
-            ],
+            "commands": [_command_view(c) for c in page.items],
             "next_cursor": _next_row(page.next_before, "commands"),
         }
 
     def dead_letters(self, limit: int, cursor: str | None = None) -> dict[str, Any]:
         answer = self.commands(status="dead", service=None, limit=limit, cursor=cursor)
         return {"dead_letters": answer["commands"], "next_cursor": answer["next_cursor"]}
+
+    async def redeliver(self, command_id: str, *, by: str) -> dict[str, Any]:
+        """Put dead letter ``command_id`` back to pending and wake its deliverers.
+
+        Stored off the loop (a slow shared store does not hold it), announced on
+        it, as a new command is: the dispatcher sends it at once, a pull agent's
+        long poll gets it. 404: unknown; 409: not dead, or its service still
+        has no channel; 503: ``max_pending`` commands already wait.
+        """
+        actor = self.actor
+        try:
+            stored = await self.stored(
+                self.store.redeliver,
+                command_id,
+                channel_for=actor.channel_for,
+                by=by,
+                now=self.clock(),
+            )
+        except RedeliveryError as exc:
+            raise ControlError(str(exc), _REDELIVERY_STATUS.get(exc.why, 409)) from None
+        actor.announce([stored])
+        return _command_view(stored)
+
+    async def incident_counts(
+        self, *, window_s: float = 86_400.0, buckets: int = 24, end: float | None = None
+    ) -> IncidentCounts:
+        """Stored incidents by class and kind in ``buckets`` equal buckets over ``window_s``.
+
+        Buckets fall on multiples of their width (hours for the default day), the
+        last one holding ``end`` (default now), so a refresh moves the chart by
+        whole buckets. Counted in the store's SQL, off the loop; bounded (see
+        :meth:`Store.incident_counts`: ``complete`` False when it was).
+        """
+        if not 1 <= buckets <= MAX_COUNT_BUCKETS:
+            raise ControlError(f"buckets must be between 1 and {MAX_COUNT_BUCKETS}")
+        if not 60.0 <= window_s <= MAX_COUNT_WINDOW_S:
+            raise ControlError(f"the window must be between 60 and {MAX_COUNT_WINDOW_S:g} seconds")
+        bucket_s = window_s / buckets
+        last = math.floor((self.clock() if end is None else end) / bucket_s) * bucket_s
+        start = last - (buckets - 1) * bucket_s
+        return await self.stored(self.store.incident_counts, start, bucket_s, buckets)
 
     def _pull_settings(self, service: str) -> PullChannel:
         delivery: AgentDelivery | None = self.actor.agents.get(service) or self.actor.agents.get(
@@ -374,6 +431,37 @@ class Control:
         if why is not None:
             answer["why"] = why
         return answer
+
+    def breaker_timelines(
+        self, dependencies: Sequence[str], *, window_s: float = 6 * 3600.0
+    ) -> dict[str, BreakerTimeline]:
+        """Each breaker's state now and the changes this sidecar saw over ``window_s``.
+
+        On the loop, as :meth:`breakers` (a Redis read per breaker not tracked
+        here). A breaker this sidecar does not track (only other sidecars of
+        the fleet use it) has no changes here: its whole window is unknown,
+        its state now the fleet's. See :mod:`supervisor.forward.breaker_history`
+        for what the changes of breakers shared through Redis are.
+        """
+        if not 60.0 <= window_s <= MAX_BREAKER_WINDOW_S:
+            raise ControlError(
+                f"the window must be between 60 and {MAX_BREAKER_WINDOW_S:g} seconds"
+            )
+        if len(dependencies) > MAX_LIMIT:
+            raise ControlError(f"at most {MAX_LIMIT} breakers at once")
+        board = self.governor.board
+        tracked = {b.dependency for b in board.snapshot()}
+        end = self.clock()
+        start = end - window_s
+        found: dict[str, BreakerTimeline] = {}
+        for dependency in dependencies:
+            state = _breaker_json(asdict(board.info(dependency)))["state"]
+            history = self.breaker_history
+            if history is None or dependency not in tracked:
+                found[dependency] = BreakerTimeline(dependency, start, end, state, end, ())
+            else:
+                found[dependency] = history.timeline(dependency, state, start, end)
+        return found
 
     def breaker(self, dependency: str) -> dict[str, Any]:
         self.governor.breaker_state(dependency)  # moves an elapsed open breaker to half-open
@@ -565,6 +653,19 @@ class Control:
         if not 1 <= question.attempt <= 1000:
             raise ControlError("attempt must be between 1 and 1000")
         return decide(self.policy(), self.governor, question)
+
+
+def _command_view(stored: StoredCommand) -> dict[str, Any]:
+    """A command for operators: which sidecar judged and delivered it, who re-delivered it
+    (never sent to agents)."""
+    return {
+        **stored.to_json(),
+        "judged_by": stored.judged_by,
+        "delivered_by": stored.delivered_by,
+        "redeliveries": stored.redeliveries,
+        "redelivered_by": stored.redelivered_by,
+        "redelivered_at": stored.redelivered_at,
+    }
 
 
 def _breaker_json(info: dict[str, Any]) -> dict[str, Any]:

@@ -126,6 +126,10 @@ class AnswerBody(_Body):
     note: str = Field(default="", max_length=2000)
 
 
+class RedeliverBody(_Body):
+    by: str = Field(default="api", max_length=200, description="Who re-delivers, for the record.")
+
+
 class AckBody(_Body):
     service: str = Field(min_length=1, max_length=256)
 
@@ -330,6 +334,17 @@ def build_control_app(
         limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: Cursor = None
     ) -> dict[str, Any]:
         return await control.stored(control.dead_letters, limit, cursor)
+
+    @app.post(
+        "/v1/dead-letters/{command_id}/redeliver",
+        dependencies=auth,
+        summary="Send a dead letter again",
+        description="Puts the command back to pending (the same id and Idempotency-Key,"
+        " attempts from 0, who and when recorded) and sends it at once. 404: unknown;"
+        " 409: not a dead letter, or its service has no delivery channel.",
+    )
+    async def redeliver(command_id: str, body: RedeliverBody | None = None) -> dict[str, Any]:
+        return await control.redeliver(command_id, by=(body or RedeliverBody()).by)
 
     @app.get("/v1/approvals", dependencies=auth, summary="Approval requests, newest first")
     async def approvals(

@@ -1,8 +1,9 @@
-"""Each circuit breaker change, told three ways: a log line, a span and a metric.
+"""Each circuit breaker change, told three ways: a log line, a span and a metric; and kept.
 
 The governor calls a :class:`BreakerReport` on every change (from whichever
 thread moved the breaker); the sidecar's stats read :attr:`BreakerReport.changes`,
-its ``/metrics`` :attr:`BreakerReport.transitions`.
+its ``/metrics`` :attr:`BreakerReport.transitions`, the operator console
+:attr:`BreakerReport.history` (the last changes of each breaker, bounded).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from policies import BreakerChange
+from supervisor.forward.breaker_history import BreakerHistory
 from supervisor.forward.metrics import SidecarMetrics
 from supervisor.forward.telemetry import DecisionTracer
 
@@ -20,9 +22,16 @@ log = logging.getLogger("spanvisor.app")
 class BreakerReport:
     """Logs, traces (``spanvisor.breaker``) and counts (a metric) each breaker change."""
 
-    def __init__(self, tracer: DecisionTracer, metrics: SidecarMetrics) -> None:
+    def __init__(
+        self,
+        tracer: DecisionTracer,
+        metrics: SidecarMetrics,
+        history: BreakerHistory | None = None,
+    ) -> None:
         self._tracer = tracer
         self._metrics = metrics
+        #: Each breaker's recent changes, on the wall clock (the console's strips).
+        self.history = history if history is not None else BreakerHistory()
         #: Changes reported since start, by (from, to) state: a few states, so a few keys.
         self.transitions: dict[tuple[str, str], int] = {}
 
@@ -34,6 +43,7 @@ class BreakerReport:
     def __call__(self, change: BreakerChange) -> None:
         key = (change.old.value, change.new.value)
         self.transitions[key] = self.transitions.get(key, 0) + 1
+        self.history(change)
         log.warning(
             "circuit breaker changed state",
             extra={

@@ -180,7 +180,9 @@ class Remediations:
         self.runner = runner
         log.info("remediations ready", extra={"database": redact_url(self.database_url)})
         if redispatch:
-            self._redispatch()
+            # In a fleet, this sidecar's own: another live sidecar starts its own, and a
+            # dead one's are started by the sidecar that takes it over.
+            self._redispatch(self.settings.instance() if self.settings.database_url else None)
 
     def close(self, timeout_s: float = 10.0) -> None:
         runner, self.runner = self.runner, None
@@ -275,20 +277,22 @@ class Remediations:
             dispatched_at=dispatched_at,
         )
 
-    def _redispatch(self) -> None:
-        """Start remediate incidents stored before a crash but never started.
+    def _redispatch(self, judged_by: str | None = None) -> int:
+        """Start remediate incidents stored before a crash but never started; how many.
 
         The store writer stores an incident, then dispatches; a kill between
         the two leaves an incident without its workflow. Workflow ids dedupe,
-        so only the missing ones are started.
+        so only the missing ones are started. ``judged_by``: only a (dead)
+        sidecar's incidents.
         """
         found = self._actor.store.incidents_where(
-            action=Action.REMEDIATE.value, limit=_REDISPATCH_LIMIT
+            action=Action.REMEDIATE.value, judged_by=judged_by, limit=_REDISPATCH_LIMIT
         )
         runner = self.runner
         if not found or runner is None:
-            return
+            return 0
         known = {w["id"] for w in runner.list(limit=_REDISPATCH_LIMIT * 2)}
+        started = 0
         for incident in found:
             body = incident.body
             if body.get("observe_only") or not isinstance(body.get("params"), dict):
@@ -302,6 +306,8 @@ class Remediations:
             received = body.get("received_ns")
             at = received / 1e9 if isinstance(received, int) and received else incident.created_at
             self._start(self._request(body, at))
+            started += 1
+        return started
 
     def answered(self, approval: Mapping[str, Any]) -> None:
         """A person answered an approval; the remediation waiting for it is told.
@@ -339,14 +345,18 @@ class Remediations:
                 extra={"remediation": remediation_id, "approval": answer.get("id")},
             )
 
-    def resume_executor(self, executor: str) -> int | None:
-        """Resume a dead sidecar's pending remediations here (a fleet's takeover); how many.
+    def resume_executor(self, executor: str, instance: str) -> int | None:
+        """Take over a dead sidecar's remediations (a fleet's takeover); how many.
 
-        None while the runner is not running: the takeover waits (or another sidecar
-        does it). Blocking: call it off the loop.
+        Its pending workflows are resumed, and the remediations it stored but had
+        not started when it died (:meth:`_redispatch`, for its incidents) are
+        started here. None while the runner is not running: the takeover waits
+        (or another sidecar does it). Blocking: call it off the loop.
         """
         runner = self.runner
-        return None if runner is None else runner.resume_executor(executor)
+        if runner is None:
+            return None
+        return runner.resume_executor(executor) + self._redispatch(judged_by=instance)
 
     def _notify_recovery(self, remediation_id: str, evidence: Mapping[str, Any]) -> None:
         if self.runner is not None:

@@ -44,17 +44,32 @@ expire ``ttl_s`` after the run's last shared call.
 
 **While Redis is away** (the link's breaker open, a timeout of its 0.25 s, an
 error), nothing raises into the pipeline: the batch's runs are judged by this
-sidecar alone, as without a fleet, and its spend is kept (bounded, per run)
-and added to the fleet's totals when Redis answers again. What is missed
-meanwhile: a loop whose repeats were split between sidecars (the calls made
-while away are not shared, and a loop reported here meanwhile may be reported
-again by the fleet if it goes on), and a budget crossed only by the fleet's
-total; each sidecar may report a crossing of its own.
+sidecar alone, as without a fleet, and what the fleet did not count of them is
+kept (:meth:`RunShare.kept`; at most ``max_backlog`` runs, and a window's worth
+of each run's loop calls of each kind; what is not kept is counted): the loop
+calls, each with the occurrences of its loop this sidecar reported meanwhile
+(which the fleet then does not report again), and the spend, as one charge
+with the crossings reported here marked. Once the link is no longer resting
+(:meth:`~supervisor.shared_breakers.RedisLink.resting`; nothing is asked to
+find out), the backlog goes in the round trips that follow: a run's with its
+next batch, up to ``catch_up`` runs more with any batch, and between batches
+from the app's once-a-second watch (:meth:`FleetRuns.catch_up`), so that runs
+this sidecar sees no more are counted too. The script counts them as they
+arrive, after whatever other sidecars sent meanwhile: a loop whose repeats
+were split between sidecars while Redis was away is found once the last of
+them has caught up, and **reported late**: then, by the sidecar whose backlog
+completed it, naming the first repeated call as usual. What the fleet still
+gets wrong: a budget crossed only by the fleet's total is reported when the
+backlogs join it, and each sidecar may have reported a crossing of its own
+meanwhile; a loop reported here meanwhile is reported again if the other
+sidecars' calls alone make one before this sidecar's backlog arrives; and what
+a sidecar kept is lost if it stops first.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,8 +92,10 @@ log = logging.getLogger("spanvisor.runs.fleet")
 #: How long Redis keeps a run's counts after its last shared call: as long as the
 #: run tracker keeps an idle run.
 TTL_S: Final = 6 * 3600.0
-#: Runs whose spend made while Redis was away is kept for when it answers again.
+#: Runs whose loop calls and spend made while Redis was away are kept for when it answers.
 MAX_BACKLOG: Final = 4096
+#: Kept runs sent with a batch, besides its own runs: a backlog catches up over batches.
+MAX_CATCH_UP: Final = 32
 #: Runs whose key prefix is remembered (then forgotten at once).
 _MAX_PREFIXES: Final = 4096
 
@@ -242,16 +259,21 @@ class RunShare:
 
     Made by the tracker for a session's run with the first contribution of a
     batch; the detections this sidecar's own count found wait here (``held``)
-    until the fleet says whether they are still to report.
+    until the fleet says whether they are still to report. A share Redis did
+    not answer for is kept (:meth:`kept`) as the run's backlog, itself a share:
+    sent again before the run's next batch, or alone when Redis may answer.
     """
 
     __slots__ = ("calls", "charges", "loops", "now_ms", "run", "settings", "spent")
 
     def __init__(self, run: RunState) -> None:
         self.run = run
-        #: The script's calls (see ``_SCRIPT``), and per call what a report needs.
+        #: The script's calls (see ``_SCRIPT``), and per call what a report needs: its
+        #: dependency, what repeats, the repeats that make a loop, this sidecar's own
+        #: detection at it, and (kept calls) the occurrences of the call's loop that
+        #: this sidecar already reported while Redis was away.
         self.calls: list[list[Any]] = []
-        self.loops: list[tuple[str, str, int, Detection | None]] = []
+        self.loops: list[tuple[str, str, int, Detection | None, int]] = []
         #: When its last call was received (Unix ms): a report's time, fleet-wide.
         self.now_ms = 0
         #: The script's charges, and per charge where a crossing is reported.
@@ -297,7 +319,7 @@ class RunShare:
             ]
         )
         self.now_ms = now_ns // 1_000_000
-        self.loops.append((dependency, what, settings.loop_repeats, held))
+        self.loops.append((dependency, what, settings.loop_repeats, held, 0))
 
     def charge(
         self,
@@ -318,9 +340,58 @@ class RunShare:
 
     def held(self) -> list[Detection]:
         """What this sidecar's own counts found, in the order found."""
-        return [d for *_, d in self.loops if d is not None] + [
+        return [d for _, _, _, d, _ in self.loops if d is not None] + [
             d for *_, d in self.spent if d is not None
         ]
+
+    def after(self, kept: RunShare) -> RunShare:
+        """This share with ``kept`` (a backlog) counted first."""
+        self.calls[:0] = kept.calls
+        self.loops[:0] = kept.loops
+        self.charges[:0] = kept.charges
+        self.spent[:0] = kept.spent
+        self.now_ms = max(self.now_ms, kept.now_ms)
+        if self.settings is None:
+            self.settings = kept.settings
+        return self
+
+    def kept(self) -> tuple[RunShare, int]:
+        """What the fleet must still count of this share, with the calls dropped.
+
+        Its loop calls: at most a window's worth of each kind (the latest;
+        older ones cannot be within a window of what comes next), each with
+        the occurrences of its loop already reported here, which the fleet
+        then does not report again. Its spend: one charge, the crossings
+        reported here marked as such (its last call's span names a crossing
+        found in it). What was held has been reported: nothing is held.
+        """
+        kept = RunShare(self.run)
+        kept.now_ms, kept.settings = self.now_ms, self.settings
+        reported: dict[tuple[int, str], int] = {}
+        for call, (*_, done) in zip(self.calls, self.loops, strict=True):
+            key = (call[0], call[1])
+            reported[key] = max(reported.get(key, 0), call[8], done)
+        taken: dict[int, int] = {}
+        for call, (dependency, what, repeats, _, _) in reversed(
+            list(zip(self.calls, self.loops, strict=True))
+        ):
+            if taken.get(call[0], 0) >= call[7]:
+                continue
+            taken[call[0]] = taken.get(call[0], 0) + 1
+            kept.calls.append(call)
+            kept.loops.append((dependency, what, repeats, None, reported[call[0], call[1]]))
+        kept.calls.reverse()
+        kept.loops.reverse()
+        if self.charges:
+            merged: list[Any] = [0, 0, 0, 0.0, 0, "", 0]
+            for charge in self.charges:
+                for k in range(5):
+                    merged[k] += charge[k]
+                kinds = {*str(merged[5]).split("+"), *str(charge[5]).split("+")} - {""}
+                merged[5] = "+".join(sorted(kinds))
+            span_id, dependency, _ = self.spent[-1]
+            kept.charges, kept.spent = [merged], [(span_id, dependency, None)]
+        return kept, len(self.calls) - len(kept.calls)
 
 
 class FleetRuns:
@@ -333,19 +404,21 @@ class FleetRuns:
         *,
         ttl_s: float = TTL_S,
         max_backlog: int = MAX_BACKLOG,
+        catch_up: int = MAX_CATCH_UP,
     ) -> None:
         self._link = link
         self._namespace = namespace
         self._ttl = str(max(1, int(ttl_s)))
         self._max_backlog = max_backlog
+        self._catch_up = catch_up
         #: The thread that waits for Redis (made at the first round trip), and the round
         #: trip sent and not collected yet.
         self._thread: ThreadPoolExecutor | None = None
         self._flight: tuple[list[_Send], Future[list[Any]]] | None = None
         #: run id -> the prefix of its keys (runs come back batch after batch).
         self._prefixes: dict[str, str] = {}
-        #: run id -> spend made while Redis was away: a charge, added at the run's next.
-        self._backlog: dict[str, list[Any]] = {}
+        #: run id -> what the fleet did not count of it while Redis was away (oldest first).
+        self._backlog: dict[str, RunShare] = {}
         #: run id -> what the batch so far adds to its counts (sent by :meth:`send`).
         self._shares: dict[str, RunShare] = {}
         #: Spans that contributed since the last :meth:`send`.
@@ -353,8 +426,10 @@ class FleetRuns:
         #: Runs' batches sent and answered, and not answered (judged locally).
         self.shared = 0
         self.unshared = 0
-        #: Runs whose spend while away was not kept (beyond ``max_backlog``).
+        #: Runs not kept while Redis was away (beyond ``max_backlog``), and loop calls not
+        #: kept (theirs, and beyond a window's worth of a run's).
         self.backlog_dropped = 0
+        self.backlog_calls_dropped = 0
 
     def share_of(self, run: RunState) -> RunShare:
         """What the batch adds to ``run``'s fleet-wide counts (a span's contribution goes there)."""
@@ -366,6 +441,26 @@ class FleetRuns:
             share.run = run  # the run's latest state (evicted and made again, its latest trace)
         return share
 
+    @property
+    def backlog(self) -> int:
+        """Runs kept for when Redis answers again."""
+        return len(self._backlog)
+
+    def catch_up(self, found: list[Detection]) -> None:
+        """Between batches (the app's every second): the backlog, without waiting for one.
+
+        A round trip already answered is collected (what it found goes to
+        ``found``); else, when there is a backlog, no batch's shares pending
+        and the link not resting, the backlog is sent (its answer collected
+        here next time, or by the next batch's :meth:`send`). Never waits for Redis.
+        """
+        flight = self._flight
+        if flight is not None:
+            if flight[1].done():
+                drive(self.collect_steps(found))
+        elif self._backlog and not self._shares and not self._link.resting():
+            self.send(found)
+
     def count(self, found: list[Detection]) -> None:
         """:meth:`send` and :meth:`collect_steps` in one go (waiting on this thread)."""
         self.send(found)
@@ -376,18 +471,24 @@ class FleetRuns:
 
         :meth:`collect_steps` takes its answer. One round trip at a time: one
         not collected yet is collected first (what it found goes to ``found``).
-        Nothing shared in the batch: no round trip.
+        A run's backlog goes first in its share; up to ``catch_up`` other
+        backlogged runs go too unless the link is resting after a failure (the
+        next round trip after its rest is the probe). Nothing to send: no
+        round trip.
         """
         if self._flight is not None:
             drive(self.collect_steps(found))
         shares, self._shares, self.pending = self._shares, {}, 0
+        backlog = self._backlog
         sends: list[_Send] = []
         for run_id, share in shares.items():
             if not len(share):
                 continue
-            kept = self._backlog.pop(run_id, None) if share.charges else None
-            charges = share.charges if kept is None else [kept, *share.charges]
-            sends.append((share, run_id, 0 if kept is None else 1, charges))
+            kept = backlog.pop(run_id, None)
+            sends.append((run_id, share if kept is None else share.after(kept), True))
+        if backlog and not self._link.resting():
+            for run_id in list(itertools.islice(backlog, self._catch_up)):
+                sends.append((run_id, backlog.pop(run_id), False))
         if sends:
             self._flight = (sends, self._worker().submit(self._exchange, sends))
 
@@ -398,7 +499,7 @@ class FleetRuns:
         :mod:`supervisor.judge.steps`): the event loop answers others
         meanwhile. Never raises for Redis: runs whose answer did not come are
         judged by this sidecar alone (their held detections reported), their
-        spend kept.
+        loop calls and spend kept.
         """
         flight, self._flight = self._flight, None
         if flight is None:
@@ -407,14 +508,14 @@ class FleetRuns:
         if not exchange.done():
             yield exchange
         answers = exchange.result()  # never raises (see _exchange)
-        for (share, run_id, offset, charges), answer in zip(sends, answers, strict=True):
+        for (run_id, share, batch), answer in zip(sends, answers, strict=True):
             if answer is None:  # unreachable, or an error
-                self.unshared += 1
+                self.unshared += batch
                 found += share.held()
-                self._keep(run_id, charges)
+                self._keep(run_id, share)
                 continue
-            self.shared += 1
-            _report(share, answer, offset, found)
+            self.shared += batch
+            _report(share, answer, found)
 
     def _worker(self) -> ThreadPoolExecutor:
         worker = self._thread
@@ -443,10 +544,10 @@ class FleetRuns:
                 "k": self._keys(run_id),
                 "c": share.calls,
                 "n": share.now_ms,
-                "s": charges,
+                "s": share.charges,
                 "b": _limits(share.settings),
             }
-            for share, run_id, _, charges in sends
+            for run_id, share, _ in sends
         ]
         args = (json.dumps(runs, separators=(",", ":")), self._ttl, MAX_LOOP_REPORTS, MAX_REPORTED)
         try:
@@ -466,26 +567,26 @@ class FleetRuns:
             prefix = known[run_id] = f"{self._namespace}:runs:{{{digest.hexdigest()}}}"
         return prefix
 
-    def _keep(self, run_id: str, charges: list[list[Any]]) -> None:
-        """A run's spend not counted by the fleet, for its next batch (own crossings marked)."""
-        if not charges:
+    def _keep(self, run_id: str, share: RunShare) -> None:
+        """A run's share the fleet did not count, kept (bounded) for when Redis answers.
+
+        The share sent held the run's backlog (taken out when sent): what is
+        kept now is all of it.
+        """
+        backlog = self._backlog
+        if len(backlog) >= self._max_backlog:
+            self.backlog_dropped += 1
+            self.backlog_calls_dropped += len(share.calls)
             return
-        kept = self._backlog.get(run_id)
-        if kept is None:
-            if len(self._backlog) >= self._max_backlog:
-                self.backlog_dropped += 1
-                return
-            kept = self._backlog[run_id] = [0, 0, 0, 0.0, 0, "", 0]
-        for charge in charges:
-            for k in range(5):
-                kept[k] += charge[k]
-            kinds = {*str(kept[5]).split("+"), *str(charge[5]).split("+")} - {""}
-            kept[5] = "+".join(sorted(kinds))
+        kept, dropped = share.kept()
+        self.backlog_calls_dropped += dropped
+        if len(kept):
+            backlog[run_id] = kept
 
 
-#: A run's share as sent: the share, its run id, the charges kept from before (0 or 1),
-#: and its charges (those first).
-_Send = tuple["RunShare", str, int, list[list[Any]]]
+#: A run's share as sent: its run id, the share (its backlog first), and whether it is
+#: the batch's (False: a backlog sent alone).
+_Send = tuple[str, "RunShare", bool]
 
 
 def _limits(settings: DetectorSettings | None) -> list[float]:
@@ -497,22 +598,24 @@ def _limits(settings: DetectorSettings | None) -> list[float]:
     return [-1 if tokens is None else tokens, -1 if cost is None else cost]
 
 
-def _report(share: RunShare, answer: list[Any], offset: int, found: list[Detection]) -> None:
+def _report(share: RunShare, answer: list[Any], found: list[Detection]) -> None:
     """The fleet's answer for one run: its reports, or this sidecar's own that still stand."""
     loops, spent = (part if isinstance(part, list) else [] for part in answer)
     run = share.run
     for n, span_hex, name, occurrence, own in loops:
-        dependency, what, repeats, held = share.loops[n]
+        dependency, what, repeats, held, reported = share.loops[n]
         if own:
             if held is not None:
                 found.append(held)
             continue
+        if occurrence <= reported:  # reported here while Redis was away
+            continue
         first = (bytes.fromhex(span_hex), str(name), int(occurrence))
         found.append(loop_detection(run, dependency, first, repeats=repeats, what=what))
     for n, crossed, calls, tokens_in, tokens_out, cost, unpriced, own in spent:
-        span_id, dependency, held = share.spent[max(0, n - offset)]
+        span_id, dependency, held = share.spent[n]
         if own:
-            if held is not None and n >= offset:
+            if held is not None:
                 found.append(held)
             continue
         settings = share.settings

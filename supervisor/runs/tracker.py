@@ -30,7 +30,8 @@ Lifecycle: built by the wiring, then :meth:`restore` d from the journal of a
 sidecar that ran before (:mod:`.journal`); :meth:`observe`, :meth:`share_begin`
 (once a batch's spans are observed) and :meth:`share_end_steps`,
 :meth:`run_of`, :meth:`commanded` and :meth:`failed` from the pipeline's
-thread; :meth:`stalled`, :meth:`snapshot` and :meth:`journal_changes` from the
+thread; :meth:`stalled`, :meth:`share_backlog`, :meth:`snapshot` and
+:meth:`journal_changes` from the
 same thread (the event loop), never concurrently. :meth:`notice` is the one
 method other threads may call: what it is told is applied on the next tick.
 """
@@ -300,6 +301,12 @@ class RunTracker:
         """
         if self.fleet is not None:
             self.fleet.send(found)
+
+    def share_backlog(self, found: list[Detection]) -> None:
+        """Between batches: what the fleet did not count while Redis was away, sent when it
+        may answer (see :meth:`.FleetRuns.catch_up`); never waits. Without a fleet, nothing."""
+        if self.fleet is not None:
+            self.fleet.catch_up(found)
 
     def share_end_steps(self, found: list[Detection]) -> Steps[None]:
         """What the fleet, or this sidecar's own count, found in sessions' runs goes to
@@ -830,7 +837,9 @@ class RunTracker:
         if fleet is not None:  # sessions' batches counted fleet-wide, and judged here alone
             found["fleet_shared"] = fleet.shared
             found["fleet_unshared"] = fleet.unshared
+            found["fleet_backlog"] = fleet.backlog
             found["fleet_backlog_dropped"] = fleet.backlog_dropped
+            found["fleet_backlog_calls_dropped"] = fleet.backlog_calls_dropped
         return found
 
 
