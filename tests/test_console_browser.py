@@ -14,6 +14,8 @@
   and shows no time from 1970 (a monotonic reading taken for a date).
 * Cross-site: a page elsewhere that posts an answer while the person is
   logged in answers nothing.
+* Re-delivery: a dead letter sent again from the dead letters page, through
+  its confirmation.
 * Live refresh: a run that begins while the runs page is open appears on it
   (htmx, under the same CSP), its markup-like name still text.
 * The keyboard: logging in and reaching the approvals page with Tab and Enter.
@@ -403,6 +405,35 @@ def test_a_form_on_another_site_cannot_answer_an_approval(
     assert (response.status, page.url) == (200, f"{api}/ui/login") or response.status == 403
     # And nothing was answered.
     assert hostile.sidecar.get(f"/v1/approvals/{hostile.approval_id}")["status"] == "pending"
+
+
+def test_a_dead_letter_is_redelivered_through_its_confirmation(
+    hostile: Hostile,
+    console: Console,  # noqa: F811
+) -> None:
+    sidecar, api = hostile.sidecar, hostile.sidecar.api
+    letter = sidecar.get("/v1/dead-letters")["dead_letters"][0]
+    page = console.new_page()
+    login(page, api, sidecar.token)
+    page.goto(f"{api}/ui/dead-letters")
+    row = page.locator("#dead-letters tr").filter(has_text=letter["id"])
+    row.locator('input[name="by"]').fill("on-call")
+    with page.expect_navigation() as confirmation:
+        row.get_by_role("button", name=re.compile("re-deliver", re.I)).click()
+    checked(page, confirmation.value, console)  # it shows the command: hostile text
+    expect(page.locator("#confirm-form")).to_be_visible()
+    assert commands_by_id(sidecar)[letter["id"]]["redeliveries"] == 0
+
+    page.click("#confirm-yes")
+    page.wait_for_url(re.compile(rf"{re.escape(api)}/ui/dead-letters(\?.*)?$"))
+    expect(page.locator("#flash")).to_contain_text(letter["id"])
+    redelivered = commands_by_id(sidecar)[letter["id"]]
+    assert (redelivered["redeliveries"], redelivered["redelivered_by"]) == (1, "on-call")
+
+
+def commands_by_id(sidecar: SidecarProcess) -> dict[str, dict[str, Any]]:
+    found = sidecar.get("/v1/commands/log", service=HOSTILE_SERVICE, limit=1000)["commands"]
+    return {c["id"]: c for c in found}
 
 
 # -- (c) the keyboard --------------------------------------------------------------------------
