@@ -7,10 +7,11 @@ installs it. Without it the tests fail saying how to install it; they are
 never skipped, since a console nobody looked at in a browser is untested.
 
 Fixtures (import them into a test module): ``browser``, one Chromium per
-module (starting one costs a second); ``context``, a fresh one per test (its
-own cookies, so each test logs in), whose pages are screenshotted into the
-test's ``tmp_path`` when the test fails (the report says where); ``page``, a page in it, watched
-(:class:`Watched`) for dialogs, console errors and CSP violations.
+module (starting one costs a second); ``console``, a fresh browser context
+per test (its own cookies, so each test logs in) whose pages
+(:meth:`Console.new_page`) are watched (:class:`Watched`) for dialogs,
+console errors and CSP violations, and screenshotted into the test's
+``tmp_path`` when the test fails (the report says where).
 
 :func:`login` and :data:`VIEWPORT` are also what ``scripts/console_screenshots.py``
 uses.
@@ -152,11 +153,6 @@ def console(browser: Browser, request: pytest.FixtureRequest, tmp_path: Path) ->
         yield Console(context, watched)
     finally:
         context.close()
-
-
-@pytest.fixture
-def page(console: Console) -> Page:
-    return console.new_page()
 
 
 def screenshot_all(context: BrowserContext, directory: Path) -> str:
