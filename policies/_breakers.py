@@ -508,6 +508,10 @@ class BreakerBoard:
                 )
         self._emit(changes)
 
+    def now(self) -> float:
+        """The board's clock now (``opened_at`` and ``reopens_at`` are on it)."""
+        return self._clock()
+
     # -- internals (called with the lock held) --------------------------------------------
 
     def _now(self) -> float:

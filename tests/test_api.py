@@ -8,6 +8,7 @@ sidecar would.
 from __future__ import annotations
 
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -293,3 +294,21 @@ def test_an_ack_without_a_body_says_which_field_it_needs(
     )
     assert garbled.json() == {"error": "the request body is not valid JSON"}
     assert client.post(path, headers=AUTH, json={"service": "agent"}).status_code == 200
+
+
+def test_a_breakers_times_are_unix_seconds_not_the_boards_clock(
+    parts: tuple[TestClient, Actor, Governor],
+) -> None:
+    """The board keeps a monotonic clock; people (and the console) read dates."""
+    client, _, governor = parts
+    before = time.time()
+    governor.board.trip("openai:gpt-4o", "outage")
+    after = time.time()
+
+    [listed] = client.get("/v1/breakers", headers=AUTH).json()["breakers"]
+    one = client.get("/v1/breakers/openai:gpt-4o", headers=AUTH).json()
+
+    for found in (listed, one):
+        assert found["state"] == "open"
+        assert before - 1 <= found["opened_at"] <= after + 1
+        assert found["reopens_at"] > found["opened_at"]

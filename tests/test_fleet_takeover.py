@@ -385,7 +385,11 @@ def test_a_takeover_starts_the_remediations_a_dead_sidecar_stored_and_never_star
         assert remediations.runner is not None
         assert remediations.resume_executor("sidecar-gone", "sidecar-gone") == 1
         rid = str(decision.params["remediation_id"])
-        assert rid in {w["id"] for w in remediations.runner.list(limit=10)}
+        runner = remediations.runner
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and rid not in {w["id"] for w in runner.list(limit=10)}:
+            time.sleep(0.05)  # dispatched to the runner's loop: started a moment later
+        assert rid in {w["id"] for w in runner.list(limit=10)}
         # Started once: a second takeover round finds it known.
         assert remediations.resume_executor("sidecar-gone", "sidecar-gone") == 0
     finally:

@@ -1,4 +1,5 @@
-"""The operator console (/ui): logins, CSRF, security headers, escaping, approvals.
+"""The operator console (/ui): logins, CSRF, security headers, escaping, approvals,
+the incidents' chart, the breakers' history, and a dead letter re-delivered.
 
 In process over a real :class:`~supervisor.api.control.Control` (an in-memory
 store, a real governor and actor), through the control API's own app, so the
@@ -10,12 +11,15 @@ failing span sent over OTLP/HTTP as an agent sends it. Pages are parsed with
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import quote
 
 import httpx
@@ -33,6 +37,7 @@ from supervisor.act.store import Store
 from supervisor.api.control import Control
 from supervisor.api.server import build_control_app
 from supervisor.app import BackgroundSidecar
+from supervisor.forward.breaker_history import BreakerHistory
 from supervisor.records import Action
 from supervisor.runs import RunView
 from supervisor.settings import AgentDelivery, PullChannel, load_settings
@@ -41,6 +46,8 @@ from supervisor.ui.sessions import Sessions
 from supervisor.wiring import build_sidecar
 from tests.postgres import fresh_schema
 from tests.test_api import _outcome
+from tests.test_cli_operator import POLICY, _failures, _send
+from tests.test_dispatch import SECRET, Answer, WebhookReceiver
 
 TOKEN = "t0k3n-for-the-console"
 BASE = "https://testserver"  # the session cookie is Secure: a client sends it over HTTPS only
@@ -105,7 +112,7 @@ def _no_inline_code(page: Page, where: str) -> None:
     assert not "".join(page.script_text).strip(), where
 
 
-def _control(store: Store) -> Control:
+def _control(store: Store, history: BreakerHistory | None = None) -> Control:
     policy = load_policy(
         text="version: 1\npolicies:\n  - {name: esc, match: {kind: auth}, action: escalate}\n"
     )
@@ -113,12 +120,13 @@ def _control(store: Store) -> Control:
     return Control(
         store=store,
         actor=actor,
-        governor=Governor(policy),
+        governor=Governor(policy, on_breaker_change=history),
         policy=lambda: policy,
         failures=RecentFailures(100),
         stats=dict,
         ready=lambda: True,
         reload=dict,
+        breaker_history=history,
     )
 
 
@@ -554,3 +562,243 @@ def test_a_sidecar_serves_no_console_when_it_is_turned_off(tmp_path: Path) -> No
             assert answer.status_code == 404, path
     finally:
         background.stop()
+
+
+# -- the incidents' chart, the breakers' history --------------------------------------------
+
+
+def _bearer(control: Control) -> TestClient:
+    app = build_control_app(token=TOKEN, control=control, console=ConsoleOptions())
+    return TestClient(
+        app, base_url=BASE, follow_redirects=False, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+
+
+class _Answer(Protocol):
+    """A page as httpx or the test client answers it."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def text(self) -> str: ...
+
+
+def _secure(answer: _Answer, where: str) -> Page:
+    """The page, once its security headers are checked and it has no inline code."""
+    for header, value in HEADERS.items():
+        assert answer.headers.get(header) == value, (where, header)
+    page = Page(answer.text)
+    _no_inline_code(page, where)
+    assert not page.find("img"), where
+    return page
+
+
+def test_the_incidents_page_charts_the_stored_incidents_by_class_and_kind(
+    control: Control,
+) -> None:
+    control.actor.record([_outcome(Action.ESCALATE, span=f"00000000000000a{n}") for n in range(3)])
+    hostile = [_outcome(Action.ESCALATE, span=f"00000000000000c{n}", kind=IMG) for n in range(2)]
+    control.actor.record(hostile)
+    with control.store.transaction() as db:  # a class no classifier makes: markup
+        db.execute(
+            "UPDATE incidents SET body = json_set(body, '$.class', ?)"
+            " WHERE json_extract(body, '$.kind') = ?",
+            (SCRIPT, IMG),
+        )
+    client = _bearer(control)
+
+    for query, words in [("", "last 24 h"), ("?window=6h", "last 6 h"), ("?window=7d", "last 7 d")]:
+        answer = client.get(f"/ui/incidents{query}")
+        assert answer.status_code == 200, query
+        page = _secure(answer, query)
+        [svg] = page.find("svg", id="incidents-chart")
+        assert svg["role"] == "img" and "5 incidents" in svg["aria-label"]
+        assert len([a for t, a in page.elements if t == "tr" and "data-incident" in a]) == 5
+        [summary] = [t for t in page.text if t.startswith("5 incidents in the ")]
+        assert summary == f"5 incidents in the {words}, by class: permanent 3, {SCRIPT} 2.", query
+        assert f"{SCRIPT} / {IMG} (2)" in page.all_text  # the legend, as text
+        assert "permanent / auth (3)" in page.all_text
+        [current] = [a for t, a in page.elements if t == "a" and a.get("aria-current") == "true"]
+        assert current["href"] == "/ui/incidents?window=" + (query[8:] or "24h")
+        assert page.find("table", id="incidents")
+    links = [a["href"] for t, a in page.elements if t == "a" and "window=" in a.get("href", "")]
+    assert links == [
+        "/ui/incidents?window=6h",
+        "/ui/incidents?window=24h",
+        "/ui/incidents?window=7d",
+    ]
+    bad = client.get("/ui/incidents?window=1y")
+    assert bad.status_code == 400 and "window must be one of" in Page(bad.text).all_text
+
+
+def test_incident_counts_run_off_the_loop_and_are_kept_a_few_seconds(control: Control) -> None:
+    loop_thread = threading.get_ident()
+    ran_in = asyncio.run(control.store.call_in_thread(threading.get_ident))
+    assert ran_in != loop_thread
+    control.actor.record([_outcome(Action.ESCALATE)])
+    client = _bearer(control)
+    for _ in range(3):
+        assert client.get("/ui/incidents").status_code == 200
+    assert control.recent_counts.reads == 1  # one count for three refreshes
+    client.get("/ui/incidents?window=6h")
+    assert control.recent_counts.reads == 2  # another window, another count
+
+
+def test_the_breakers_page_shows_each_breakers_strip_and_its_changes() -> None:
+    history = BreakerHistory()
+    control = _control(Store.open(":memory:"), history)
+    for _ in range(10):
+        control.governor.observe("tool:search", ok=False)
+    control.governor.observe(f"tool:{SCRIPT}", ok=False)  # one failure: still closed
+    assert control.breaker("tool:search")["state"] == "open"
+
+    answer = _bearer(control).get("/ui/breakers")
+
+    page = _secure(answer, "/ui/breakers")
+    assert page.find("tr", data_dependency="tool:search")
+    assert page.find("tr", data_dependency=f"tool:{SCRIPT}")
+    strips = [a for t, a in page.elements if t == "svg" and a.get("role") == "img"]
+    assert len(strips) == 2
+    assert any("open now; 1 changes seen" in s["aria-label"] for s in strips)
+    changes = ["".join(t).strip() for t in _items(answer.text, "transitions")]
+    assert len(changes) == 1 and re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC: closed → open \(.+\)", changes[0]
+    ), changes
+    assert "No change seen here in the last 6 hours." in page.all_text  # the quiet one
+
+
+def _items(html: str, list_class: str) -> list[list[str]]:
+    """The text of each ``<li>`` of the lists of class ``list_class``."""
+
+    class Items(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__(convert_charrefs=True)
+            self.found: list[list[str]] = []
+            self.depth = 0
+            self.inside = False
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            if tag == "ol" and list_class in (dict(attrs).get("class") or "").split():
+                self.inside = True
+            elif tag == "li" and self.inside:
+                self.found.append([])
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag == "ol":
+                self.inside = False
+
+        def handle_data(self, data: str) -> None:
+            if self.inside and self.found:
+                self.found[-1].append(data)
+
+    parser = Items()
+    parser.feed(html)
+    return parser.found
+
+
+# -- a dead letter re-delivered from the console, to a real webhook receiver -------------------
+
+
+@pytest.fixture
+def receiver() -> Iterator[WebhookReceiver]:
+    with WebhookReceiver() as running:
+        running.script.append(Answer(500, body=b"not now"))  # then 200s
+        yield running
+
+
+@pytest.fixture
+def webhook_sidecar(tmp_path: Path, receiver: WebhookReceiver) -> Iterator[BackgroundSidecar]:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(POLICY)
+    settings = load_settings(
+        overrides={
+            "otlp_grpc_port": 0,
+            "otlp_http_port": 0,
+            "api_port": 0,
+            "api_token": TOKEN,
+            "policy": str(policy_file),
+            "state_path": str(tmp_path / "state" / "state.db"),
+            "agents": {
+                "agent": {"webhook": {"url": receiver.url, "secret": SECRET}, "max_attempts": 1}
+            },
+        }
+    )
+    background = BackgroundSidecar(build_sidecar(settings, load_policy(policy_file)))
+    background.start()
+    try:
+        yield background
+    finally:
+        background.stop()
+
+
+def test_a_dead_letter_is_redelivered_in_two_steps_and_sent_again(
+    webhook_sidecar: BackgroundSidecar, receiver: WebhookReceiver
+) -> None:
+    store = webhook_sidecar.sidecar.store
+    _send(webhook_sidecar, _failures(1))  # an escalation pauses the run: a command by webhook
+    _until(lambda: store.commands(status="dead"))
+    [dead] = store.commands(status="dead")
+    command_id = dead.command.id
+    api = f"http://127.0.0.1:{webhook_sidecar.ports.api}"
+    with httpx.Client(base_url=api, follow_redirects=False) as browser:
+        login = browser.post("/ui/login", data={"token": TOKEN})
+        session = re.match(r"spanvisor_session=([^;]+)", login.headers["set-cookie"])
+        assert session is not None
+        browser.headers["Cookie"] = f"spanvisor_session={session.group(1)}"
+        listed = _secure(browser.get("/ui/dead-letters"), "/ui/dead-letters")
+        assert listed.find("tr", data_command_id=command_id)
+        [form] = listed.find("form", action=f"/ui/dead-letters/{command_id}/confirm")
+        [csrf] = [
+            a["value"] for t, a in listed.elements if t == "input" and a.get("name") == "csrf"
+        ][:1]
+        confirm_path = form["action"]
+
+        for given in ({}, {"csrf": "forged"}):
+            assert browser.post(confirm_path, data={"by": "ops", **given}).status_code == 403
+        confirm = browser.post(confirm_path, data={"csrf": csrf, "by": "ops"})
+        assert confirm.status_code == 200
+        asked = _secure(confirm, confirm_path)
+        [yes_form] = asked.find("form", id="confirm-form")
+        assert yes_form["action"] == f"/ui/dead-letters/{command_id}/redeliver"
+        assert asked.find("button", id="confirm-yes")
+        for fact in ("pause_run", "agent", "500 Internal Server Error: not now", "ops"):
+            assert fact in asked.all_text, fact
+        [attempts] = [n for n, t in enumerate(asked.text) if t == "Attempts"]
+        assert asked.text[attempts + 1] == "1"
+        sent = {
+            a["name"]: a.get("value", "")
+            for t, a in asked.elements
+            if t == "input" and a.get("type") == "hidden"
+        }
+        assert store.command(command_id).status == "dead"  # type: ignore[union-attr]
+
+        refused = browser.post(yes_form["action"], data={"by": "ops"})
+        assert refused.status_code == 403
+        assert store.command(command_id).status == "dead"  # type: ignore[union-attr]
+        done = browser.post(yes_form["action"], data=sent)
+        assert (done.status_code, done.headers["location"]) == (
+            303,
+            f"/ui/dead-letters?redelivered={command_id}",
+        )
+        _until(lambda: len(receiver.acknowledged()) == 1)
+        assert receiver.keys() == [dead.command.idempotency_key] * 2
+        _until(lambda: (store.command(command_id) or dead).status == "delivered")
+        flash = _secure(browser.get(done.headers["location"]), "flash")
+        [said] = flash.find("p", id="flash")
+        assert said and f"Command {command_id} is delivered again, re-delivered by ops." in (
+            flash.all_text
+        )
+        assert not flash.find("tr", data_command_id=command_id)
+
+        again = browser.post(yes_form["action"], data=sent)
+        assert again.status_code == 409 and "not a dead letter" in Page(again.text).all_text
+        stale = browser.post(confirm_path, data=sent)
+        assert stale.status_code == 409 and "not a dead letter" in Page(stale.text).all_text
+        unknown = browser.post("/ui/dead-letters/cmd_nope/confirm", data=sent)
+        assert unknown.status_code == 404
+        _secure(unknown, "404")
+        forged = Page(browser.get("/ui/dead-letters?redelivered=cmd_nope").text)
+        assert not forged.find("p", id="flash")
+    [record] = [c for c in store.commands() if c.command.id == command_id]
+    assert (record.redelivered_by, record.redeliveries) == ("ops", 1)

@@ -224,6 +224,16 @@ class Store:
             return fn(*args, **kwargs)
         return await asyncio.to_thread(fn, *args, **kwargs)
 
+    async def call_in_thread(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` in a worker thread on SQLite too: for a read that is
+        long even on a local file (a count over thousands of rows), not to hold the loop.
+
+        Safe on SQLite: the connection is opened with ``check_same_thread=False``
+        and every method uses it under the store's lock, as the store writer's
+        thread does. The loop's own store calls wait for that lock meanwhile.
+        """
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

@@ -37,6 +37,7 @@ from supervisor.act.store import (
 from supervisor.act.store_rows import APPROVAL_STATUSES
 from supervisor.api.inline import Question, decide
 from supervisor.api.paging import CursorError, Key, decode_cursor, encode_cursor
+from supervisor.api.recent_answers import RecentAnswers
 from supervisor.api.store_outage import StoreOutage
 from supervisor.api.thread_cpu import thread_cpu
 from supervisor.errors import ConfigError
@@ -59,6 +60,8 @@ FINISHED = frozenset({"SUCCESS", "ERROR", "CANCELLED"})
 MAX_COUNT_WINDOW_S = 31 * 86_400.0
 #: The most buckets one count of incidents has.
 MAX_COUNT_BUCKETS = 200
+#: How long an incident count is kept and answered again (per window).
+COUNTS_KEPT_S = 10.0
 #: The longest window a breaker's changes are shown over.
 MAX_BREAKER_WINDOW_S = 7 * 86_400.0
 #: What a re-delivery refused answers, by :attr:`RedeliveryError.why`.
@@ -183,6 +186,10 @@ class Control:
     outage: StoreOutage = field(default_factory=StoreOutage)
     #: The breakers' recent changes as this sidecar saw them (None: not kept).
     breaker_history: BreakerHistory | None = None
+    #: Incident counts kept a few seconds per window (see :meth:`incident_counts`).
+    recent_counts: RecentAnswers[IncidentCounts] = field(
+        default_factory=lambda: RecentAnswers(COUNTS_KEPT_S)
+    )
 
     def health(self) -> list[str]:
         """What degrades the sidecar now: the sidecar's own reasons and a store found down."""
@@ -196,6 +203,12 @@ class Control:
         """``fn(*args, **kwargs)``, a store call, as :meth:`Store.call` makes it; one that
         answers ends an outage (one that cannot raises StoreUnavailable: a 503)."""
         result = await self.store.call(fn, *args, **kwargs)
+        self.outage.reached()
+        return result
+
+    async def stored_in_thread(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """As :meth:`stored`, in a worker thread on SQLite too (:meth:`Store.call_in_thread`)."""
+        result = await self.store.call_in_thread(fn, *args, **kwargs)
         self.outage.reached()
         return result
 
@@ -252,6 +265,13 @@ class Control:
             "next_cursor": _next_row(page.next_before, "commands"),
         }
 
+    def command(self, command_id: str) -> dict[str, Any]:
+        """One stored command, for operators (404: none by that id)."""
+        found = self.store.command(command_id)
+        if found is None:
+            raise ControlError(f"no command {command_id!r}", 404)
+        return _command_view(found)
+
     def dead_letters(self, limit: int, cursor: str | None = None) -> dict[str, Any]:
         answer = self.commands(status="dead", service=None, limit=limit, cursor=cursor)
         return {"dead_letters": answer["commands"], "next_cursor": answer["next_cursor"]}
@@ -285,8 +305,14 @@ class Control:
 
         Buckets fall on multiples of their width (hours for the default day), the
         last one holding ``end`` (default now), so a refresh moves the chart by
-        whole buckets. Counted in the store's SQL, off the loop; bounded (see
-        :meth:`Store.incident_counts`: ``complete`` False when it was).
+        whole buckets. Counted in the store's SQL, in a worker thread on SQLite
+        too (about 45 ms at 10,000 rows: too long to hold the loop); bounded
+        (see :meth:`Store.incident_counts`: ``complete`` False when it was).
+
+        Kept :data:`COUNTS_KEPT_S` seconds per window (its buckets, its first
+        bucket): a console refreshed by several browsers counts once, and
+        callers asking while a count runs wait for it. So a count may miss
+        the incidents of its last few seconds.
         """
         if not 1 <= buckets <= MAX_COUNT_BUCKETS:
             raise ControlError(f"buckets must be between 1 and {MAX_COUNT_BUCKETS}")
@@ -295,7 +321,10 @@ class Control:
         bucket_s = window_s / buckets
         last = math.floor((self.clock() if end is None else end) / bucket_s) * bucket_s
         start = last - (buckets - 1) * bucket_s
-        return await self.stored(self.store.incident_counts, start, bucket_s, buckets)
+        return await self.recent_counts.get(
+            (start, bucket_s, buckets),
+            lambda: self.stored_in_thread(self.store.incident_counts, start, bucket_s, buckets),
+        )
 
     def _pull_settings(self, service: str) -> PullChannel:
         delivery: AgentDelivery | None = self.actor.agents.get(service) or self.actor.agents.get(
@@ -418,9 +447,13 @@ class Control:
         found = sorted(n for n in names if after is None or n > str(after[0]))
         page = found[:limit]
         more = len(found) > limit
+        offset = self.clock() - board.now()
         # Only the page's names are read from Redis (one round trip each, as GET one does).
         rows = [
-            {**_breaker_json(asdict(here.get(n) or board.info(n))), "tracked_here": n in here}
+            {
+                **_breaker_json(asdict(here.get(n) or board.info(n)), offset),
+                "tracked_here": n in here,
+            }
             for n in page
         ]
         answer: dict[str, Any] = {
@@ -455,7 +488,7 @@ class Control:
         start = end - window_s
         found: dict[str, BreakerTimeline] = {}
         for dependency in dependencies:
-            state = _breaker_json(asdict(board.info(dependency)))["state"]
+            state = board.info(dependency).state.value
             history = self.breaker_history
             if history is None or dependency not in tracked:
                 found[dependency] = BreakerTimeline(dependency, start, end, state, end, ())
@@ -465,7 +498,8 @@ class Control:
 
     def breaker(self, dependency: str) -> dict[str, Any]:
         self.governor.breaker_state(dependency)  # moves an elapsed open breaker to half-open
-        return _breaker_json(asdict(self.governor.board.info(dependency)))
+        board = self.governor.board
+        return _breaker_json(asdict(board.info(dependency)), self.clock() - board.now())
 
     def isolate(self, dependency: str) -> dict[str, Any]:
         if not dependency:
@@ -668,9 +702,18 @@ def _command_view(stored: StoredCommand) -> dict[str, Any]:
     }
 
 
-def _breaker_json(info: dict[str, Any]) -> dict[str, Any]:
+def _breaker_json(info: dict[str, Any], offset: float) -> dict[str, Any]:
+    """A breaker for people: its state's name, its times in Unix seconds.
+
+    ``offset``: Unix time minus the board's clock (a monotonic one, which no one
+    can read as a date).
+    """
     state = info.get("state")
-    return {**info, "state": getattr(state, "value", state)}
+    times = {
+        k: None if info.get(k) is None else round(info[k] + offset, 3)
+        for k in ("opened_at", "reopens_at")
+    }
+    return {**info, **times, "state": getattr(state, "value", state)}
 
 
 def _check_remediation_id(remediation_id: str) -> None:

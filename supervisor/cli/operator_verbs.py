@@ -167,10 +167,11 @@ def breakers(args: argparse.Namespace) -> int:
         print_jsonl(found)
         return 0
     print(f"{'DEPENDENCY':40}  {'STATE':9}  {'FAILURES':8}  REOPENS IN")
+    now = time.time()
     for b in found:
-        print(
-            f"{b['dependency'][:40]:40}  {b['state']:9}  {b['failures']:8}  {b['reopens_at'] or ''}"
-        )
+        reopens = b.get("reopens_at")
+        due = "" if reopens is None else f"{max(0.0, reopens - now):.0f}s"
+        print(f"{b['dependency'][:40]:40}  {b['state']:9}  {b['failures']:8}  {due}")
     return 0
 
 

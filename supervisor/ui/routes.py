@@ -1,7 +1,8 @@
 """The console's pages: a FastAPI router over :class:`~supervisor.api.control.Control`.
 
-Every page reads what the JSON API reads, and the one action here (answering
-an approval) is the same call as ``spanvisor approvals approve|deny``. Pages
+Every page reads what the JSON API reads, and the actions here (answering an
+approval, re-delivering a dead letter) are the same calls as ``spanvisor
+approvals approve|deny`` and ``POST /v1/dead-letters/{id}/redeliver``. Pages
 are server-rendered and work without JavaScript; a form that changes
 something goes through a confirmation page first.
 """
@@ -12,13 +13,17 @@ import hmac
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment
+from markupsafe import Markup
 
+from supervisor.act.store_rows import IncidentCounts
 from supervisor.api.control import Control, ControlError
 from supervisor.records import RUN_STATUSES
+from supervisor.ui.charts import breaker_strip, incidents_chart
 from supervisor.ui.forms import read_form
 from supervisor.ui.sessions import COOKIE, Session, Sessions, csrf_matches
 from supervisor.ui.timeline import KINDS, run_timeline
@@ -32,6 +37,15 @@ MAX_BY = 200
 RUNS_READ = 1000
 RUNS_SHOWN = 200
 _APPROVAL_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+#: The incidents chart's windows: (query value, words, seconds, buckets).
+WINDOWS = (
+    ("6h", "last 6 h", 6 * 3600.0, 24),
+    ("24h", "last 24 h", 86_400.0, 24),
+    ("7d", "last 7 d", 7 * 86_400.0, 28),
+)
+#: The breakers' strips cover this much; the newest changes listed in words per breaker.
+BREAKER_WINDOW_S = 6 * 3600.0
+BREAKER_CHANGES_LISTED = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,17 +266,22 @@ async def approvals(
     )
 
 
+def _by(fields: dict[str, str]) -> str:
+    """Who acts: the name given on the form, or "ui"."""
+    by = fields.get("by", "").strip() or "ui"
+    if len(by) > MAX_BY:
+        raise Refused(400, f"The name is longer than {MAX_BY} characters.")
+    return by
+
+
 def _answer_fields(fields: dict[str, str]) -> tuple[str, str, str]:
     action = fields.get("action", "")
     if action not in ("approve", "deny"):
         raise Refused(400, "Choose approve or deny.")
     note = fields.get("note", "")
-    by = fields.get("by", "").strip() or "ui"
     if len(note) > MAX_NOTE:
         raise Refused(400, f"The note is longer than {MAX_NOTE} characters.")
-    if len(by) > MAX_BY:
-        raise Refused(400, f"The name is longer than {MAX_BY} characters.")
-    return action, note, by
+    return action, note, _by(fields)
 
 
 @router.post("/approvals/{approval_id}/confirm")
@@ -291,24 +310,59 @@ async def answer(request: Request, ui: Ui, who: Who, approval_id: str) -> Respon
 # -- incidents, breakers, remediations, dead letters -----------------------------------
 
 
+def _class_totals(counts: IncidentCounts) -> list[tuple[str, int]]:
+    """Incidents per failure class, most first (the chart's summary in words)."""
+    totals: dict[str, int] = {}
+    for series in counts.series:
+        name = series.failure_class or "unclassified"
+        totals[name] = totals.get(name, 0) + series.total
+    return sorted(totals.items(), key=lambda item: (-item[1], item[0]))
+
+
 @router.get("/incidents")
 async def incidents(
-    request: Request, ui: Ui, who: Who, cursor: Annotated[str | None, Query(max_length=512)] = None
+    request: Request,
+    ui: Ui,
+    who: Who,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
+    window: Annotated[str, Query(max_length=8)] = "24h",
 ) -> Response:
+    chosen = next((w for w in WINDOWS if w[0] == window), None)
+    if chosen is None:
+        raise Refused(400, "The window must be one of " + ", ".join(w[0] for w in WINDOWS) + ".")
     found = await ui.control.stored(ui.control.incidents, 100, cursor)
+    counts = await ui.control.incident_counts(window_s=chosen[2], buckets=chosen[3])
     return render(
         request,
         "incidents.html",
         who,
         incidents=found["incidents"],
         next_cursor=found["next_cursor"],
+        # The chart's names are escaped inside it (charts.text): the markup is the chart's.
+        chart=Markup(incidents_chart(counts)),  # noqa: S704
+        counts=counts,
+        class_totals=_class_totals(counts),
+        windows=WINDOWS,
+        window=chosen,
     )
 
 
 @router.get("/breakers")
 async def breakers(request: Request, ui: Ui, who: Who) -> Response:
     found = ui.control.breakers()
-    return render(request, "breakers.html", who, board=found)
+    timelines = ui.control.breaker_timelines(
+        [b["dependency"] for b in found["breakers"]], window_s=BREAKER_WINDOW_S
+    )
+    history = {
+        name: {
+            # The strip's names are escaped inside it (charts.text).
+            "strip": Markup(breaker_strip(timeline)),  # noqa: S704
+            "changes": list(reversed(timeline.transitions[-BREAKER_CHANGES_LISTED:])),
+            "seen": len(timeline.transitions),
+        }
+        for name, timeline in timelines.items()
+    }
+    return render(request, "breakers.html", who, board=found, history=history)
 
 
 @router.get("/remediations")
@@ -327,13 +381,44 @@ async def remediation(request: Request, ui: Ui, who: Who, remediation_id: str) -
 
 @router.get("/dead-letters")
 async def dead_letters(
-    request: Request, ui: Ui, who: Who, cursor: Annotated[str | None, Query(max_length=512)] = None
+    request: Request,
+    ui: Ui,
+    who: Who,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
+    redelivered: Annotated[str, Query(max_length=128)] = "",
 ) -> Response:
     found = await ui.control.stored(ui.control.dead_letters, 100, cursor)
+    flash = None
+    if redelivered and _APPROVAL_ID.fullmatch(redelivered):
+        # Said from the store, not from the link: a crafted link cannot fake a re-delivery.
+        try:
+            flash = await ui.control.stored(ui.control.command, redelivered)
+        except ControlError:
+            flash = None
     return render(
         request,
         "dead_letters.html",
         who,
         dead_letters=found["dead_letters"],
         next_cursor=found["next_cursor"],
+        flash=flash if flash is not None and flash.get("redeliveries") else None,
     )
+
+
+@router.post("/dead-letters/{command_id}/confirm")
+async def confirm_redelivery(request: Request, ui: Ui, who: Who, command_id: str) -> Response:
+    fields = await posted(request, who)
+    by = _by(fields)
+    found = await ui.control.stored(ui.control.command, command_id)
+    if found["status"] != "dead":
+        raise Refused(
+            409, f"Command {command_id} is {found['status']}, not a dead letter: nothing to send."
+        )
+    return render(request, "confirm_redelivery.html", who, command=found, by=by)
+
+
+@router.post("/dead-letters/{command_id}/redeliver")
+async def redeliver(request: Request, ui: Ui, who: Who, command_id: str) -> Response:
+    fields = await posted(request, who)
+    await ui.control.redeliver(command_id, by=_by(fields))
+    return _see(f"/ui/dead-letters?redelivered={quote(command_id, safe='')}")
