@@ -202,8 +202,7 @@ def send_hostile_spans(
 ) -> None:
     """LLM calls of ``run`` answered with ``statuses``, every text field hostile.
 
-    By default three 503s (the breaker opens) and a 401 (escalated). The
-    service has no command channel, so every command for it is a dead letter.
+    By default three 503s (the breaker opens) and a 401 (escalated).
     """
     provider = TracerProvider(resource=Resource.create({"service.name": HOSTILE_SERVICE}))
     provider.add_span_processor(
@@ -240,7 +239,9 @@ def send_hostile_spans(
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
     tmp = tmp_path_factory.mktemp("console-hostile")
-    with SidecarProcess({}, tmp, policy=HOSTILE_POLICY) as sidecar:
+    # Commands for the service wait to be pulled, which nobody does: dead letters in 1 s.
+    settings = {"agents": {HOSTILE_SERVICE: {"pull": {"ttl_s": 1}}}}
+    with SidecarProcess(settings, tmp, policy=HOSTILE_POLICY) as sidecar:
         send_hostile_spans(sidecar)
 
         def approval() -> str | None:
