@@ -8,12 +8,12 @@ worth showing, logs in to the console at ``/ui`` in Chromium (the system's,
 as the browser tests use it: ``tests/browser.py``) and saves the viewport
 (1280x800) as a PNG:
 
-* ``console-breakers.png``: the breakers while ``gpt-4o``'s is open;
 * ``console-approvals.png``: billing-1's refund waiting for a person (taken
   before the demo's operator approves it);
 * ``console-runs.png``: once four runs have begun, some still going;
-* ``console-run.png`` (billing-1: killed, resumed, approved) and
-  ``console-incidents.png``: once the story is over.
+* ``console-run.png`` (billing-1: killed, resumed, approved),
+  ``console-incidents.png`` and ``console-breakers.png`` (``gpt-4o``'s
+  opened, half-open, closed again): once the story is over.
 
 The run page links each trace to a Jaeger at localhost (``ui_trace_url``).
 Exits 1 when the story or a screenshot did not happen; prints the command
@@ -102,8 +102,6 @@ class ScreenshotDemo(Demo):
 
     def _operate(self, watcher: Watcher) -> None:
         seen = watcher.seen
-        if any(b.get("state") == "open" for b in seen.breakers.values()):
-            self.camera.shoot("breakers", self.api, self.token, "/ui/breakers")
         if any(a.get("status") == "pending" for a in seen.approvals.values()):
             self.camera.shoot("approvals", self.api, self.token, "/ui/approvals")
         going = [r for r in seen.runs if r.get("status") != "ended"]
@@ -117,6 +115,7 @@ class ScreenshotDemo(Demo):
             ("runs", "/ui/runs"),  # when no moment had enough runs going
             ("run", f"/ui/runs/{BILLING_PREFIX}-1"),
             ("incidents", "/ui/incidents"),
+            ("breakers", "/ui/breakers"),
         ):
             self.camera.shoot(name, self.api, self.token, path)
 
