@@ -11,7 +11,8 @@ module (starting one costs a second); ``console``, a fresh browser context
 per test (its own cookies, so each test logs in) whose pages
 (:meth:`Console.new_page`) are watched (:class:`Watched`) for dialogs,
 console errors and CSP violations, and screenshotted into the test's
-``tmp_path`` when the test fails (the report says where).
+``tmp_path`` when the test fails (the report says where);
+``console_without_js``, the same with JavaScript off.
 
 :func:`login` and :data:`VIEWPORT` are also what ``scripts/console_screenshots.py``
 uses.
@@ -143,7 +144,24 @@ def browser() -> Iterator[Browser]:
 
 @pytest.fixture
 def console(browser: Browser, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Console]:
-    context = browser.new_context(viewport=VIEWPORT)
+    with open_console(browser, request, tmp_path) as opened:
+        yield opened
+
+
+@pytest.fixture
+def console_without_js(
+    browser: Browser, request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Console]:
+    """A browser with JavaScript off: every page of the console works without it."""
+    with open_console(browser, request, tmp_path, java_script_enabled=False) as opened:
+        yield opened
+
+
+@contextlib.contextmanager
+def open_console(
+    browser: Browser, request: pytest.FixtureRequest, tmp_path: Path, **options: Any
+) -> Iterator[Console]:
+    context = browser.new_context(viewport=VIEWPORT, **options)
     context.set_default_timeout(TIMEOUT_MS)
     watched = Watched()
     context.expose_function("__spanvisorCsp", watched.csp_violation)

@@ -19,6 +19,7 @@
 * Live refresh: a run that begins while the runs page is open appears on it
   (htmx, under the same CSP), its markup-like name still text.
 * The keyboard: logging in and reaching the approvals page with Tab and Enter.
+* Without JavaScript: logging in, finding a run and denying its request.
 
 The browser is the system's Chromium (see ``tests/browser.py``).
 """
@@ -41,11 +42,12 @@ from playwright.sync_api import Page, Response, expect
 
 from supervisor.testing.fake_provider import Reply
 from supervisor.testing.sidecar_process import SidecarProcess, wait_until
-from tests.browser import (  # noqa: F401 - browser, console: fixtures
+from tests.browser import (  # noqa: F401 - browser, console(_without_js): fixtures
     Console,
     as_assertions,
     browser,
     console,
+    console_without_js,
     login,
 )
 from tests.test_e2e_langgraph import (
@@ -477,3 +479,33 @@ def test_the_keyboard_alone_logs_in_and_reaches_the_approvals_page(
         "el.tagName === 'BUTTON' && el.value === 'approve'",
         "an approval's approve button",
     )
+
+
+# -- (d) without JavaScript ------------------------------------------------------------------
+
+
+def test_without_javascript_a_person_still_logs_in_and_answers(
+    hostile: Hostile,
+    console_without_js: Console,  # noqa: F811
+) -> None:
+    sidecar, api = hostile.sidecar, hostile.sidecar.api
+    run = "no-js run"
+    send_hostile_spans(sidecar, run, statuses=(401,))
+
+    def pending() -> str | None:
+        found = sidecar.get("/v1/approvals", status="pending")["approvals"]
+        return next((a["id"] for a in found if a["run_id"] == run), None)
+
+    approval_id = wait_until(pending, 20, "the approval of the run without JavaScript")
+    page = console_without_js.new_page()
+    login(page, api, sidecar.token)
+    expect(page.locator("#runs tr[data-run-id]").filter(has_text=run)).to_have_count(1)
+    page.locator("#nav").get_by_role("link", name=re.compile("approvals", re.I)).click()
+    request = page.locator(f'article[data-approval-id="{approval_id}"]')
+    request.locator('textarea[name="note"]').fill("denied without a script")
+    request.locator('button[name="action"][value="deny"]').click()
+    page.click("#confirm-yes")
+    page.wait_for_url(re.compile(rf"{re.escape(api)}/ui/approvals(\?.*)?$"))
+    expect(page.locator("#flash")).to_be_visible()
+    answered = sidecar.get(f"/v1/approvals/{approval_id}")
+    assert (answered["status"], answered["note"]) == ("denied", "denied without a script")
