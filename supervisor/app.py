@@ -31,6 +31,7 @@ from supervisor.act.dispatch import Dispatcher, DispatchStats
 from supervisor.act.failure_log import RecentFailures
 from supervisor.act.fleet import Fleet
 from supervisor.act.store import Store
+from supervisor.act.store_runs import StoredRuns
 from supervisor.act.store_writer import StoreHealth, StoreWriter
 from supervisor.api.control import Control
 from supervisor.api.metrics import MetricSources, exposition
@@ -55,6 +56,7 @@ from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
 from supervisor.runs.journal import RunJournal
+from supervisor.runs.publish import PUBLISH_S, RunPublisher
 from supervisor.settings import Settings
 from supervisor.ui.app import ConsoleOptions
 
@@ -172,7 +174,8 @@ class Sidecar:
        ``spanvisor-gc`` (garbage collection, every second), ``spanvisor-house``
        (policy file polling, pruning the store) and ``spanvisor-runs`` (stalled
        runs, every second); in a fleet, ``spanvisor-fleet`` (heartbeats and
-       takeovers, :mod:`supervisor.act.fleet`);
+       takeovers, :mod:`supervisor.act.fleet`) and ``spanvisor-runs-publish``
+       (the runs tracked here, to the shared store: :mod:`supervisor.runs.publish`);
     7. the control API: its operations (:class:`~supervisor.api.control.Control`,
        over these parts), then its server (a uvicorn task); then :attr:`ports`
        is set and the sidecar is ready.
@@ -226,6 +229,10 @@ class Sidecar:
         self.token = parts.token
         self._otlp_auth = parts.otlp_auth
         self.fleet = parts.fleet
+        #: A fleet's runs published to, and listed from, the shared store (None: not a fleet).
+        self.run_publisher = (
+            RunPublisher(self.runs, StoredRuns(self.store)) if self.store.shared else None
+        )
         # Its own state: what it serves, what runs, what it counted.
         self.ports: Ports | None = None
         self.reloads = {"ok": 0, "rejected": 0}
@@ -240,6 +247,7 @@ class Sidecar:
         self._run_watch: asyncio.Task[None] | None = None
         self._deadlines: asyncio.Task[None] | None = None
         self._fleet_watch: asyncio.Task[None] | None = None
+        self._runs_publish: asyncio.Task[None] | None = None
         self._remediations_up: asyncio.Task[None] | None = None
         self._errors = 0
         self._ready = False
@@ -290,6 +298,7 @@ class Sidecar:
                 self._run_watch,
                 self._deadlines,
                 self._fleet_watch,
+                self._runs_publish,
             ):
                 if task is not None:
                     task.cancel()
@@ -332,6 +341,10 @@ class Sidecar:
         self._deadlines = asyncio.create_task(self._watch_deadlines(), name="spanvisor-deadlines")
         if self.fleet is not None:
             self._fleet_watch = asyncio.create_task(self._keep_fleet(), name="spanvisor-fleet")
+        if self.run_publisher is not None:
+            self._runs_publish = asyncio.create_task(
+                self._publish_runs(self.run_publisher), name="spanvisor-runs-publish"
+            )
         self.control = Control(
             store=self.store,
             actor=self.actor,
@@ -347,6 +360,7 @@ class Sidecar:
             exposition=exposition(self.metric_sources()),
             fleet_breakers=_fleet_breakers(self.breaker_link),
             breaker_history=self.breakers.history,
+            fleet_runs=self.run_publisher.table if self.run_publisher is not None else None,
         )
         console = (
             ConsoleOptions(
@@ -394,6 +408,7 @@ class Sidecar:
             self._run_watch,
             self._deadlines,
             self._fleet_watch,
+            self._runs_publish,
         ):
             if task is not None:
                 task.cancel()
@@ -740,6 +755,14 @@ class Sidecar:
                 failing = True
             await asyncio.sleep(fleet.heartbeat_s)
 
+    @staticmethod
+    async def _publish_runs(publisher: RunPublisher) -> None:
+        """Every ``PUBLISH_S``: the runs that changed go to the fleet's table (see
+        :mod:`supervisor.runs.publish`; a round never raises)."""
+        while True:
+            await asyncio.sleep(PUBLISH_S)
+            await publisher.round()
+
     def _expire_and_prune(self, now: float) -> None:
         """Pull commands never acknowledged within their ``ttl_s`` expire; old rows go."""
         for name, delivery in self.settings.agents.items():
@@ -797,7 +820,12 @@ class Sidecar:
             "remediations": self.remediations.describe(),
             # None: not a fleet (no database_url); else heartbeats and takeovers.
             "fleet": self.fleet.stats() if self.fleet is not None else None,
-            "runs": {**self.runs.stats(), "slo": self.runs.slo_status()},
+            "runs": {
+                **self.runs.stats(),
+                "slo": self.runs.slo_status(),
+                # None: not a fleet; else runs written to the shared table, failed rounds.
+                "published": self.run_publisher.stats() if self.run_publisher else None,
+            },
             "breakers": {
                 "tracked": len(self.governor.board),
                 "changes": self.breakers.changes,

@@ -219,3 +219,36 @@ def test_a_remediation_waiting_on_one_sidecar_goes_on_when_the_other_approves(
     received = [s["output"] for s in done["steps"] if s["name"] == "DBOS.recv"]
     assert received == [{"approved": True, "id": asked["id"]}]
     assert [(r["id"], r["executor_id"]) for r in listed_on_b] == [(rid, "sidecar-a")]
+
+
+def test_either_sidecar_lists_the_fleet_s_runs_saying_which_tracks_each(
+    tmp_path: Path, url: str
+) -> None:
+    with WebhookReceiver(lambda delivery: Answer(200)) as receiver:
+        a = start(tmp_path, "sidecar-a", url, receiver.url)
+        try:
+            b = start(tmp_path, "sidecar-b", url, receiver.url)
+            try:
+                a.send(make_requests(1, 10, failure_rate=0.0, seed=5))
+                b.send(make_requests(1, 10, failure_rate=0.0, seed=6))
+
+                def fleet_runs(sidecar: Sidecar) -> set[str]:
+                    runs = sidecar.get("/v1/runs", limit=1000)["runs"]
+                    return {r["tracked_by"] for r in runs}
+
+                # Published every 2 s: each lists the runs the other tracks.
+                wait_until(
+                    lambda: fleet_runs(a) == fleet_runs(b) == {"sidecar-a", "sidecar-b"},
+                    15,
+                    "each sidecar's runs listed by both",
+                )
+                listed = a.get("/v1/runs", limit=1000)
+            finally:
+                b.stop()
+        finally:
+            a.stop()
+
+    assert listed["fleet"] is True
+    assert listed["runs"] == sorted(
+        listed["runs"], key=lambda r: (r["last_seen_at"], r["run_id"]), reverse=True
+    )

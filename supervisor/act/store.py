@@ -1033,6 +1033,10 @@ class Store:
                 " (SELECT incident_key FROM approvals WHERE status = 'pending')",
                 (horizon,),
             ).rowcount
+            if db.shared:  # a fleet's runs (:mod:`.store_runs`), silent for the retention
+                from supervisor.act.store_runs import prune_runs
+
+                removed += prune_runs(db, horizon)
         return removed
 
 

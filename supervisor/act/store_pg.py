@@ -3,8 +3,9 @@
 The same tables and columns as the SQLite file (:mod:`.store_schema`), in
 PostgreSQL's types: times are ``DOUBLE PRECISION`` (PostgreSQL's ``REAL`` is
 four bytes), and ``rowid``, SQLite's implicit insertion order that pages
-are keyed on, is an identity column. One table is a fleet's alone:
-``instances``, the sidecars' heartbeats (:mod:`.fleet`). Created with ``IF NOT EXISTS`` under an
+are keyed on, is an identity column. Two tables are a fleet's alone:
+``instances``, the sidecars' heartbeats (:mod:`.fleet`), and ``runs``, the
+runs each sidecar tracks (:mod:`.store_runs`). Created with ``IF NOT EXISTS`` under an
 advisory lock, so sidecars starting together do not race on the catalog.
 The tables go in the connection's schema: ``?options=-csearch_path%3Dname``
 in the URL puts them in ``name``.
@@ -95,6 +96,19 @@ CREATE TABLE IF NOT EXISTS instances (
     taken_over_by TEXT,
     taken_over_at DOUBLE PRECISION
 )""",
+    # The fleet's runs, each as the sidecar tracking it last published it
+    # (:mod:`.store_runs`); a fleet's only.
+    """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    service TEXT NOT NULL,
+    status TEXT NOT NULL,
+    last_seen DOUBLE PRECISION NOT NULL,
+    tracked_by TEXT NOT NULL,
+    summary TEXT NOT NULL,
+    published_at DOUBLE PRECISION NOT NULL
+)""",
+    "CREATE INDEX IF NOT EXISTS runs_recent ON runs (last_seen, run_id)",
 )
 
 #: Any constant: the advisory lock that serialises the sidecars creating the tables.

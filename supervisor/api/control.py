@@ -35,6 +35,7 @@ from supervisor.act.store import (
     StoredCommand,
 )
 from supervisor.act.store_rows import APPROVAL_STATUSES
+from supervisor.act.store_runs import StoredRuns
 from supervisor.api.inline import Question, decide
 from supervisor.api.paging import CursorError, Key, decode_cursor, encode_cursor
 from supervisor.api.recent_answers import RecentAnswers
@@ -190,6 +191,8 @@ class Control:
     recent_counts: RecentAnswers[IncidentCounts] = field(
         default_factory=lambda: RecentAnswers(COUNTS_KEPT_S)
     )
+    #: The fleet's runs in the shared store (None: not a fleet, runs are this sidecar's).
+    fleet_runs: StoredRuns | None = None
 
     def health(self) -> list[str]:
         """What degrades the sidecar now: the sidecar's own reasons and a store found down."""
@@ -627,7 +630,7 @@ class Control:
 
     # -- runs -------------------------------------------------------------------
 
-    def run_list(
+    async def run_list(
         self,
         *,
         status: str | None,
@@ -637,9 +640,11 @@ class Control:
     ) -> dict[str, Any]:
         """The most recently active runs first; ``tracking`` false (none listed) without a tracker.
 
-        Synchronous on purpose: the tracker is the event loop's (see :class:`RunsView`).
-        Pages are keyed on (last span time, run id): a run active again after its
-        page was read moves ahead of the cursor and is not shown twice.
+        In a fleet (``fleet_runs``): the fleet's runs, from the shared store, each with the
+        sidecar that ``tracked_by`` it; else this sidecar's, read on the loop (the tracker
+        is the loop's, see :class:`RunsView`). Pages are keyed on (last span time, run
+        id): a run active again after its page was read moves ahead of the cursor and is
+        not shown twice.
         """
         if status is not None:
             status = status.lower()
@@ -647,23 +652,33 @@ class Control:
                 raise ControlError("status must be one of " + ", ".join(RUN_STATUSES))
         limit = _limit(limit)
         after = _cursor(cursor, "runs", (float, str))
+        before = None if after is None else (float(after[0]), str(after[1]))
         runs = self.runs
-        if runs is None:
+        if runs is None and self.fleet_runs is None:
             return {"runs": [], "tracking": False, "next_cursor": None}
-        views = runs.snapshot(
-            limit=limit + 1,
-            before=None if after is None else (float(after[0]), str(after[1])),
-            service=service,
-            status=status,
-        )
-        page = list(views[:limit])
-        more = len(views) > limit
+        listed: list[dict[str, Any]]
+        if self.fleet_runs is not None:
+            listed = await self.stored(
+                self.fleet_runs.page,
+                limit + 1,
+                self.clock(),
+                before=before,
+                service=service,
+                status=status,
+            )
+        else:
+            assert runs is not None
+            views = runs.snapshot(limit=limit + 1, before=before, service=service, status=status)
+            listed = [view.to_json() for view in views]
+        page = listed[:limit]
+        last = page[-1] if page else None
         answer: dict[str, Any] = {
-            "runs": [view.to_json() for view in page],
+            "runs": page,
             "tracking": True,
-            "stats": dict(runs.stats()),
-            "next_cursor": encode_cursor("runs", (page[-1].last_seen_at, page[-1].run_id))
-            if more
+            "fleet": self.fleet_runs is not None,
+            "stats": dict(runs.stats()) if runs is not None else {},
+            "next_cursor": encode_cursor("runs", (last["last_seen_at"], last["run_id"]))
+            if last is not None and len(listed) > limit
             else None,
         }
         slo_status = getattr(runs, "slo_status", None)  # the tracker's SLOs, when it has them
@@ -671,13 +686,18 @@ class Control:
             answer["slo"] = slo_status()
         return answer
 
-    def run(self, run_id: str) -> dict[str, Any] | None:
-        """One run as :meth:`run_list` shows it; None when this sidecar does not track it.
+    async def run(self, run_id: str) -> dict[str, Any] | None:
+        """One run as :meth:`run_list` shows it; None when no sidecar tracks it.
 
-        Synchronous on purpose, as :meth:`run_list`: the tracker is the event loop's.
+        This sidecar's tracker first (read on the loop); in a fleet, then the shared
+        store's row of a run another sidecar tracks.
         """
         found = self.runs.find(run_id) if self.runs is not None else None
-        return None if found is None else found.to_json()
+        if found is not None:
+            return found.to_json()
+        if self.fleet_runs is None:
+            return None
+        return await self.stored(self.fleet_runs.find, run_id, self.clock())
 
     # -- decisions --------------------------------------------------------------
 

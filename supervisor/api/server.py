@@ -438,7 +438,9 @@ def build_control_app(
         + ", ".join(RUN_STATUSES)
         + "), spans, LLM and tool calls, errors, tokens, current step, rate and idle"
         " time. `status` and `service` filter every tracked run."
-        " `tracking` is false, and the list empty, when the sidecar tracks no runs.",
+        " `tracking` is false, and the list empty, when the sidecar tracks no runs."
+        " With `database_url`, the fleet's runs (`fleet` true), each with the sidecar that"
+        " `tracked_by` it, up to 2 s behind.",
     )
     async def runs(
         status: Annotated[str | None, Query(max_length=16)] = None,
@@ -446,8 +448,8 @@ def build_control_app(
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         cursor: Cursor = None,
     ) -> dict[str, Any]:
-        # On the loop, no worker thread: the run tracker is the loop's (and bounded).
-        return control.run_list(status=status, service=service, limit=limit, cursor=cursor)
+        # The tracker on the loop (it is the loop's, and bounded); a fleet's table off it.
+        return await control.run_list(status=status, service=service, limit=limit, cursor=cursor)
 
     @app.post("/v1/policy/reload", dependencies=auth, summary="Reload the policy file")
     async def reload() -> dict[str, Any]:

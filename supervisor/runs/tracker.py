@@ -126,6 +126,11 @@ class RunTracker:
         #: Runs changed since the journal last saved them, and runs that left.
         self._dirty: set[str] = set()
         self._left: set[str] = set()
+        #: Whether a fleet's run table reads :meth:`publish_changes` (set by the wiring).
+        self.publishing = False
+        #: Runs to publish at the next round, and the last span time already looked at.
+        self._unpublished: set[str] = set()
+        self._published_to = 0.0
         self._settings_memo: dict[str, DetectorSettings] = {}
         self.max_runs = max_runs
         self.max_idle_s = max_idle_s
@@ -437,9 +442,12 @@ class RunTracker:
                 run.objective = span.objective()
 
     def _changed(self, run_id: str) -> None:
-        """``run_id`` changed: the journal writes it at its next save, if there is one."""
+        """``run_id`` changed: the journal writes it at its next save, if there is one, and
+        the fleet's run table at its next round."""
         if self.journaling:
             self._dirty.add(run_id)
+        if self.publishing and len(self._unpublished) < self.max_runs:
+            self._unpublished.add(run_id)
 
     def _ended(self, run: RunState) -> None:
         """The run ended: its SLO counts it once it stays ended (see ``_ending``)."""
@@ -748,6 +756,34 @@ class RunTracker:
         """Where the run is (:func:`supervisor.runs.phase.status`), stalls as its service's."""
         stalls = self.settings_for(run.service).stalls
         return phase.status(run, now, self.idle_limit(run) if stalls else None)
+
+    def publish_changes(self, limit: int, now: float | None = None) -> list[RunView]:
+        """Runs changed since the last call (a span, or a change of phase or stall): at
+        most ``limit``, the rest at the next call. For a fleet's run table
+        (:mod:`.publish`); a run that left the tracker is not said (its row ages out).
+        """
+        now = self._clock() if now is None else now
+        unpublished = self._unpublished
+        newest = self._published_to
+        for run in reversed(self._runs.values()):  # most recently active first
+            if run.last_seen <= self._published_to:
+                break
+            newest = max(newest, run.last_seen)
+            unpublished.add(run.run_id)
+        self._published_to = newest
+        views: list[RunView] = []
+        while unpublished and len(views) < limit:
+            found = self._runs.get(unpublished.pop())
+            if found is not None:
+                views.append(view(found, now, self._status(found, now)))
+        return views
+
+    def publish_again(self, run_ids: Iterable[str]) -> None:
+        """Runs :meth:`publish_changes` gave whose write failed: given again next time."""
+        for run_id in run_ids:
+            if len(self._unpublished) >= self.max_runs:
+                break
+            self._unpublished.add(run_id)
 
     # -- the journal: what a restart must not forget --------------------------
 

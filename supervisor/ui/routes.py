@@ -199,7 +199,7 @@ async def runs(
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> Response:
     needle = text.strip().lower()
-    found = ui.control.run_list(
+    found = await ui.control.run_list(
         status=status or None,
         service=service or None,
         limit=RUNS_READ if needle else 100,
@@ -217,6 +217,7 @@ async def runs(
         runs=listed[:RUNS_SHOWN],
         cut=len(listed) > RUNS_SHOWN,
         tracking=found["tracking"],
+        fleet=found.get("fleet", False),
         next_cursor=found["next_cursor"],
         filters={"status": status, "service": service, "text": text},
         statuses=RUN_STATUSES,

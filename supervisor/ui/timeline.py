@@ -66,12 +66,12 @@ async def run_timeline(control: Control, run_id: str) -> Timeline:
     """Everything known of ``run_id``, oldest first; see the module."""
     notes: list[str] = []
     items: list[Item] = []
-    run = control.run(run_id)
+    run = await control.run(run_id)
     if run is None:
         notes.append(
-            "This sidecar does not track this run now (it ended and was dropped, another"
-            " sidecar of the fleet tracks it, or track_runs is off): its counts and spans"
-            " are not shown, only what the store holds."
+            "This sidecar does not track this run now, nor does one of its fleet (it ended"
+            " and was dropped, or track_runs is off): its counts and spans are not shown,"
+            " only what the store holds."
         )
     else:
         items.extend(_spans(run))
