@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import pytest
@@ -16,3 +17,20 @@ def private_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """
     monkeypatch.setenv("SPANVISOR_STATE_PATH", str(tmp_path / "state.db"))
     monkeypatch.setenv("SPANVISOR_TOKEN_FILE", str(tmp_path / "api-token"))
+
+
+#: What a fixture wants done when its test fails, while the test's fixtures still
+#: live; each callback returns text for the failure's report (tests/browser.py
+#: screenshots the test's pages).
+ON_FAILURE = pytest.StashKey[list[Callable[[], str]]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item,
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed and report.when in ("setup", "call"):
+        for callback in item.stash.get(ON_FAILURE, []):
+            report.sections.append(("on failure", callback()))
+    return report
