@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -108,15 +109,19 @@ def test_breaker_timelines_show_what_this_sidecar_saw_and_nothing_for_others() -
 # -- a dead letter sent again, end to end -------------------------------------------------
 
 
-@pytest.fixture
-def receiver() -> Iterator[WebhookReceiver]:
+@contextmanager
+def failing_once() -> Iterator[WebhookReceiver]:
+    """A webhook receiver that answers 500 once, then 200s: the first command dies."""
     with WebhookReceiver() as running:
-        running.script.append(Answer(500, body=b"not now"))  # then 200s
+        running.script.append(Answer(500, body=b"not now"))
         yield running
 
 
-@pytest.fixture
-def sidecar(tmp_path: Path, receiver: WebhookReceiver) -> Iterator[BackgroundSidecar]:
+@contextmanager
+def dead_letter_sidecar(
+    tmp_path: Path, receiver: WebhookReceiver, token: str
+) -> Iterator[BackgroundSidecar]:
+    """A sidecar whose agent takes commands by webhook, one attempt each (then dead)."""
     policy_file = tmp_path / "policy.yaml"
     policy_file.write_text(POLICY)
     settings = load_settings(
@@ -124,7 +129,7 @@ def sidecar(tmp_path: Path, receiver: WebhookReceiver) -> Iterator[BackgroundSid
             "otlp_grpc_port": 0,
             "otlp_http_port": 0,
             "api_port": 0,
-            "api_token": "operator-token",
+            "api_token": token,
             "policy": str(policy_file),
             "state_path": str(tmp_path / "state" / "state.db"),
             "agents": {
@@ -138,6 +143,18 @@ def sidecar(tmp_path: Path, receiver: WebhookReceiver) -> Iterator[BackgroundSid
         yield background
     finally:
         background.stop()
+
+
+@pytest.fixture
+def receiver() -> Iterator[WebhookReceiver]:
+    with failing_once() as running:
+        yield running
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path, receiver: WebhookReceiver) -> Iterator[BackgroundSidecar]:
+    with dead_letter_sidecar(tmp_path, receiver, "operator-token") as running:
+        yield running
 
 
 def test_a_dead_letter_redelivered_is_sent_at_once_with_its_key_and_the_record_says_who(

@@ -46,8 +46,9 @@ from supervisor.ui.sessions import Sessions
 from supervisor.wiring import build_sidecar
 from tests.postgres import fresh_schema
 from tests.test_api import _outcome
-from tests.test_cli_operator import POLICY, _failures, _send
-from tests.test_dispatch import SECRET, Answer, WebhookReceiver
+from tests.test_cli_operator import _failures, _send
+from tests.test_console_data import dead_letter_sidecar, failing_once
+from tests.test_dispatch import WebhookReceiver
 
 TOKEN = "t0k3n-for-the-console"
 BASE = "https://testserver"  # the session cookie is Secure: a client sends it over HTTPS only
@@ -702,34 +703,14 @@ def _items(html: str, list_class: str) -> list[list[str]]:
 
 @pytest.fixture
 def receiver() -> Iterator[WebhookReceiver]:
-    with WebhookReceiver() as running:
-        running.script.append(Answer(500, body=b"not now"))  # then 200s
+    with failing_once() as running:
         yield running
 
 
 @pytest.fixture
 def webhook_sidecar(tmp_path: Path, receiver: WebhookReceiver) -> Iterator[BackgroundSidecar]:
-    policy_file = tmp_path / "policy.yaml"
-    policy_file.write_text(POLICY)
-    settings = load_settings(
-        overrides={
-            "otlp_grpc_port": 0,
-            "otlp_http_port": 0,
-            "api_port": 0,
-            "api_token": TOKEN,
-            "policy": str(policy_file),
-            "state_path": str(tmp_path / "state" / "state.db"),
-            "agents": {
-                "agent": {"webhook": {"url": receiver.url, "secret": SECRET}, "max_attempts": 1}
-            },
-        }
-    )
-    background = BackgroundSidecar(build_sidecar(settings, load_policy(policy_file)))
-    background.start()
-    try:
-        yield background
-    finally:
-        background.stop()
+    with dead_letter_sidecar(tmp_path, receiver, TOKEN) as running:
+        yield running
 
 
 def test_a_dead_letter_is_redelivered_in_two_steps_and_sent_again(
