@@ -124,7 +124,10 @@ def test_a_verification_window_resumed_after_a_stop_keeps_its_deadline(tmp_path:
     try:
         first.dispatch(request)
         deadline = time.monotonic() + 15
-        while workflow not in first_gateway.watched and time.monotonic() < deadline:
+        # Watched from the remediation's start; the act (a command) comes a step later.
+        while (
+            workflow not in first_gateway.watched or not first_gateway.commands
+        ) and time.monotonic() < deadline:
             time.sleep(0.02)
         acted_at = time.time()  # just after the act: the window's start, within polling
         assert [c["command"] for c in first_gateway.commands.values()] == ["retry_step"]
@@ -176,8 +179,16 @@ def test_a_worker_restarted_before_a_stop_is_not_restarted_when_the_remediation_
     try:
         first.dispatch(request)
         deadline = time.monotonic() + 15
-        while workflow not in first_gateway.watched and time.monotonic() < deadline:
-            time.sleep(0.02)
+
+        # The run is watched from the remediation's start; the restart is a step later,
+        # recorded once its step is (a stop before would run it again, rightly).
+        def restart_recorded() -> bool:
+            found = first.show(workflow) if first_gateway.restarts else None
+            steps = [step["name"] for step in found["steps"]] if found else []
+            return "tool:restart_worker" in steps
+
+        while not restart_recorded() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert workflow in first_gateway.watched  # restarted, now verifying
     finally:
         first.close()
