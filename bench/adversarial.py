@@ -160,7 +160,9 @@ def _post_repeatedly(
 
     def worker() -> None:
         with httpx.Client(timeout=300.0) as client:
-            while not stop.is_set():
+            # At least one request, even when building the body outlasted the attack's
+            # time (a loaded machine): an attack that never ran measures nothing.
+            while True:
                 started = time.perf_counter()
                 try:
                     status = str(client.post(url, content=body, headers=headers).status_code)
@@ -169,6 +171,8 @@ def _post_repeatedly(
                 with lock:
                     answers[status] += 1
                     took.append(time.perf_counter() - started)
+                if stop.is_set():
+                    break
 
     pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
     for t in pool:
