@@ -185,7 +185,13 @@ class Governor:
     def _breaker_settings(self, dependency: str) -> BreakerSettings:
         spec = self.policy.limits.breaker_for(dependency)
         return BreakerSettings(
-            spec.fail_max, spec.reset_timeout_s, spec.success_threshold, spec.trials
+            spec.fail_max,
+            spec.reset_timeout_s,
+            spec.success_threshold,
+            spec.trials,
+            spec.slow_call_s,
+            spec.slow_call_rate,
+            spec.min_calls,
         )
 
     def _budget_settings(self, _dependency: str) -> BudgetSettings:
@@ -234,6 +240,22 @@ class Governor:
                 self._watched.discard(dependency)
             else:
                 self._watch(dependency)
+
+    @property
+    def times_calls(self) -> bool:
+        """Whether a breaker counts slow calls: the pipeline then hands over call durations."""
+        return self.policy.limits.times_calls
+
+    def observe_durations(self, calls: list[tuple[str, int]]) -> None:
+        """Calls that ended, as (dependency, duration in ns), in the order they ended."""
+        if not self.times_calls:
+            return
+        by_dependency: dict[str, list[float]] = {}
+        for dependency, duration_ns in calls:
+            by_dependency.setdefault(dependency, []).append(duration_ns / 1e9)
+        for dependency, durations in by_dependency.items():
+            if self.board.record_durations(dependency, durations) is not BreakerState.CLOSED:
+                self._watch(dependency)  # its trials' outcomes must reach it
 
     def _watch(self, dependency: str) -> None:
         """Remember a breaker that successes can change; never more than the board holds.

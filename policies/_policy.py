@@ -40,6 +40,14 @@ class RuntimeLimits:
     retry_budget: RetryBudgetSpec = field(default_factory=RetryBudgetSpec)
     restart_intensity: RestartIntensitySpec = field(default_factory=RestartIntensitySpec)
 
+    @property
+    def times_calls(self) -> bool:
+        """Whether some breaker counts slow calls (``slow_call_s``): durations are then needed."""
+        if not self.breakers_enabled:
+            return False
+        specs = [self.breaker_default, *(spec for _, spec in self.breaker_globs)]
+        return any(spec.slow_call_s is not None for spec in specs)
+
     def breaker_for(self, dependency: str) -> BreakerSpec:
         for globs, spec in self.breaker_globs:
             if globs(dependency):
