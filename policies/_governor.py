@@ -329,7 +329,7 @@ class Governor:
                 f"retry budget of {dependency} spent ({snap.retries} retries for"
                 f" {snap.calls} calls in {limits.retry_budget.window_s:g}s)"
             )
-            target = self._alternative(dependency)
+            target = self._alternative(failure)
             if target is not None:
                 to, chain = target
                 return _revised(decision, Action.FALLBACK, {"to": to, "chain": chain}, why)
@@ -339,7 +339,9 @@ class Governor:
     def _around_open(self, failure: Failure, decision: Decision, state: BreakerState) -> Decision:
         dependency = failure.dependency
         why = f"breaker of {dependency} is {state.value}"
-        target = self._alternative(dependency)
+        if failure.evidence.stream_began:
+            why += " (the streamed response had begun: no fallback to another model)"
+        target = self._alternative(failure)
         if target is not None:
             to, chain = target
             params: dict[str, AttrValue] = {"to": to, "chain": chain, "breaker": state.value}
@@ -382,15 +384,22 @@ class Governor:
         to = decision.params.get("to")
         if not isinstance(to, str) or self.breaker_state(to) not in _BLOCKED:
             return decision
-        target = self._alternative(failure.dependency)
+        target = self._alternative(failure)
         why = f"breaker of fallback {to} is {self.breaker_state(to).value}"
         if target is None:
             return _revised(decision, Action.FAIL_FAST, {}, f"{why}; no other alternative")
         new_to, chain = target
         return _revised(decision, Action.FALLBACK, {"to": new_to, "chain": chain}, why)
 
-    def _alternative(self, dependency: str) -> tuple[str, tuple[str, ...]] | None:
-        """The first alternative after ``dependency`` in its chain whose breaker is not open."""
+    def _alternative(self, failure: Failure) -> tuple[str, tuple[str, ...]] | None:
+        """The first alternative after the failed dependency in its chain whose breaker is not open.
+
+        None once the failed call's answer had begun streaming: no other model
+        can take back what reached the agent.
+        """
+        if failure.evidence.stream_began:
+            return None
+        dependency = failure.dependency
         chain = self.policy.fallback_chain(dependency)
         if not chain:
             return None
