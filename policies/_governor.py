@@ -24,6 +24,12 @@ this order:
 4. **Retry budget**: a retry over the dependency's budget becomes a fallback
    when there is one, else ``fail_fast``: a fleet cannot multiply an outage.
 
+No fallback is offered for a failed call whose streamed answer had begun
+(``evidence.stream_began``): what reached the agent cannot be taken back.
+
+**Slow calls** open a breaker too, when its settings have ``slow_call_s``:
+the pipeline then hands over each call's duration (:meth:`observe_durations`).
+
 **Pauses behind an open breaker are staggered.** The first
 ``half_open_trials`` runs paused while a breaker is open resume when it
 half-opens: they are its trial calls. Every other run resumes later, at a

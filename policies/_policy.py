@@ -42,13 +42,14 @@ class RuntimeLimits:
     retry_budget: RetryBudgetSpec = field(default_factory=RetryBudgetSpec)
     restart_intensity: RestartIntensitySpec = field(default_factory=RestartIntensitySpec)
 
-    @property
-    def times_calls(self) -> bool:
-        """Whether some breaker counts slow calls (``slow_call_s``): durations are then needed."""
-        if not self.breakers_enabled:
-            return False
+    #: Whether some breaker counts slow calls (``slow_call_s``): durations are then
+    #: needed. Worked out once: the pipeline asks for each call.
+    times_calls: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
         specs = [self.breaker_default, *(spec for _, spec in self.breaker_globs)]
-        return any(spec.slow_call_s is not None for spec in specs)
+        timed = self.breakers_enabled and any(spec.slow_call_s is not None for spec in specs)
+        object.__setattr__(self, "times_calls", timed)
 
     def breaker_for(self, dependency: str) -> BreakerSpec:
         for globs, spec in self.breaker_globs:
