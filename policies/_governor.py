@@ -259,7 +259,10 @@ class Governor:
         by_dependency: dict[str, list[float]] = {}
         for dependency, duration_ns in calls:
             by_dependency.setdefault(dependency, []).append(duration_ns / 1e9)
+        breaker_for = self.policy.limits.breaker_for
         for dependency, durations in by_dependency.items():
+            if breaker_for(dependency).slow_call_s is None:
+                continue  # its breaker counts no durations: none is made for them
             if self.board.record_durations(dependency, durations) is not BreakerState.CLOSED:
                 self._watch(dependency)  # its trials' outcomes must reach it
 

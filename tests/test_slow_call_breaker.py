@@ -165,6 +165,8 @@ def test_slow_successes_in_spans_open_the_breaker_and_divert_the_next_failure() 
         (DEP, BreakerState.OPEN, "slow_calls")
     ]
     assert governor.board.state("openai:gpt-4o-mini") is BreakerState.CLOSED
+    governor.observe_durations([("tool:search", 60 * S)] * 20)  # no slow_call_s for tools
+    assert "tool:search" not in [info.dependency for info in governor.board.snapshot()]
     (outcome,) = outcomes
     assert outcome.decision.action is Action.FAIL_FAST  # no retry against an open breaker
     assert outcome.decision.params["breaker"] == "open"
