@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from abc import abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -38,6 +38,7 @@ log = logging.getLogger("spanvisor.breakers")
 MAX_FAIL_MAX = 10_000
 MAX_SUCCESS_THRESHOLD = 10_000
 MAX_RESET_TIMEOUT_S = 86_400.0
+MAX_MIN_CALLS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +59,20 @@ class BreakerSettings:
     success_threshold: int = 2
     #: None: ``success_threshold`` (pybreaker's rule: the first failed trial re-opens).
     half_open_trials: int | None = None
+    #: A call that lasted at least this many seconds is slow; None: durations are not counted.
+    slow_call_s: float | None = None
+    #: A closed breaker opens (reason ``slow_calls``) once this share of its last
+    #: ``min_calls`` calls were slow (Resilience4j's slow-call rate).
+    slow_call_rate: float = 0.5
+    min_calls: int = 10
 
     def __post_init__(self) -> None:
+        if self.slow_call_s is not None:
+            _check_seconds("slow_call_s", self.slow_call_s, MAX_RESET_TIMEOUT_S)
+        rate = self.slow_call_rate
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate <= 1:
+            raise ValueError(f"slow_call_rate must be more than 0 and at most 1, got {rate!r}")
+        _check_int("min_calls", self.min_calls, 1, MAX_MIN_CALLS)
         _check_int("fail_max", self.fail_max, 1, MAX_FAIL_MAX)
         _check_seconds("reset_timeout_s", self.reset_timeout_s, MAX_RESET_TIMEOUT_S)
         _check_int("success_threshold", self.success_threshold, 1, MAX_SUCCESS_THRESHOLD)
@@ -236,6 +249,8 @@ class _Entry:
         "opened_at",
         "settings",
         "shared",
+        "slow",
+        "slow_count",
         "state",
         "trial_failures",
     )
@@ -253,6 +268,9 @@ class _Entry:
         self.isolated = False
         #: Failed trials absorbed since the breaker last half-opened.
         self.trial_failures = 0
+        #: Whether each of the last ``min_calls`` calls was slow (closed only), and how many were.
+        self.slow: deque[bool] = deque(maxlen=settings.min_calls)
+        self.slow_count = 0
 
 
 class _Watch(pybreaker.CircuitBreakerListener):
@@ -392,6 +410,59 @@ class BreakerBoard:
                         state = self._feed(dependency, entry, ok, state, now=now, changes=changes)
         self._emit(changes)
         return state
+
+    def record_durations(self, dependency: str, durations_s: Sequence[float]) -> BreakerState:
+        """Calls of ``dependency`` that ended (well or not) and how long each took, in order.
+
+        Only a breaker with ``slow_call_s`` set counts them, and only while
+        closed: once ``slow_call_rate`` of its last ``min_calls`` calls took
+        ``slow_call_s`` or longer, it opens with reason ``slow_calls`` (and
+        half-opens after ``reset_timeout_s`` like any open breaker; its trials
+        are judged by their outcomes). One comparison per call.
+        """
+        changes: list[BreakerChange] = []
+        with self._lock:
+            now = self._now()
+            entry = self._get_or_create(dependency)
+            state = BreakerState.CLOSED
+            if entry is not None:
+                state = self._refresh(dependency, entry, now, changes)
+                threshold = entry.settings.slow_call_s
+                if threshold is not None and state is BreakerState.CLOSED:
+                    state = self._count_slow(
+                        dependency, entry, durations_s, threshold, now=now, changes=changes
+                    )
+        self._emit(changes)
+        return state
+
+    def _count_slow(
+        self,
+        dependency: str,
+        entry: _Entry,
+        durations_s: Sequence[float],
+        threshold: float,
+        *,
+        now: float,
+        changes: list[BreakerChange],
+    ) -> BreakerState:
+        window = entry.slow
+        settings = entry.settings
+        size = settings.min_calls
+        needed = settings.slow_call_rate * size
+        for duration in durations_s:
+            slow = duration >= threshold
+            if len(window) == size and window[0]:
+                entry.slow_count -= 1
+            window.append(slow)
+            entry.slow_count += slow
+            if len(window) == size and entry.slow_count >= needed:
+                entry.breaker.open()
+                entry.opened_at = now
+                self._change(
+                    dependency, entry, BreakerState.OPEN, "slow_calls", now=now, changes=changes
+                )
+                return BreakerState.OPEN
+        return BreakerState.CLOSED
 
     def state(self, dependency: str) -> BreakerState:
         """The state of ``dependency``'s breaker; closed when it has none (none is created)."""
@@ -574,7 +645,12 @@ class BreakerBoard:
     def _evict_one(self) -> bool:
         # Cached state and count: no storage round trip per breaker scanned.
         for dependency, entry in self._entries.items():
-            if entry.state is BreakerState.CLOSED and entry.failures == 0 and not entry.isolated:
+            if (
+                entry.state is BreakerState.CLOSED
+                and entry.failures == 0
+                and not entry.isolated
+                and not entry.slow_count
+            ):
                 del self._entries[dependency]
                 self.evictions += 1
                 return True
@@ -671,6 +747,9 @@ class BreakerBoard:
         old = entry.state
         entry.state = new
         entry.trial_failures = 0  # a new state: trials, if any, start afresh
+        if entry.slow_count or entry.slow:
+            entry.slow.clear()  # and so does the share of slow calls
+            entry.slow_count = 0
         entry.failures = failures = entry.breaker.fail_counter
         if new is BreakerState.CLOSED:
             entry.opened_at = None

@@ -24,6 +24,12 @@ this order:
 4. **Retry budget**: a retry over the dependency's budget becomes a fallback
    when there is one, else ``fail_fast``: a fleet cannot multiply an outage.
 
+No fallback is offered for a failed call whose streamed answer had begun
+(``evidence.stream_began``): what reached the agent cannot be taken back.
+
+**Slow calls** open a breaker too, when its settings have ``slow_call_s``:
+the pipeline then hands over each call's duration (:meth:`observe_durations`).
+
 **Pauses behind an open breaker are staggered.** The first
 ``half_open_trials`` runs paused while a breaker is open resume when it
 half-opens: they are its trial calls. Every other run resumes later, at a
@@ -185,7 +191,13 @@ class Governor:
     def _breaker_settings(self, dependency: str) -> BreakerSettings:
         spec = self.policy.limits.breaker_for(dependency)
         return BreakerSettings(
-            spec.fail_max, spec.reset_timeout_s, spec.success_threshold, spec.trials
+            spec.fail_max,
+            spec.reset_timeout_s,
+            spec.success_threshold,
+            spec.trials,
+            spec.slow_call_s,
+            spec.slow_call_rate,
+            spec.min_calls,
         )
 
     def _budget_settings(self, _dependency: str) -> BudgetSettings:
@@ -234,6 +246,25 @@ class Governor:
                 self._watched.discard(dependency)
             else:
                 self._watch(dependency)
+
+    @property
+    def times_calls(self) -> bool:
+        """Whether a breaker counts slow calls: the pipeline then hands over call durations."""
+        return self.policy.limits.times_calls
+
+    def observe_durations(self, calls: list[tuple[str, int]]) -> None:
+        """Calls that ended, as (dependency, duration in ns), in the order they ended."""
+        if not self.times_calls:
+            return
+        by_dependency: dict[str, list[float]] = {}
+        for dependency, duration_ns in calls:
+            by_dependency.setdefault(dependency, []).append(duration_ns / 1e9)
+        breaker_for = self.policy.limits.breaker_for
+        for dependency, durations in by_dependency.items():
+            if breaker_for(dependency).slow_call_s is None:
+                continue  # its breaker counts no durations: none is made for them
+            if self.board.record_durations(dependency, durations) is not BreakerState.CLOSED:
+                self._watch(dependency)  # its trials' outcomes must reach it
 
     def _watch(self, dependency: str) -> None:
         """Remember a breaker that successes can change; never more than the board holds.
@@ -307,7 +338,7 @@ class Governor:
                 f"retry budget of {dependency} spent ({snap.retries} retries for"
                 f" {snap.calls} calls in {limits.retry_budget.window_s:g}s)"
             )
-            target = self._alternative(dependency)
+            target = self._alternative(failure)
             if target is not None:
                 to, chain = target
                 return _revised(decision, Action.FALLBACK, {"to": to, "chain": chain}, why)
@@ -317,7 +348,9 @@ class Governor:
     def _around_open(self, failure: Failure, decision: Decision, state: BreakerState) -> Decision:
         dependency = failure.dependency
         why = f"breaker of {dependency} is {state.value}"
-        target = self._alternative(dependency)
+        if failure.evidence.stream_began:
+            why += " (the streamed response had begun: no fallback to another model)"
+        target = self._alternative(failure)
         if target is not None:
             to, chain = target
             params: dict[str, AttrValue] = {"to": to, "chain": chain, "breaker": state.value}
@@ -360,15 +393,22 @@ class Governor:
         to = decision.params.get("to")
         if not isinstance(to, str) or self.breaker_state(to) not in _BLOCKED:
             return decision
-        target = self._alternative(failure.dependency)
+        target = self._alternative(failure)
         why = f"breaker of fallback {to} is {self.breaker_state(to).value}"
         if target is None:
             return _revised(decision, Action.FAIL_FAST, {}, f"{why}; no other alternative")
         new_to, chain = target
         return _revised(decision, Action.FALLBACK, {"to": new_to, "chain": chain}, why)
 
-    def _alternative(self, dependency: str) -> tuple[str, tuple[str, ...]] | None:
-        """The first alternative after ``dependency`` in its chain whose breaker is not open."""
+    def _alternative(self, failure: Failure) -> tuple[str, tuple[str, ...]] | None:
+        """The first alternative after the failed dependency in its chain whose breaker is not open.
+
+        None once the failed call's answer had begun streaming: no other model
+        can take back what reached the agent.
+        """
+        if failure.evidence.stream_began:
+            return None
+        dependency = failure.dependency
         chain = self.policy.fallback_chain(dependency)
         if not chain:
             return None

@@ -12,21 +12,23 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Final
 
-from policies._actions import CompiledAction, Fallback, Remediate
+from policies._actions import CompiledAction, Escalate, Fallback, Remediate
 from policies._compile import CompiledEntry, CompiledRule
 from policies._detectors import CompiledDetectors, compile_detectors
 from policies._glob import GlobSet
 from policies._match import Subject
 from policies._schema import (
     BUILTIN_REMEDIATORS,
+    DEFAULT_ESCALATION_TIMEOUT_S,
     BreakerSpec,
     RemediatorSpec,
     RestartIntensitySpec,
     RetryBudgetSpec,
 )
 from policies._verifiers import VerifierSet, compile_verifiers
-from supervisor.records import Classification, Decision, Failure, SpanRecord
+from supervisor.records import Action, Classification, Decision, Failure, SpanRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,15 @@ class RuntimeLimits:
     breaker_globs: tuple[tuple[GlobSet, BreakerSpec], ...] = ()
     retry_budget: RetryBudgetSpec = field(default_factory=RetryBudgetSpec)
     restart_intensity: RestartIntensitySpec = field(default_factory=RestartIntensitySpec)
+
+    #: Whether some breaker counts slow calls (``slow_call_s``): durations are then
+    #: needed. Worked out once: the pipeline asks for each call.
+    times_calls: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        specs = [self.breaker_default, *(spec for _, spec in self.breaker_globs)]
+        timed = self.breakers_enabled and any(spec.slow_call_s is not None for spec in specs)
+        object.__setattr__(self, "times_calls", timed)
 
     def breaker_for(self, dependency: str) -> BreakerSpec:
         for globs, spec in self.breaker_globs:
@@ -142,10 +153,31 @@ class Policy:
         included (values below 1 count as 1).
         """
         attempt = max(attempt, 1)
-        for entry in self._entries:
+        for n, entry in enumerate(self._entries):
             if entry.matches(failure):
-                return entry.action.decide(failure, attempt, entry.name, entry.observe)
+                decision = entry.action.decide(failure, attempt, entry.name, entry.observe)
+                if decision.action is Action.FALLBACK and failure.evidence.stream_began:
+                    return self._instead_of_fallback(failure, attempt, n)
+                return decision
         raise AssertionError("unreachable: the last entry is a catch-all")  # pragma: no cover
+
+    def _instead_of_fallback(self, failure: Failure, attempt: int, at: int) -> Decision:
+        """What follows a fallback that cannot be taken: the answer had begun streaming.
+
+        Chunks of it reached the agent; another model's answer cannot take
+        them back. A retry of the step when a later entry that matches says
+        so (and has attempts left), else a person decides.
+        """
+        why = "the streamed response had begun: no fallback to another model"
+        entries = self._entries
+        for entry in entries[at + 1 :]:
+            if entry.action.action is not Action.FALLBACK and entry.matches(failure):
+                found = entry.action.decide(failure, attempt, entry.name, entry.observe, why)
+                if found.action is Action.RETRY:
+                    return found
+                break
+        entry = entries[at]
+        return _STREAM_BEGAN.decide(failure, attempt, entry.name, entry.observe, why)
 
     def decision_entries(self) -> tuple[tuple[str, str], ...]:
         """(name, action) of each decision entry, in the order they are tried."""
@@ -191,6 +223,8 @@ class Policy:
 
 
 _MAX_REMEMBERED_CHAINS = 4096
+#: A fallback refused because the answer had begun streaming, with no retry left: asked.
+_STREAM_BEGAN: Final = Escalate(DEFAULT_ESCALATION_TIMEOUT_S, "abort")
 
 
 def _is_catch_all(entry: CompiledEntry) -> bool:

@@ -329,6 +329,9 @@ ActionSpec = RetrySpec | FallbackSpec | RemediateSpec | EscalateSpec | SimpleSpe
 class BreakerSpec(_Strict):
     """A circuit breaker: ``fail_max`` transient failures in a row open it for ``reset_timeout_s``.
 
+    With ``slow_call_s`` set, so does a share ``slow_call_rate`` of slow calls
+    among its last ``min_calls`` calls (a dependency that answers, too slowly).
+
     Only transient failures count (a 401 or a 404 says nothing of the
     dependency's health). Half-open, it admits ``half_open_trials`` trial
     calls: ``success_threshold`` successes close it, and it opens again only
@@ -355,6 +358,23 @@ class BreakerSpec(_Strict):
         le=86_400,
         description="Runs paused behind an open breaker beyond the first trials resume"
         " spread over this many seconds after it half-opens.",
+    )
+    slow_call_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=86_400,
+        description="A call (span) that lasts at least this many seconds is slow; unset:"
+        " durations do not count.",
+    )
+    slow_call_rate: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="The breaker opens (reason slow_calls) once this share of its last"
+        " min_calls calls were slow (with slow_call_s set).",
+    )
+    min_calls: int = Field(
+        default=10, ge=1, le=10_000, description="Calls the slow-call rate is taken over."
     )
 
     @property

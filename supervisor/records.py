@@ -151,6 +151,9 @@ class ErrorEvidence:
     #: Tool calls requested by an LLM response to tools it was not offered,
     #: or with arguments that are not valid JSON.
     invalid_tool_calls: tuple[str, ...] = ()
+    #: An LLM call whose streamed response had begun (chunks reached the agent)
+    #: when it failed: no fallback can take them back (:mod:`supervisor.normalize.streaming`).
+    stream_began: bool = False
 
     def text(self) -> str:
         """All free-text evidence, for message matching."""

@@ -179,6 +179,11 @@ OPENAI_SCENARIOS: dict[str, tuple[Reply, dict[str, Any], float]] = {
     "unavailable": (Reply.server_error(503), {}, 5.0),
     "timeout": (Reply.timeout(delay_s=10), {}, 0.2),
     "connection": (Reply.connection_dropped(), {}, 5.0),
+    "stream_broken": (
+        Reply.stream_broken("Paris is sunny today, with a light breeze."),
+        {"stream": True, "stream_options": {"include_usage": True}},
+        5.0,
+    ),
 }
 
 
@@ -305,6 +310,30 @@ def test_fault_evidence(captured: Captured, scenario: str) -> None:
         record.role,
     ) == (True, "openai:gpt-4o-mini", Role.LLM)
     assert evidence.text()
+    assert not evidence.stream_began  # no answer had begun: a fallback may be taken
+
+
+def test_a_stream_that_broke_after_its_first_chunk_says_the_stream_began(
+    captured: Captured,
+) -> None:
+    """OpenInference records a first-token event, OTel GenAI the chunks and finish reason error.
+
+    OpenLLMetry 0.62 ends the span of a broken stream without an error: no failure to judge.
+    """
+    record = captured.llm("stream_broken")
+    if captured.name == "openllmetry":
+        assert record.error is None
+        return
+    evidence = captured.error("stream_broken")
+    assert evidence.stream_began
+    assert record.output_text.startswith("Paris")
+
+
+def test_a_streamed_answer_that_failed_on_its_finish_reason_alone_is_not_a_broken_stream(
+    captured: Captured,
+) -> None:
+    evidence = captured.records["length"].error
+    assert evidence is not None and not evidence.stream_began
 
 
 # -- anthropic ---------------------------------------------------------------

@@ -373,6 +373,9 @@ BREAKER = _obj(
     success_threshold=st.integers(1, 2),
     half_open_trials=st.integers(2, 5),
     resume_spread_s=SECONDS,
+    slow_call_s=POSITIVE,
+    slow_call_rate=st.sampled_from([0.1, 0.5, 1]),
+    min_calls=st.integers(1, 100),
 )
 REMEDIATOR = _obj(
     {"use": st.sampled_from(["llm", "fallback_switch", "pkg.mod:Fixer"])},

@@ -39,6 +39,11 @@ class RecordingGovernor:
     def observe_calls(self, calls: list[tuple[int, str, bool]]) -> None:
         self.calls.extend(calls)
 
+    times_calls = False
+
+    def observe_durations(self, calls: list[tuple[str, int]]) -> None:
+        pass
+
     def observe_cascades(self, successes: list[str], failures: list[Failure]) -> list[Cascade]:
         return []
 

@@ -197,6 +197,7 @@ def explain(args: argparse.Namespace) -> int:
             "finish_reasons": ",".join(ev.finish_reasons),
             "retry_after_s": ev.retry_after_s,
             "swallowed": ev.swallowed or None,
+            "stream_began": ev.stream_began or None,
         }
         shown = "  ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, "", ()))
         print(f"               {shown}")

@@ -65,6 +65,13 @@ class Governor(Protocol):
 
     def observe_calls(self, calls: list[tuple[int, str, bool]]) -> None: ...
 
+    @property
+    def times_calls(self) -> bool:
+        """Whether ``observe_durations`` wants the calls' durations (a slow-call breaker)."""
+        ...
+
+    def observe_durations(self, calls: list[tuple[str, int]]) -> None: ...
+
     def observe_cascades(self, successes: list[str], failures: list[Failure]) -> list[Cascade]: ...
 
     def review(self, failure: Failure, decision: Decision) -> Decision: ...
@@ -158,6 +165,9 @@ class Pipeline:
         self._attempts: BoundedMap[tuple[str, str], int] = BoundedMap(runs_capacity)
         # Dependencies with attempts counted: only their successes are looked up.
         self._attempted: set[str] = set()
+        # (dependency, duration ns) of the calls seen since the governor was last told,
+        # filled only when it counts slow calls.
+        self._durations: list[tuple[str, int]] = []
         # Which verifiers want a successful span, memoized per policy (_WantedBy).
         self._wants = WantedBy(None)
         #: Told when a dependency that a remediation waits for succeeds in a run.
@@ -308,6 +318,8 @@ class Pipeline:
         if wants.verifiers is not verifiers:  # a new policy
             wants = self._wants = WantedBy(verifiers)
         counting = self.governor is not None
+        timing = self.governor is not None and self.governor.times_calls
+        durations = self._durations
         attempted = self._attempted
         recovery = self.recovery
         recovering = recovery.dependencies if recovery is not None else ()
@@ -321,6 +333,8 @@ class Pipeline:
                 continue
             if counting:
                 calls.append((span.end_ns, dependency, True))
+                if timing:
+                    durations.append((dependency, span.end_ns - span.start_ns))
             if dependency in attempted or dependency in recovering:
                 self._step_succeeded(span, dependency)
 
@@ -347,8 +361,11 @@ class Pipeline:
 
     def _succeeded(self, span: Span, dependency: str, calls: list[tuple[int, str, bool]]) -> None:
         """One successful call: the governor's count, the step's attempts, a recovery."""
-        if self.governor is not None:
+        governor = self.governor
+        if governor is not None:
             calls.append((span.end_ns, dependency, True))
+            if governor.times_calls:
+                self._durations.append((dependency, span.end_ns - span.start_ns))
         self._step_succeeded(span, dependency)
 
     def _step_succeeded(self, span: Span, dependency: str) -> None:
@@ -496,7 +513,10 @@ class Pipeline:
             if failure.dependency and self.governor is not None and counts_for_breaker(failure):
                 # Only a transient failure says the dependency is unhealthy: a 401, a bad
                 # answer or a run waiting for a person is no failed call to its breaker.
-                calls.append((cand.record.end_ns, failure.dependency, False))
+                record = cand.record
+                calls.append((record.end_ns, failure.dependency, False))
+                if self.governor.times_calls:
+                    self._durations.append((failure.dependency, record.end_ns - record.start_ns))
             outcomes.append(Outcome(failure, decision))
             if self.runs is not None:
                 self.runs.failed(failure.run_id, failure.rule)
@@ -537,7 +557,8 @@ class Pipeline:
                     [dependency for _, dependency, ok in calls if ok],
                     [o.failure for o in outcomes],
                 )
-            outcomes = yield from self._govern(self.governor, outcomes, calls)
+            durations, self._durations = self._durations, []
+            outcomes = yield from self._govern(self.governor, outcomes, calls, durations)
             if started:
                 outcomes += yield from self.judge_detected_steps(
                     [cascade_failure(c) for c in started]
@@ -564,9 +585,14 @@ class Pipeline:
 
     @staticmethod
     def _govern(
-        governor: Governor, outcomes: list[Outcome], calls: list[tuple[int, str, bool]]
+        governor: Governor,
+        outcomes: list[Outcome],
+        calls: list[tuple[int, str, bool]],
+        durations: list[tuple[str, int]],
     ) -> Steps[list[Outcome]]:
         governor.observe_calls(calls)
+        if durations:
+            governor.observe_durations(durations)
         yield
         reviewed: list[Outcome] = []
         for chunk in chunks(outcomes):

@@ -710,6 +710,7 @@ def build_evidence(
     attrs: Mapping[str, AttrValue],
     now_ns: int,
     caught: Swallowed | None = None,
+    stream_began: bool = False,
 ) -> ErrorEvidence:
     """Gather everything a failing span says into one :class:`ErrorEvidence`.
 
@@ -758,4 +759,5 @@ def build_evidence(
         swallowed=swallowed is not None,
         retry_after_s=retry,
         invalid_tool_calls=invalid,
+        stream_began=stream_began,
     )

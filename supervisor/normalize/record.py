@@ -36,6 +36,7 @@ from supervisor.normalize.evidence import (
     tool_message,
 )
 from supervisor.normalize.identity import dependency_and_tool, identify
+from supervisor.normalize.streaming import stream_began
 from supervisor.normalize.wire import LazyConverted, RawAttributes
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
 
@@ -205,6 +206,14 @@ def _normalize(span: SpanFields) -> SpanRecord:
             attrs=attrs,
             now_ns=span.end_ns,
             caught=caught,
+            stream_began=role is Role.LLM
+            and stream_began(
+                attrs,
+                draft.output_tokens,
+                draft.output_text,
+                draft.finish_reasons,
+                message.events if span.has_events else (),
+            ),
         )
 
     service = span.service

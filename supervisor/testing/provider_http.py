@@ -347,6 +347,12 @@ class ProviderHandler(BaseHTTPRequestHandler):
         self._sse(choice({"role": "assistant", "content": ""}))
         for piece in _pieces(reply.content):
             self._sse(choice({"content": piece}))
+            if reply.stream_breaks:
+                error = self._openai_error_body(
+                    reply.error_message, reply.error_type, reply.error_code, reply.error_param
+                )
+                self._sse(error)
+                return
         for i, call in enumerate(calls):
             fn = call["function"]
             head = {

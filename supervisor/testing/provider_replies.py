@@ -64,11 +64,14 @@ class Reply:
     delay_s: float = 0.0
     #: Close the connection without answering (to provoke connection errors).
     drop_connection: bool = False
+    #: Streamed (OpenAI): after the first chunk of ``content``, an error event
+    #: instead of the rest, as OpenAI sends a ``server_error`` mid-stream.
+    stream_breaks: bool = False
 
     @property
     def is_fault(self) -> bool:
-        """Whether this reply is an HTTP error or a broken connection."""
-        return self.status >= 400 or self.drop_connection
+        """Whether this reply is an HTTP error, a broken connection or a broken stream."""
+        return self.status >= 400 or self.drop_connection or self.stream_breaks
 
     # -- successes ---------------------------------------------------------
 
@@ -285,6 +288,16 @@ class Reply:
     def connection_dropped(cls) -> Reply:
         """The server closes the connection without answering."""
         return cls(drop_connection=True)
+
+    @classmethod
+    def stream_broken(cls, content: str) -> Reply:
+        """A streamed answer that breaks with a server error after its first chunk."""
+        return cls(
+            content=content,
+            stream_breaks=True,
+            error_type="server_error",
+            error_message="The server had an error while processing your request.",
+        )
 
 
 def _anthropic_type_for(status: int) -> str:
