@@ -1,0 +1,125 @@
+"""The answer to "may this call go now?" for a key, and what 429s teach it.
+
+Order: a key paused by a Retry-After waits until then (this sidecar's
+learner, and the fleet's pause in Redis); otherwise the fleet's bucket in
+Redis takes the call or answers the wait, at the rate the learner allows;
+with Redis away, this sidecar's own bucket does (counted in :meth:`stats`:
+a fleet of N sidecars then admits up to N times the limit).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from supervisor.admission.bucket import LocalBucket, RedisBucket
+from supervisor.admission.key import AdmissionKey
+from supervisor.admission.learner import Ceiling, Learner
+
+__all__ = ["PRIORITIES", "AdmissionStats", "Admitter", "Decision"]
+
+PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
+#: Keys whose learned limit a sidecar keeps (least recently used forgotten: back to the ceiling).
+MAX_KEYS: Final = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    go: bool
+    wait_ms: int = 0
+    why: str = ""
+    shared: bool = True  # False: answered by this sidecar's own bucket (Redis away)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionStats:
+    admitted: int
+    refused: int
+    answered_locally: int
+    throttles: int
+
+
+class Admitter:
+    """Admission for every key; see the module."""
+
+    def __init__(
+        self,
+        default: Ceiling,
+        overrides: Mapping[str, Ceiling] | None = None,
+        *,
+        shared: RedisBucket | None = None,
+        clock: Callable[[], float] = time.time,
+        max_keys: int = MAX_KEYS,
+    ) -> None:
+        self._default = default
+        #: By ``provider:model`` or ``provider:model@credential`` (the longer wins).
+        self._overrides = dict(overrides or {})
+        self._shared = shared
+        self._local = LocalBucket(clock=clock, max_keys=max_keys)
+        self._clock = clock
+        self._max_keys = max_keys
+        self._lock = threading.Lock()
+        self._learners: OrderedDict[AdmissionKey, Learner] = OrderedDict()
+        self._admitted = self._refused = self._local_answers = self._throttles = 0
+
+    def ceiling(self, key: AdmissionKey) -> Ceiling:
+        by_model = f"{key.provider}:{key.model}"
+        return self._overrides.get(str(key)) or self._overrides.get(by_model) or self._default
+
+    def admit(self, key: AdmissionKey, *, priority: str = "normal", tokens: int = 0) -> Decision:
+        rank = PRIORITIES[priority]
+        learner = self._learner(key)
+        paused = learner.pause_left_s()
+        if paused > 0:
+            return self._count(Decision(False, math.ceil(paused * 1000), "paused"))
+        rpm, tpm = learner.rpm(), learner.tpm()
+        name = str(key)
+        if self._shared is not None:
+            took = self._shared.take(name, rpm, tpm, n=1, t=tokens, priority=rank)
+            if took is not None:
+                return self._count(Decision(took.go, took.wait_ms, took.why))
+        took = self._local.take(name, rpm, tpm, n=1, t=tokens, priority=rank)
+        return self._count(Decision(took.go, took.wait_ms, took.why, shared=False))
+
+    def throttled(self, dependency: str, retry_after_s: float | None = None) -> None:
+        """A 429 from ``dependency`` (``provider:model``): every key of that model learns it."""
+        provider, _, model = dependency.partition(":")
+        with self._lock:
+            self._throttles += 1
+            known = [k for k in self._learners if (k.provider, k.model) == (provider, model)]
+        keys = known or [AdmissionKey(provider, model)]
+        for key in keys:
+            self._learner(key).throttled(retry_after_s)
+            if retry_after_s and self._shared is not None:
+                self._shared.pause(str(key), self._clock() + retry_after_s)
+
+    def stats(self) -> AdmissionStats:
+        with self._lock:
+            return AdmissionStats(
+                self._admitted, self._refused, self._local_answers, self._throttles
+            )
+
+    def _learner(self, key: AdmissionKey) -> Learner:
+        with self._lock:
+            learner = self._learners.get(key)
+            if learner is None:
+                learner = self._learners[key] = Learner(self.ceiling(key), clock=self._clock)
+                if len(self._learners) > self._max_keys:
+                    self._learners.popitem(last=False)
+            self._learners.move_to_end(key)
+            return learner
+
+    def _count(self, decision: Decision) -> Decision:
+        with self._lock:
+            if decision.go:
+                self._admitted += 1
+            else:
+                self._refused += 1
+            if not decision.shared:
+                self._local_answers += 1
+        return decision
