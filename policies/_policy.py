@@ -25,6 +25,7 @@ from policies._schema import (
     RestartIntensitySpec,
     RetryBudgetSpec,
 )
+from policies._schema_admission import AdmissionSpec
 from policies._verifiers import VerifierSet, compile_verifiers
 from supervisor.records import Classification, Decision, Failure, SpanRecord
 
@@ -39,6 +40,7 @@ class RuntimeLimits:
     breaker_globs: tuple[tuple[GlobSet, BreakerSpec], ...] = ()
     retry_budget: RetryBudgetSpec = field(default_factory=RetryBudgetSpec)
     restart_intensity: RestartIntensitySpec = field(default_factory=RestartIntensitySpec)
+    admission: AdmissionSpec = field(default_factory=AdmissionSpec)
 
     def breaker_for(self, dependency: str) -> BreakerSpec:
         for globs, spec in self.breaker_globs:

@@ -14,7 +14,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from supervisor.admission import Admitter, Ceiling, RedisBucket, admission_key
+from supervisor.admission import Admitter, Ceiling, admission_key
+from supervisor.admission.shared import RedisBucket
 from supervisor.shared_breakers import RedisLink
 from tests.redis_server import RedisProxy
 from tests.test_shared_breakers import direct, namespace, proxy

@@ -2,12 +2,13 @@
 
 One idea per module: :mod:`.key` (what a limit is for), :mod:`.learner`
 (the limit, learned from 429s by AIMD), :mod:`.bucket` (a token bucket,
-fleet-wide in Redis or this sidecar's own) and :mod:`.admitter` (the
+this sidecar's own; :mod:`.shared`: the fleet's, in Redis) and :mod:`.admitter` (the
 answer to "may I call now?", with priorities). See ``docs/admission.md``.
 """
 
 from supervisor.admission.admitter import Admitter, Decision
-from supervisor.admission.bucket import LocalBucket, RedisBucket, Take
+from supervisor.admission.bucket import LocalBucket, Take
+from supervisor.admission.config import admitter_for
 from supervisor.admission.key import AdmissionKey, CredentialRefused, admission_key
 from supervisor.admission.learner import Ceiling, Learner
 
@@ -19,7 +20,7 @@ __all__ = [
     "Decision",
     "Learner",
     "LocalBucket",
-    "RedisBucket",
     "Take",
     "admission_key",
+    "admitter_for",
 ]

@@ -15,11 +15,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from supervisor.admission.bucket import LocalBucket, RedisBucket
+from supervisor.admission.bucket import LocalBucket
 from supervisor.admission.key import AdmissionKey
 from supervisor.admission.learner import Ceiling, Learner
+
+if TYPE_CHECKING:  # needs the `fleet` extra
+    from supervisor.admission.shared import RedisBucket
 
 __all__ = ["PRIORITIES", "AdmissionStats", "Admitter", "Decision"]
 

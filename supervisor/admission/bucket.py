@@ -9,11 +9,9 @@ Priorities (0 high, 1 normal, 2 low): a high or normal call refused marks
 "waiting until" in the bucket; a call of a lower priority is refused while a
 higher one is waiting, so that what refills goes to the higher first.
 
-:class:`RedisBucket` is one Lua script per question (atomic across the
-fleet; the sidecar's wall clock, as :mod:`supervisor.shared_counts`), through
-the breakers' :class:`~supervisor.shared_breakers.RedisLink`; it answers
-``None`` when Redis is away and the caller asks :class:`LocalBucket`, the
-same arithmetic on this sidecar alone.
+:class:`LocalBucket` is this sidecar's own, for when Redis is away;
+:class:`~supervisor.admission.shared.RedisBucket` is the fleet's, the same
+arithmetic in one Lua script.
 """
 
 from __future__ import annotations
@@ -24,16 +22,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-from supervisor.shared_breakers import RedisLink, Unreachable
-
-__all__ = ["LocalBucket", "RedisBucket", "Take"]
+__all__ = ["LOWEST", "LocalBucket", "Take"]
 
 #: Buckets a sidecar keeps locally (least recently used dropped: it then starts full).
 MAX_LOCAL_KEYS: Final = 10_000
-#: A bucket's keys in Redis outlive its last use by this (a full refill is one minute).
-TTL_MS: Final = 120_000
 LOWEST: Final = 2
 
 
@@ -42,98 +36,6 @@ class Take:
     go: bool
     wait_ms: int = 0
     why: str = ""  # "limit", "priority" or "paused"
-
-
-# KEYS[1] the bucket (hash r, t, ts, w0, w1), KEYS[2] the key's pause (ms, wall clock).
-# ARGV: now ms, rpm, tpm (0: not limited), n, t, priority, ttl ms.
-_TAKE_LUA = """
-local now = tonumber(ARGV[1])
-local rpm = tonumber(ARGV[2])
-local tpm = tonumber(ARGV[3])
-local n = tonumber(ARGV[4])
-local t = tonumber(ARGV[5])
-local rank = tonumber(ARGV[6])
-local ttl = tonumber(ARGV[7])
-local pause = tonumber(redis.call('GET', KEYS[2]) or '0')
-if pause > now then return {0, pause - now, 'paused'} end
-local h = redis.call('HMGET', KEYS[1], 'r', 't', 'ts', 'w0', 'w1')
-local ts = tonumber(h[3]) or now
-local gone = math.max(0, now - ts)
-local r = math.min(rpm, (tonumber(h[1]) or rpm) + gone * rpm / 60000)
-local tk = 0
-if tpm > 0 then
-  tk = math.min(tpm, (tonumber(h[2]) or tpm) + gone * tpm / 60000)
-  t = math.min(t, tpm)
-end
-for i = 0, rank - 1 do
-  local w = tonumber(h[4 + i])
-  if w and w > now then return {0, w - now, 'priority'} end
-end
-local wait = 0
-if r < n then wait = math.ceil((n - r) * 60000 / rpm) end
-if tpm > 0 and tk < t then wait = math.max(wait, math.ceil((t - tk) * 60000 / tpm)) end
-if wait > 0 then
-  if rank < 2 then
-    redis.call('HSET', KEYS[1], 'w' .. rank, now + wait)
-    redis.call('PEXPIRE', KEYS[1], ttl)
-  end
-  return {0, wait, 'limit'}
-end
-redis.call('HSET', KEYS[1], 'r', tostring(r - n), 't', tostring(tk - t), 'ts', now)
-redis.call('PEXPIRE', KEYS[1], ttl)
-return {1, 0, ''}
-"""
-
-
-class RedisBucket:
-    """The fleet's buckets under ``<namespace>:admit:``; see the module."""
-
-    def __init__(
-        self, link: RedisLink, namespace: str, *, clock: Callable[[], float] = time.time
-    ) -> None:
-        self._link = link
-        self._prefix = f"{namespace}:admit:"
-        self._clock = clock
-        self._script: Any = None
-
-    def take(
-        self, key: str, rpm: float, tpm: float | None, *, n: int, t: int, priority: int
-    ) -> Take | None:
-        """Take ``n`` requests and ``t`` tokens, or the wait; None: Redis is away."""
-        now_ms = int(self._clock() * 1000)
-        args = [now_ms, repr(float(rpm)), repr(float(tpm or 0)), n, t, priority, TTL_MS]
-        keys = [f"{self._prefix}bucket:{key}", f"{self._prefix}pause:{key}"]
-
-        def op(client: Any) -> list[Any]:
-            if self._script is None:
-                self._script = client.register_script(_TAKE_LUA)
-            return list(self._script(keys=keys, args=args, client=client))
-
-        try:
-            found = self._link.run(op)
-        except Unreachable:
-            return None
-        why = found[2].decode() if isinstance(found[2], bytes) else str(found[2])
-        return Take(bool(found[0]), int(found[1]), why)
-
-    def pause(self, key: str, until: float) -> bool:
-        """Pause ``key`` fleet-wide until the wall-clock ``until``; False: Redis is away."""
-        until_ms = int(until * 1000)
-        left = until_ms - int(self._clock() * 1000)
-        if left <= 0:
-            return True
-        name = f"{self._prefix}pause:{key}"
-
-        def op(client: Any) -> None:
-            old = client.get(name)
-            if old is None or int(old) < until_ms:
-                client.set(name, until_ms, px=left)
-
-        try:
-            self._link.run(op)
-        except Unreachable:
-            return False
-        return True
 
 
 @dataclass(slots=True)
