@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import socket
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from policies import load_policy
 from supervisor.app import BackgroundSidecar
@@ -97,6 +102,56 @@ def test_guard_with_admit_waits_the_advised_time_bounded(fleet: list[BackgroundS
     assert answers == [0, 1, 2]
     assert sleeps.delays == [5.0]  # the third waited, at most max_admit_wait_s, then went
     client.close()
+
+
+def rate_limited_spans(model: str, message: str) -> bytes:
+    request = ExportTraceServiceRequest()
+    resource = request.resource_spans.add()
+    resource.resource.attributes.append(
+        KeyValue(key="service.name", value=AnyValue(string_value="agent"))
+    )
+    resource.scope_spans.add().spans.append(
+        Span(
+            trace_id=uuid.uuid4().bytes,
+            span_id=(1).to_bytes(8, "big"),
+            name="ChatCompletion",
+            attributes=[
+                KeyValue(key="openinference.span.kind", value=AnyValue(string_value="LLM")),
+                KeyValue(key="llm.provider", value=AnyValue(string_value="openai")),
+                KeyValue(key="llm.model_name", value=AnyValue(string_value=model)),
+            ],
+            status=Status(code=Status.STATUS_CODE_ERROR, message=message),
+        )
+    )
+    return request.SerializeToString()
+
+
+@pytest.mark.slow
+def test_a_429_in_the_spans_pauses_the_key_for_the_whole_fleet(
+    fleet: list[BackgroundSidecar],
+) -> None:
+    a, b = fleet
+    message = "RateLimitError: Error code: 429 - Rate limit reached. Please try again in 20s."
+    response = httpx.post(
+        f"http://127.0.0.1:{a.ports.otlp_http}/v1/traces",
+        content=rate_limited_spans("gpt-4o", message),
+        headers={"Content-Type": "application/x-protobuf"},
+    )
+    assert response.status_code == 200
+    api = f"http://127.0.0.1:{a.ports.api}"
+
+    def throttled() -> bool:
+        stats = httpx.get(f"{api}/v1/stats", headers=AUTH).json()
+        return bool(stats["admission"]["throttles"] == 1)
+
+    deadline = time.monotonic() + 10
+    while not throttled():
+        assert time.monotonic() < deadline, "the 429 never reached the admitter"
+        time.sleep(0.05)
+
+    found = [admit(s).json() for s in (a, b)]
+    assert [f["why"] for f in found] == ["paused", "paused"]
+    assert all(15_000 < f["wait_ms"] <= 20_000 for f in found)
 
 
 def test_guard_with_admit_does_not_wait_without_a_sidecar() -> None:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # needs the `fleet` extra
 __all__ = ["PRIORITIES", "AdmissionStats", "Admitter", "Decision"]
 
 PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
-#: Keys whose learned limit a sidecar keeps (least recently used forgotten: back to the ceiling).
+#: Models whose learned limit a sidecar keeps (least recently used forgotten: back to 100%).
 MAX_KEYS: Final = 10_000
 
 
@@ -67,7 +67,8 @@ class Admitter:
         self._clock = clock
         self._max_keys = max_keys
         self._lock = threading.Lock()
-        self._learners: OrderedDict[AdmissionKey, Learner] = OrderedDict()
+        #: Per ``provider:model``: a 429 names a model, never a credential.
+        self._learners: OrderedDict[str, Learner] = OrderedDict()
         self._admitted = self._refused = self._local_answers = self._throttles = 0
 
     def ceiling(self, key: AdmissionKey) -> Ceiling:
@@ -76,30 +77,33 @@ class Admitter:
 
     def admit(self, key: AdmissionKey, *, priority: str = "normal", tokens: int = 0) -> Decision:
         rank = PRIORITIES[priority]
-        learner = self._learner(key)
+        model = f"{key.provider}:{key.model}"
+        learner = self._learner(model)
         paused = learner.pause_left_s()
         if paused > 0:
             return self._count(Decision(False, math.ceil(paused * 1000), "paused"))
-        rpm, tpm = learner.rpm(), learner.tpm()
+        ceiling, fraction = self.ceiling(key), learner.fraction()
+        rpm = ceiling.rpm * fraction
+        tpm = None if ceiling.tpm is None else ceiling.tpm * fraction
         name = str(key)
         if self._shared is not None:
-            took = self._shared.take(name, rpm, tpm, n=1, t=tokens, priority=rank)
+            took = self._shared.take(name, model, rpm, tpm, n=1, t=tokens, priority=rank)
             if took is not None:
                 return self._count(Decision(took.go, took.wait_ms, took.why))
         took = self._local.take(name, rpm, tpm, n=1, t=tokens, priority=rank)
         return self._count(Decision(took.go, took.wait_ms, took.why, shared=False))
 
     def throttled(self, dependency: str, retry_after_s: float | None = None) -> None:
-        """A 429 from ``dependency`` (``provider:model``): every key of that model learns it."""
-        provider, _, model = dependency.partition(":")
+        """A 429 from ``dependency`` (``provider:model``): the model's limit learns it.
+
+        Spans do not say which credential was used: every key of the model
+        (every credential) is lowered, and a Retry-After pauses them all, fleet-wide.
+        """
         with self._lock:
             self._throttles += 1
-            known = [k for k in self._learners if (k.provider, k.model) == (provider, model)]
-        keys = known or [AdmissionKey(provider, model)]
-        for key in keys:
-            self._learner(key).throttled(retry_after_s)
-            if retry_after_s and self._shared is not None:
-                self._shared.pause(str(key), self._clock() + retry_after_s)
+        self._learner(dependency).throttled(retry_after_s)
+        if retry_after_s and self._shared is not None:
+            self._shared.pause(dependency, self._clock() + retry_after_s)
 
     def stats(self) -> AdmissionStats:
         with self._lock:
@@ -107,14 +111,17 @@ class Admitter:
                 self._admitted, self._refused, self._local_answers, self._throttles
             )
 
-    def _learner(self, key: AdmissionKey) -> Learner:
+    def _learner(self, model: str) -> Learner:
+        """The learner of ``provider:model`` (its AIMD knobs: the model's entry or the default)."""
         with self._lock:
-            learner = self._learners.get(key)
+            learner = self._learners.get(model)
             if learner is None:
-                learner = self._learners[key] = Learner(self.ceiling(key), clock=self._clock)
+                provider, _, name = model.partition(":")
+                ceiling = self.ceiling(AdmissionKey(provider, name))
+                learner = self._learners[model] = Learner(ceiling, clock=self._clock)
                 if len(self._learners) > self._max_keys:
                     self._learners.popitem(last=False)
-            self._learners.move_to_end(key)
+            self._learners.move_to_end(model)
             return learner
 
     def _count(self, decision: Decision) -> Decision:

@@ -23,7 +23,7 @@ __all__ = ["RedisBucket"]
 TTL_MS: Final = 120_000
 
 
-# KEYS[1] the bucket (hash r, t, ts, w0, w1), KEYS[2] the key's pause (ms, wall clock).
+# KEYS[1] the bucket (hash r, t, ts, w0, w1), KEYS[2] the model's pause (ms, wall clock).
 # ARGV: now ms, rpm, tpm (0: not limited), n, t, priority, ttl ms.
 _TAKE_LUA = """
 local now = tonumber(ARGV[1])
@@ -76,12 +76,21 @@ class RedisBucket:
         self._script: Any = None
 
     def take(
-        self, key: str, rpm: float, tpm: float | None, *, n: int, t: int, priority: int
+        self,
+        key: str,
+        model: str,
+        rpm: float,
+        tpm: float | None,
+        *,
+        n: int,
+        t: int,
+        priority: int,
     ) -> Take | None:
-        """Take ``n`` requests and ``t`` tokens, or the wait; None: Redis is away."""
+        """Take ``n`` requests and ``t`` tokens from ``key``'s bucket, or the wait (``model``
+        paused: the pause's); None: Redis is away."""
         now_ms = int(self._clock() * 1000)
         args = [now_ms, repr(float(rpm)), repr(float(tpm or 0)), n, t, priority, TTL_MS]
-        keys = [f"{self._prefix}bucket:{key}", f"{self._prefix}pause:{key}"]
+        keys = [f"{self._prefix}bucket:{key}", f"{self._prefix}pause:{model}"]
 
         def op(client: Any) -> list[Any]:
             if self._script is None:
@@ -95,13 +104,14 @@ class RedisBucket:
         why = found[2].decode() if isinstance(found[2], bytes) else str(found[2])
         return Take(bool(found[0]), int(found[1]), why)
 
-    def pause(self, key: str, until: float) -> bool:
-        """Pause ``key`` fleet-wide until the wall-clock ``until``; False: Redis is away."""
+    def pause(self, model: str, until: float) -> bool:
+        """Pause every key of ``model`` fleet-wide until the wall-clock ``until``;
+        False: Redis is away."""
         until_ms = int(until * 1000)
         left = until_ms - int(self._clock() * 1000)
         if left <= 0:
             return True
-        name = f"{self._prefix}pause:{key}"
+        name = f"{self._prefix}pause:{model}"
 
         def op(client: Any) -> None:
             old = client.get(name)
