@@ -35,6 +35,7 @@ from supervisor.act.store import Store
 from supervisor.act.store_runs import StoredRuns
 from supervisor.act.store_writer import StoreHealth, StoreWriter
 from supervisor.admission import Admitter, admitter_for
+from supervisor.admission import configure as configure_admission
 from supervisor.api.control import Control
 from supervisor.api.metrics import MetricSources, exposition
 from supervisor.api.server import build_control_app
@@ -218,7 +219,7 @@ class Sidecar:
         self.breakers = parts.breakers
         self.breaker_link = parts.breaker_link
         #: Admission control, fleet-wide through the breakers' Redis link when there is one
-        #: (its limits are the policy's at start: a reload does not change them).
+        #: (a policy reload gives it the new limits).
         self.admitter = _admitter(
             parts.policy().limits.admission, self.breaker_link, parts.settings
         )
@@ -668,6 +669,7 @@ class Sidecar:
         self.runs.models = policy.detectors.models
         self.runs.stall_horizon_s = policy.detectors.shortest_idle_s
         self.runs.set_slo(policy.detectors.slo)
+        configure_admission(self.admitter, policy.limits.admission)
 
         self.reloads["ok"] += 1
         log.info("policy reloaded", extra={"policy": policy.source, "rules": len(policy.rules)})

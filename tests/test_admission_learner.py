@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.admission import Ceiling, CredentialRefused, Learner, admission_key
+from supervisor.admission import Admitter, Ceiling, CredentialRefused, Learner, admission_key
 
 
 class Clock:
@@ -58,3 +58,22 @@ def test_a_key_is_provider_model_and_a_credential_name_never_a_secret() -> None:
         admission_key("openai:gpt-4o", "a b:c")
     with pytest.raises(ValueError, match="provider:model"):
         admission_key("openai")
+
+
+def test_new_ceilings_keep_what_was_learned_as_a_share_and_no_redis_is_local() -> None:
+    clock = Clock()
+    admitter = Admitter(Ceiling(rpm=10), clock=clock)
+    key = admission_key("openai:gpt-4o")
+    admitter.throttled("openai:gpt-4o")  # 70% of the ceiling, from now on
+
+    assert sum(admitter.admit(key).go for _ in range(20)) == 7
+    admitter.configure(Ceiling(rpm=100), {"openai:gpt-4o@team-a": Ceiling(rpm=1000)})
+    clock.now += 60  # a full bucket again, and a step (5%) given back
+    assert sum(admitter.admit(key).go for _ in range(200)) == 75
+    assert (
+        sum(admitter.admit(admission_key("openai:gpt-4o", "team-a")).go for _ in range(900)) == 750
+    )
+    late = admitter.admit(key, priority="low")
+    # The normal calls refused above are waiting: a low one waits behind them.
+    assert (late.go, late.why, late.shared) == (False, "priority", False)
+    assert admitter.stats().answered_locally == admitter.stats().admitted + admitter.stats().refused

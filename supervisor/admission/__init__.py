@@ -8,7 +8,7 @@ answer to "may I call now?", with priorities). See ``docs/admission.md``.
 
 from supervisor.admission.admitter import Admitter, Decision
 from supervisor.admission.bucket import LocalBucket, Take
-from supervisor.admission.config import admitter_for
+from supervisor.admission.config import admitter_for, configure
 from supervisor.admission.key import AdmissionKey, CredentialRefused, admission_key
 from supervisor.admission.learner import Ceiling, Learner
 
@@ -23,4 +23,5 @@ __all__ = [
     "Take",
     "admission_key",
     "admitter_for",
+    "configure",
 ]

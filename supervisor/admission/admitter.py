@@ -71,7 +71,19 @@ class Admitter:
         self._learners: OrderedDict[str, Learner] = OrderedDict()
         self._admitted = self._refused = self._local_answers = self._throttles = 0
 
+    def configure(self, default: Ceiling, overrides: Mapping[str, Ceiling] | None = None) -> None:
+        """New ceilings (a policy reload); what each model learned is kept, as a share of them."""
+        with self._lock:
+            self._default, self._overrides = default, dict(overrides or {})
+            for model, learner in self._learners.items():
+                provider, _, name = model.partition(":")
+                learner.ceiling = self._ceiling(AdmissionKey(provider, name))
+
     def ceiling(self, key: AdmissionKey) -> Ceiling:
+        with self._lock:
+            return self._ceiling(key)
+
+    def _ceiling(self, key: AdmissionKey) -> Ceiling:
         by_model = f"{key.provider}:{key.model}"
         return self._overrides.get(str(key)) or self._overrides.get(by_model) or self._default
 
@@ -79,10 +91,11 @@ class Admitter:
         rank = PRIORITIES[priority]
         model = f"{key.provider}:{key.model}"
         learner = self._learner(model)
-        paused = learner.pause_left_s()
+        with self._lock:  # a learner is not thread-safe: its reads and 429s go under the lock
+            paused = learner.pause_left_s()
+            ceiling, fraction = self._ceiling(key), learner.fraction()
         if paused > 0:
             return self._count(Decision(False, math.ceil(paused * 1000), "paused"))
-        ceiling, fraction = self.ceiling(key), learner.fraction()
         rpm = ceiling.rpm * fraction
         tpm = None if ceiling.tpm is None else ceiling.tpm * fraction
         name = str(key)
@@ -99,9 +112,10 @@ class Admitter:
         Spans do not say which credential was used: every key of the model
         (every credential) is lowered, and a Retry-After pauses them all, fleet-wide.
         """
+        learner = self._learner(dependency)
         with self._lock:
             self._throttles += 1
-        self._learner(dependency).throttled(retry_after_s)
+            learner.throttled(retry_after_s)
         if retry_after_s and self._shared is not None:
             self._shared.pause(dependency, self._clock() + retry_after_s)
 
@@ -117,7 +131,7 @@ class Admitter:
             learner = self._learners.get(model)
             if learner is None:
                 provider, _, name = model.partition(":")
-                ceiling = self.ceiling(AdmissionKey(provider, name))
+                ceiling = self._ceiling(AdmissionKey(provider, name))
                 learner = self._learners[model] = Learner(ceiling, clock=self._clock)
                 if len(self._learners) > self._max_keys:
                     self._learners.popitem(last=False)

@@ -13,7 +13,7 @@ from supervisor.admission.learner import Ceiling
 if TYPE_CHECKING:  # needs the `fleet` extra
     from supervisor.admission.shared import RedisBucket
 
-__all__ = ["admitter_for", "ceiling_of"]
+__all__ = ["admitter_for", "ceiling_of", "configure"]
 
 
 def ceiling_of(spec: AdmissionLimitSpec) -> Ceiling:
@@ -35,3 +35,9 @@ def admitter_for(
 ) -> Admitter:
     overrides = {key: ceiling_of(limit) for key, limit in spec.keys.items()}
     return Admitter(ceiling_of(spec.default), overrides, shared=shared, clock=clock)
+
+
+def configure(admitter: Admitter, spec: AdmissionSpec) -> None:
+    """A reloaded policy's ceilings (what was learned is kept, as a share of them)."""
+    overrides = {key: ceiling_of(limit) for key, limit in spec.keys.items()}
+    admitter.configure(ceiling_of(spec.default), overrides)
