@@ -804,6 +804,7 @@ class Sidecar:
             forwarder=self.forwarder,
             otlp_auth=self._otlp_auth,
             fleet=self.fleet,
+            admitter=self.admitter,
         )
 
     def stats(self) -> dict[str, Any]:

@@ -87,6 +87,9 @@ def test_two_sidecars_admit_within_one_limit_and_refuse_secrets(
     assert httpx.post(f"http://127.0.0.1:{a.ports.api}/v1/admit", json=BODY).status_code == 401
     stats = httpx.get(f"http://127.0.0.1:{a.ports.api}/v1/stats", headers=AUTH).json()
     assert stats["admission"]["answered_locally"] == 0
+    metrics = httpx.get(f"http://127.0.0.1:{a.ports.api}/metrics", headers=AUTH).text
+    assert 'spanvisor_admissions_total{answer="wait"} 1.0' in metrics
+    assert "spanvisor_admissions_local_total 0.0" in metrics
 
 
 @pytest.mark.slow
