@@ -34,8 +34,9 @@ from supervisor.act.fleet import Fleet
 from supervisor.act.store import Store
 from supervisor.act.store_runs import StoredRuns
 from supervisor.act.store_writer import StoreHealth, StoreWriter
-from supervisor.admission import Admitter, admitter_for
-from supervisor.admission import configure as configure_admission
+from supervisor.admission import Admitter
+from supervisor.admission.config import admitter_for
+from supervisor.admission.config import configure as configure_admission
 from supervisor.api.control import Control
 from supervisor.api.metrics import MetricSources, exposition
 from supervisor.api.server import build_control_app

@@ -166,4 +166,8 @@ def test_guard_with_admit_does_not_wait_without_a_sidecar() -> None:
     assert client.admit("openai:gpt-4o") == 0
     assert guard("openai:gpt-4o", client=client, admit=True).call(lambda: "ok") == "ok"
     assert sleeps.delays == []
+    with pytest.raises(ValueError, match="API key"):  # refused before anything is sent
+        guard("openai:gpt-4o", client=client, admit=True, credential="sk-proj-abc")
+    with pytest.raises(ValueError, match="priority"):
+        client.admit("openai:gpt-4o", priority="urgent")
     client.close()

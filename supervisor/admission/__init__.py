@@ -3,12 +3,13 @@
 One idea per module: :mod:`.key` (what a limit is for), :mod:`.learner`
 (the limit, learned from 429s by AIMD), :mod:`.bucket` (a token bucket,
 this sidecar's own; :mod:`.shared`: the fleet's, in Redis) and :mod:`.admitter` (the
-answer to "may I call now?", with priorities). See ``docs/admission.md``.
+answer to "may I call now?", with priorities); :mod:`.config` reads the
+policy's section (it needs pydantic, so it is not imported here: agents import
+the client, which imports this package). See ``docs/admission.md``.
 """
 
 from supervisor.admission.admitter import Admitter, Decision
 from supervisor.admission.bucket import LocalBucket, Take
-from supervisor.admission.config import admitter_for, configure
 from supervisor.admission.key import AdmissionKey, CredentialRefused, admission_key
 from supervisor.admission.learner import Ceiling, Learner
 
@@ -22,6 +23,4 @@ __all__ = [
     "LocalBucket",
     "Take",
     "admission_key",
-    "admitter_for",
-    "configure",
 ]

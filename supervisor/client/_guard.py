@@ -18,6 +18,8 @@ from typing import Any, ParamSpec, TypeVar, cast
 from tenacity import AsyncRetrying, RetryCallState, Retrying, stop_after_attempt
 from tenacity import AttemptManager as _AttemptManager
 
+from supervisor.admission.admitter import PRIORITIES
+from supervisor.admission.key import admission_key
 from supervisor.client._advice import OPEN_STATES, Advice
 from supervisor.client._http import SupervisorClient, shared_client
 from supervisor.errors import SupervisorError
@@ -166,6 +168,10 @@ class Guard:
             raise ValueError("dependency must not be empty")
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        if admit:
+            admission_key(dependency, credential)  # refuses a secret before any call
+            if priority not in PRIORITIES:
+                raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         self.dependency = dependency
         self.fallback = fallback
         self.max_attempts = max_attempts

@@ -23,6 +23,8 @@ from urllib.parse import quote
 import httpx
 
 from supervisor.addresses import DEFAULT_API_URL
+from supervisor.admission.admitter import PRIORITIES
+from supervisor.admission.key import admission_key
 from supervisor.api_access import CLIENT, ApiAccess, resolve_access
 from supervisor.client._advice import (
     BREAKER_STATES,
@@ -343,8 +345,9 @@ class SupervisorClient:
     def _admit_body(
         self, dependency: str, credential: str | None, priority: str, tokens: int
     ) -> dict[str, Any]:
-        if not dependency:
-            raise ValueError("dependency must not be empty")
+        admission_key(dependency, credential)  # a secret or a malformed name: refused here
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         body: dict[str, Any] = {
             "dependency": dependency,
             "service": self.service,
