@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 import uuid
@@ -166,6 +167,20 @@ def test_guard_with_admit_does_not_wait_without_a_sidecar() -> None:
     assert client.admit("openai:gpt-4o") == 0
     assert guard("openai:gpt-4o", client=client, admit=True).call(lambda: "ok") == "ok"
     assert sleeps.delays == []
+
+    async def go() -> str:
+        assert await client.aadmit("openai:gpt-4o") == 0
+        ask = guard("openai:gpt-4o", client=client, admit=True)
+
+        async def call() -> str:
+            return "ok"
+
+        try:
+            return await ask.acall(call)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(go()) == "ok"
     with pytest.raises(ValueError, match="API key"):  # refused before anything is sent
         guard("openai:gpt-4o", client=client, admit=True, credential="sk-proj-abc")
     with pytest.raises(ValueError, match="priority"):
