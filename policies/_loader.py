@@ -34,6 +34,7 @@ from policies._schema import (
     RetryBudgetSpec,
     SimpleEntry,
 )
+from policies._schema_admission import AdmissionSpec
 from policies._schema_fields import BUILTIN_PREFIX
 from policies._verifiers import compile_verifiers
 from policies._yamldoc import MAX_TEXT_CHARS, PathElem, YamlDoc, join_path, parse
@@ -383,10 +384,12 @@ def _limits(spec: PolicyFile, base: PolicyFile | None) -> RuntimeLimits:
     breakers = spec.breakers or (base.breakers if base is not None else None) or BreakersSpec()
     budget = spec.retry_budget or (base.retry_budget if base is not None else None)
     intensity = spec.restart_intensity or (base.restart_intensity if base is not None else None)
+    admission = spec.admission or (base.admission if base is not None else None)
     return RuntimeLimits(
         breakers_enabled=breakers.enabled,
         breaker_default=breakers.default,
         breaker_globs=tuple((GlobSet([g]), b) for g, b in breakers.dependencies.items()),
         retry_budget=budget or RetryBudgetSpec(),
         restart_intensity=intensity or RestartIntensitySpec(),
+        admission=admission or AdmissionSpec(),
     )

@@ -27,6 +27,7 @@ from policies._schema import (
     RestartIntensitySpec,
     RetryBudgetSpec,
 )
+from policies._schema_admission import AdmissionSpec
 from policies._verifiers import VerifierSet, compile_verifiers
 from supervisor.records import Action, Classification, Decision, Failure, SpanRecord
 
@@ -41,6 +42,7 @@ class RuntimeLimits:
     breaker_globs: tuple[tuple[GlobSet, BreakerSpec], ...] = ()
     retry_budget: RetryBudgetSpec = field(default_factory=RetryBudgetSpec)
     restart_intensity: RestartIntensitySpec = field(default_factory=RestartIntensitySpec)
+    admission: AdmissionSpec = field(default_factory=AdmissionSpec)
 
     #: Whether some breaker counts slow calls (``slow_call_s``): durations are then
     #: needed. Worked out once: the pipeline asks for each call.

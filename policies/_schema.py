@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema, model_validator
 
+from policies._schema_admission import AdmissionLimitSpec, AdmissionSpec
 from policies._schema_budgets import (
     ContextPressureSpec,
     ModelInfoSpec,
@@ -624,6 +625,9 @@ class PolicyFile(_Strict):
     )
     retry_budget: RetryBudgetSpec | None = None
     restart_intensity: RestartIntensitySpec | None = None
+    admission: AdmissionSpec | None = Field(
+        default=None, description="Limits per provider, model and credential; unset: built-in's."
+    )
     remediators: Annotated[dict[Ident, RemediatorSpec], Field(max_length=256)] = Field(
         default_factory=dict, description="Named remediators for 'remediate' actions."
     )
@@ -671,6 +675,8 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         BreakerSpec,
         RetryBudgetSpec,
         RestartIntensitySpec,
+        AdmissionSpec,
+        AdmissionLimitSpec,
         RemediatorSpec,
         RemediatorBudgetSpec,
         DetectorsSpec,

@@ -24,6 +24,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from policies import Governor, Policy, load_policy, regex_timeouts
+from policies._schema_admission import AdmissionSpec
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
@@ -33,6 +34,9 @@ from supervisor.act.fleet import Fleet
 from supervisor.act.store import Store
 from supervisor.act.store_runs import StoredRuns
 from supervisor.act.store_writer import StoreHealth, StoreWriter
+from supervisor.admission import Admitter
+from supervisor.admission.config import admitter_for
+from supervisor.admission.config import configure as configure_admission
 from supervisor.api.control import Control
 from supervisor.api.metrics import MetricSources, exposition
 from supervisor.api.server import build_control_app
@@ -215,6 +219,11 @@ class Sidecar:
         self.governor = parts.governor
         self.breakers = parts.breakers
         self.breaker_link = parts.breaker_link
+        #: Admission control, fleet-wide through the breakers' Redis link when there is one
+        #: (a policy reload gives it the new limits).
+        self.admitter = _admitter(
+            parts.policy().limits.admission, self.breaker_link, parts.settings
+        )
         self.store = parts.store
         self.actuators = parts.actuators
         self.dispatcher = parts.dispatcher
@@ -361,6 +370,7 @@ class Sidecar:
             fleet_breakers=_fleet_breakers(self.breaker_link),
             breaker_history=self.breakers.history,
             fleet_runs=self.run_publisher.table if self.run_publisher is not None else None,
+            admitter=self.admitter,
         )
         console = (
             ConsoleOptions(
@@ -619,6 +629,9 @@ class Sidecar:
         for chunk in chunks(outcomes):
             for outcome in chunk:
                 self.failures.add(outcome)
+                failure = outcome.failure
+                if failure.kind == "rate_limit" and failure.dependency:
+                    self.admitter.throttled(failure.dependency, failure.evidence.retry_after_s)
                 self.tracer.emit(outcome.failure, outcome.decision)
                 if received_ns is not None:
                     self.latency.add((time.time_ns() - received_ns) / 1e6)
@@ -657,6 +670,7 @@ class Sidecar:
         self.runs.models = policy.detectors.models
         self.runs.stall_horizon_s = policy.detectors.shortest_idle_s
         self.runs.set_slo(policy.detectors.slo)
+        configure_admission(self.admitter, policy.limits.admission)
 
         self.reloads["ok"] += 1
         log.info("policy reloaded", extra={"policy": policy.source, "rules": len(policy.rules)})
@@ -791,6 +805,7 @@ class Sidecar:
             forwarder=self.forwarder,
             otlp_auth=self._otlp_auth,
             fleet=self.fleet,
+            admitter=self.admitter,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -837,6 +852,8 @@ class Sidecar:
                     asdict(self.breaker_link.stats()) if self.breaker_link is not None else None
                 ),
             },
+            # answered_locally: questions Redis did not answer (this sidecar's own bucket).
+            "admission": asdict(self.admitter.stats()),
             "retry_budget": {"denied": self.governor.budget.denied},
             "restart_intensity": {"escalated": self.governor.intensity.denied},
             "policy": {
@@ -962,3 +979,12 @@ def _fleet_breakers(link: RedisLink | None) -> Callable[[], list[str] | None] | 
     """What lists the fleet's breakers (their index in Redis); None: breakers are not shared."""
     index = link.index if link is not None else None
     return index.names if index is not None else None
+
+
+def _admitter(spec: AdmissionSpec, link: RedisLink | None, settings: Settings) -> Admitter:
+    """The admitter, its buckets in the breakers' Redis (same link) when the fleet has one."""
+    if link is None:
+        return admitter_for(spec)
+    from supervisor.admission.shared import RedisBucket  # needs the `fleet` extra
+
+    return admitter_for(spec, RedisBucket(link, settings.breaker_redis_namespace))

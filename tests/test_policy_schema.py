@@ -248,6 +248,13 @@ def test_rule_match_forms(match: str, accepted: bool) -> None:
         ("verifiers: [{name: v, attribute_range: {key: k, max: 3}}]", True),
         ("verifiers: [{name: v, output_regex: {pattern: x, flags: ignorecase}}]", True),
         ("verifiers: [{name: v, output_regex: {pattern: x, flags: [nocase]}}]", False),
+        ("admission: {default: {rpm: 60, tpm: 90000}}", True),
+        ("admission: {keys: {'openai:gpt-4o@team-a': {rpm: 100, floor: 0.2}}}", True),
+        ("admission: {keys: {'openai': {rpm: 100}}}", False),  # no model
+        ("admission: {keys: {'openai:gpt-4o@a b': {rpm: 100}}}", False),
+        ("admission: {default: {rpm: 0}}", False),
+        ("admission: {default: {decrease: 1}}", False),
+        ("admission: {default: {rpm: 60, burst: 3}}", False),
     ],
 )
 def test_other_sections(fragment: str, accepted: bool) -> None:
@@ -435,6 +442,15 @@ POLICY = _obj(
     ),
     retry_budget=_obj(ratio=st.sampled_from([0.1, 0.5, 2]), min_retries=st.integers(0, 5)),
     restart_intensity=_obj(max_actions=st.integers(1, 20), period_s=POSITIVE),
+    admission=_obj(
+        enabled=st.booleans(),
+        default=_obj(rpm=POSITIVE, tpm=POSITIVE, decrease=st.sampled_from([0.5, 0.7])),
+        keys=st.dictionaries(
+            st.sampled_from(["openai:gpt-4o", "anthropic:claude-3@team-a"]),
+            _obj(rpm=POSITIVE, floor=st.sampled_from([0.1, 1])),
+            max_size=2,
+        ),
+    ),
     remediators=st.dictionaries(IDENTS, REMEDIATOR, max_size=2),
     detectors=st.builds(
         lambda own, services, cascades: {**own, **services, **cascades},

@@ -36,6 +36,7 @@ from supervisor.act.store import (
 )
 from supervisor.act.store_rows import APPROVAL_STATUSES
 from supervisor.act.store_runs import StoredRuns
+from supervisor.admission import Admitter, admission_key
 from supervisor.api.inline import Question, decide
 from supervisor.api.paging import CursorError, Key, decode_cursor, encode_cursor
 from supervisor.api.recent_answers import RecentAnswers
@@ -193,6 +194,8 @@ class Control:
     )
     #: The fleet's runs in the shared store (None: not a fleet, runs are this sidecar's).
     fleet_runs: StoredRuns | None = None
+    #: Admission control (None: every call may go, as in some tests).
+    admitter: Admitter | None = None
 
     def health(self) -> list[str]:
         """What degrades the sidecar now: the sidecar's own reasons and a store found down."""
@@ -707,6 +710,21 @@ class Control:
         if not 1 <= question.attempt <= 1000:
             raise ControlError("attempt must be between 1 and 1000")
         return decide(self.policy(), self.governor, question)
+
+    def admit(
+        self, dependency: str, *, credential: str | None, priority: str, tokens: int
+    ) -> dict[str, Any]:
+        """May a call to ``dependency`` go now? ``{"go": true}``, or the wait and why."""
+        try:
+            key = admission_key(dependency, credential)
+        except ValueError as exc:  # CredentialRefused too: never echo the value
+            raise ControlError(str(exc)) from None
+        if self.admitter is None or not self.policy().limits.admission.enabled:
+            return {"go": True}
+        found = self.admitter.admit(key, priority=priority, tokens=tokens)
+        if found.go:
+            return {"go": True}
+        return {"go": False, "wait_ms": found.wait_ms, "why": found.why}
 
 
 def _command_view(stored: StoredCommand) -> dict[str, Any]:

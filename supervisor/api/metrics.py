@@ -38,6 +38,7 @@ from supervisor.act.failure_log import RecentFailures
 from supervisor.act.fleet import Fleet
 from supervisor.act.store import Store
 from supervisor.act.store_writer import StoreWriter
+from supervisor.admission import Admitter
 from supervisor.forward.breaker_report import BreakerReport
 from supervisor.forward.relay import Forwarder
 from supervisor.ingest.auth import ReceiverAuth
@@ -85,6 +86,8 @@ class MetricSources:
     breaker_link: RedisLink | None = None
     #: Heartbeats and takeovers (None: not a fleet, no series).
     fleet: Fleet | None = None
+    #: Admission control's answers (None: no series).
+    admitter: Admitter | None = None
     #: Wall clock, for the age of pending approvals (stored in wall-clock seconds).
     clock: Callable[[], float] = time.time
 
@@ -103,6 +106,7 @@ class SidecarCollector(Collector):
         yield from self._breakers()
         yield from self._remediations()
         yield from self._fleet()
+        yield from self._admission()
         yield from self._forward()
 
     def _build(self) -> Iterator[Metric]:
@@ -354,6 +358,28 @@ class SidecarCollector(Collector):
             "spanvisor_remediations_active",
             "Remediations running now.",
             int(described.get("active", 0)),
+        )
+
+    def _admission(self) -> Iterator[Metric]:
+        admitter = self._s.admitter
+        if admitter is None:
+            return
+        stats = admitter.stats()
+        answers = _counter(
+            "spanvisor_admissions", "Answers of POST /v1/admit, by answer.", ["answer"]
+        )
+        answers.add_metric(["go"], stats.admitted)
+        answers.add_metric(["wait"], stats.refused)
+        yield answers
+        yield _counter(
+            "spanvisor_admissions_local",
+            "Admission answers from this sidecar's own bucket (Redis away or not configured).",
+            value=stats.answered_locally,
+        )
+        yield _counter(
+            "spanvisor_admission_throttles",
+            "429s (rate_limit failures) that lowered a model's admission limit.",
+            value=stats.throttles,
         )
 
     def _fleet(self) -> Iterator[Metric]:

@@ -19,7 +19,7 @@ import secrets
 import stat
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -119,6 +119,22 @@ class DecideBody(_Body):
     attempt: int = Field(
         default=1, ge=1, le=1000, description="1-based number of the failed attempt."
     )
+
+
+class AdmitBody(_Body):
+    """An agent about to call a provider: may it go now?"""
+
+    dependency: str = Field(min_length=1, max_length=512, examples=["openai:gpt-4o"])
+    credential: str | None = Field(
+        default=None,
+        max_length=128,
+        description="The API key's name or a hash of it, never the key (sk-... is refused).",
+    )
+    service: str = Field(default="", max_length=256)
+    priority: Literal["high", "normal", "low"] = Field(
+        default="normal", description="Low waits while high is waiting."
+    )
+    tokens: int = Field(default=0, ge=0, le=10_000_000, description="Tokens the call will use.")
 
 
 class AnswerBody(_Body):
@@ -458,6 +474,21 @@ def build_control_app(
     @app.post("/v1/decide", dependencies=auth, summary="Decide inline for an agent that asks")
     async def decide(body: DecideBody) -> dict[str, Any]:
         return control.decide(Question(**body.model_dump()))
+
+    @app.post(
+        "/v1/admit",
+        dependencies=auth,
+        summary="May a call go now? (admission control)",
+        description='`{"go": true}`, or `{"go": false, "wait_ms": N, "why": ...}`'
+        " (why: limit, priority or paused). The fleet shares each key's limit in Redis.",
+    )
+    async def admit(body: AdmitBody) -> dict[str, Any]:
+        return control.admit(
+            body.dependency,
+            credential=body.credential,
+            priority=body.priority,
+            tokens=body.tokens,
+        )
 
     if console is not None:
         mount_console(app, token=token, control=control, options=console)

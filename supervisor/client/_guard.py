@@ -18,12 +18,18 @@ from typing import Any, ParamSpec, TypeVar, cast
 from tenacity import AsyncRetrying, RetryCallState, Retrying, stop_after_attempt
 from tenacity import AttemptManager as _AttemptManager
 
+from supervisor.admission.admitter import PRIORITIES
+from supervisor.admission.key import admission_key
 from supervisor.client._advice import OPEN_STATES, Advice
 from supervisor.client._http import SupervisorClient, shared_client
 from supervisor.errors import SupervisorError
 from supervisor.records import Action, split_model_dependency
 
 P = ParamSpec("P")
+#: The most a guard with ``admit`` waits for admission before a call, in all (then it calls).
+MAX_ADMIT_WAIT_S = 30.0
+#: The most ``/v1/admit`` questions before one call (each answer's wait is slept between).
+MAX_ADMIT_ASKS = 20
 R = TypeVar("R")
 
 
@@ -152,15 +158,29 @@ class Guard:
         fallback: Callable[[str], Any] | None = None,
         max_attempts: int = 5,
         run_id: str = "",
+        admit: bool = False,
+        credential: str | None = None,
+        priority: str = "normal",
+        tokens: int = 0,
+        max_admit_wait_s: float = MAX_ADMIT_WAIT_S,
     ) -> None:
         if not dependency:
             raise ValueError("dependency must not be empty")
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        if admit:
+            admission_key(dependency, credential)  # refuses a secret before any call
+            if priority not in PRIORITIES:
+                raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         self.dependency = dependency
         self.fallback = fallback
         self.max_attempts = max_attempts
         self.run_id = run_id
+        self.admit = admit
+        self.credential = credential
+        self.priority = priority
+        self.tokens = tokens
+        self.max_admit_wait_s = max_admit_wait_s
         self._client = client
 
     @property
@@ -184,6 +204,38 @@ class Guard:
 
         return wrapper
 
+    def _admit_args(self) -> dict[str, Any]:
+        return {"credential": self.credential, "priority": self.priority, "tokens": self.tokens}
+
+    def wait_admission(self, client: SupervisorClient) -> float:
+        """With ``admit``: ask ``/v1/admit`` and sleep the advised waits, at most
+        ``max_admit_wait_s`` in all (then the call goes); the seconds slept."""
+        slept = 0.0
+        for _ in range(MAX_ADMIT_ASKS):
+            if not self.admit:
+                break
+            wait_s = client.admit(self.dependency, **self._admit_args()) / 1000
+            if wait_s <= 0 or slept >= self.max_admit_wait_s:
+                break
+            wait_s = min(wait_s, self.max_admit_wait_s - slept)
+            client.sleep(wait_s)
+            slept += wait_s
+        return slept
+
+    async def await_admission(self, client: SupervisorClient) -> float:
+        """The async twin of :meth:`wait_admission`."""
+        slept = 0.0
+        for _ in range(MAX_ADMIT_ASKS):
+            if not self.admit:
+                break
+            wait_s = await client.aadmit(self.dependency, **self._admit_args()) / 1000
+            if wait_s <= 0 or slept >= self.max_admit_wait_s:
+                break
+            wait_s = min(wait_s, self.max_admit_wait_s - slept)
+            await client.async_sleep(wait_s)
+            slept += wait_s
+        return slept
+
     def call(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call ``fn(*args, **kwargs)`` under the guard (sync; blocks while waiting to retry)."""
         client = self.client
@@ -195,6 +247,7 @@ class Guard:
         follow = _FollowAdvice(self)
 
         def attempt() -> R:
+            self.wait_admission(client)
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:
@@ -224,6 +277,7 @@ class Guard:
         follow = _FollowAdvice(self)
 
         async def attempt() -> R:
+            await self.await_admission(client)
             try:
                 return await fn(*args, **kwargs)
             except Exception as exc:
@@ -267,6 +321,7 @@ class Guard:
         follow = _FollowAdvice(self)
         try:
             for attempt in follow.retrying(client.sleep):
+                self.wait_admission(client)
                 yield GuardedAttempt(self, client, attempt, follow)
         except Exception as exc:  # the last retried attempt's, re-raised by tenacity
             follow.note(exc)
@@ -334,6 +389,11 @@ def guard(
     fallback: Callable[[str], Any] | None = None,
     max_attempts: int = 5,
     run_id: str = "",
+    admit: bool = False,
+    credential: str | None = None,
+    priority: str = "normal",
+    tokens: int = 0,
+    max_admit_wait_s: float = MAX_ADMIT_WAIT_S,
 ) -> Guard:
     """Run calls to ``dependency`` under the sidecar's advice.
 
@@ -367,10 +427,25 @@ def guard(
        - ``fail_fast``, ``escalate``, ``remediate``, ``none``: re-raise.
        - observe-only advice (shadow mode) is never acted on: re-raise.
 
+    With ``admit=True`` each attempt first asks ``POST /v1/admit`` (the
+    fleet's limit for ``dependency`` and ``credential``, a name or a hash of
+    the API key, never the key) and sleeps the advised wait, at most
+    ``max_admit_wait_s`` in all; a sidecar that cannot answer does not delay
+    the call.
+
     Whatever is re-raised is the last exception of the function itself, with
     its traceback, and on Python 3.11+ a note giving the advice. ``client``
     defaults to one shared client built from the environment.
     """
     return Guard(
-        dependency, client=client, fallback=fallback, max_attempts=max_attempts, run_id=run_id
+        dependency,
+        client=client,
+        fallback=fallback,
+        max_attempts=max_attempts,
+        run_id=run_id,
+        admit=admit,
+        credential=credential,
+        priority=priority,
+        tokens=tokens,
+        max_admit_wait_s=max_admit_wait_s,
     )

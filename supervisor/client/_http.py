@@ -23,6 +23,8 @@ from urllib.parse import quote
 import httpx
 
 from supervisor.addresses import DEFAULT_API_URL
+from supervisor.admission.admitter import PRIORITIES
+from supervisor.admission.key import admission_key
 from supervisor.api_access import CLIENT, ApiAccess, resolve_access
 from supervisor.client._advice import (
     BREAKER_STATES,
@@ -337,6 +339,78 @@ class SupervisorClient:
             self._unusable(_describe(exc))
             return self._local(question)
         return self._advice(question, response)
+
+    # -- admission ---------------------------------------------------------------
+
+    def _admit_body(
+        self, dependency: str, credential: str | None, priority: str, tokens: int
+    ) -> dict[str, Any]:
+        admission_key(dependency, credential)  # a secret or a malformed name: refused here
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
+        body: dict[str, Any] = {
+            "dependency": dependency,
+            "service": self.service,
+            "priority": priority,
+            "tokens": tokens,
+        }
+        if credential is not None:
+            body["credential"] = credential
+        return body
+
+    def _wait_ms(self, response: httpx.Response) -> int:
+        try:
+            payload = self._read(response)
+            if not isinstance(payload, dict) or not isinstance(payload.get("go"), bool):
+                raise UnreadableAnswer("the answer has no go")
+        except UnreadableAnswer as exc:
+            self._unusable(str(exc))
+            return 0
+        self._answered()
+        wait = payload.get("wait_ms", 0)
+        return 0 if payload["go"] or not isinstance(wait, int) else max(0, wait)
+
+    def admit(
+        self,
+        dependency: str,
+        *,
+        credential: str | None = None,
+        priority: str = "normal",
+        tokens: int = 0,
+    ) -> int:
+        """Milliseconds to wait before calling ``dependency`` (0: go now).
+
+        A sidecar that cannot say answers 0: admission has no local fallback
+        (the agent's own calls are not the fleet's).
+        """
+        body = self._admit_body(dependency, credential, priority, tokens)
+        if not self._may_ask():
+            return 0
+        try:
+            response = self._sync_http().post("/v1/admit", json=body)
+        except httpx.HTTPError as exc:
+            self._unusable(_describe(exc))
+            return 0
+        return self._wait_ms(response)
+
+    async def aadmit(
+        self,
+        dependency: str,
+        *,
+        credential: str | None = None,
+        priority: str = "normal",
+        tokens: int = 0,
+    ) -> int:
+        """The async twin of :meth:`admit`."""
+        body = self._admit_body(dependency, credential, priority, tokens)
+        if not self._may_ask():
+            return 0
+        try:
+            response = await self._async_http().post("/v1/admit", json=body)
+        except httpx.HTTPError as exc:
+            self._unusable(_describe(exc))
+            return 0
+        return self._wait_ms(response)
 
     # -- breakers ---------------------------------------------------------------
 

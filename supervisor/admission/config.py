@@ -1,0 +1,43 @@
+"""The policy's ``admission`` section as the admitter's ceilings."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from policies._schema_admission import AdmissionLimitSpec, AdmissionSpec
+from supervisor.admission.admitter import Admitter
+from supervisor.admission.learner import Ceiling
+
+if TYPE_CHECKING:  # needs the `fleet` extra
+    from supervisor.admission.shared import RedisBucket
+
+__all__ = ["admitter_for", "ceiling_of", "configure"]
+
+
+def ceiling_of(spec: AdmissionLimitSpec) -> Ceiling:
+    return Ceiling(
+        rpm=spec.rpm,
+        tpm=spec.tpm,
+        decrease=spec.decrease,
+        floor=spec.floor,
+        step=spec.step,
+        window_s=spec.window_s,
+    )
+
+
+def admitter_for(
+    spec: AdmissionSpec,
+    shared: RedisBucket | None = None,
+    *,
+    clock: Callable[[], float] = time.time,
+) -> Admitter:
+    overrides = {key: ceiling_of(limit) for key, limit in spec.keys.items()}
+    return Admitter(ceiling_of(spec.default), overrides, shared=shared, clock=clock)
+
+
+def configure(admitter: Admitter, spec: AdmissionSpec) -> None:
+    """A reloaded policy's ceilings (what was learned is kept, as a share of them)."""
+    overrides = {key: ceiling_of(limit) for key, limit in spec.keys.items()}
+    admitter.configure(ceiling_of(spec.default), overrides)
