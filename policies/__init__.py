@@ -24,6 +24,7 @@ from policies._model_table import ModelTable
 from policies._policy import Policy
 from policies._regex import regex_timeouts
 from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, RemediatorSpec
+from policies._schema_admission import AdmissionLimitSpec, AdmissionSpec
 from policies._schema_budgets import SloSpec
 from policies._schema_json import json_schema
 from policies._slo import SloTracker
@@ -42,6 +43,8 @@ __all__ = [
     "BUILTIN_REMEDIATORS",
     "RUN_KINDS",
     "Admission",
+    "AdmissionLimitSpec",
+    "AdmissionSpec",
     "BreakerChange",
     "BreakerState",
     "Cascade",

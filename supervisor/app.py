@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from starlette.applications import Starlette
 
-from policies import Governor, Policy, load_policy, regex_timeouts
-from policies._schema_admission import AdmissionSpec
+from policies import AdmissionSpec, Governor, Policy, load_policy, regex_timeouts
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator

@@ -19,6 +19,7 @@ PACKAGE = ROOT / "policies"
 SCHEMA_MODULES = frozenset(
     {
         "policies._schema",
+        "policies._schema_admission",
         "policies._schema_fields",
         "policies._schema_budgets",
         "policies._schema_verifiers",

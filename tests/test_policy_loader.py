@@ -634,6 +634,7 @@ def test_json_schema_describes_the_file() -> None:
     assert schema["properties"]["version"]["const"] == 1
     assert set(schema["properties"]) == {
         "version",
+        "admission",
         "builtin",
         "observe",
         "rules",

@@ -16,6 +16,8 @@ from supervisor.judge.pipeline import Outcome
 def test_policies_exports() -> None:
     assert sorted(policies.__all__) == [
         "Admission",
+        "AdmissionLimitSpec",
+        "AdmissionSpec",
         "BUILTIN_REMEDIATORS",
         "BreakerChange",
         "BreakerState",

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from policies._schema_admission import AdmissionLimitSpec, AdmissionSpec
+from policies import AdmissionLimitSpec, AdmissionSpec
 from supervisor.admission.admitter import Admitter
 from supervisor.admission.learner import Ceiling
 
