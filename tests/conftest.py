@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.redis_server import RedisProxy, fresh_namespace, redis_client
 
 
 @pytest.fixture(autouse=True)
@@ -34,3 +37,28 @@ def pytest_runtest_makereport(
         for callback in item.stash.get(ON_FAILURE, []):
             report.sections.append(("on failure", callback()))
     return report
+
+
+# -- Redis (tests/redis_server.py): a client, a namespace of one's own, a proxy to cut ----------
+
+
+@pytest.fixture
+def direct() -> Iterator[Any]:
+    """A client of the machine's Redis, for a test to look at what sidecars wrote."""
+    with redis_client() as client:
+        yield client
+
+
+@pytest.fixture
+def namespace(direct: Any) -> Iterator[str]:
+    """A Redis namespace no other test uses, emptied afterwards."""
+    with fresh_namespace(direct) as name:
+        yield name
+
+
+@pytest.fixture
+def proxy() -> Iterator[RedisProxy]:
+    """A TCP proxy in front of Redis that a test can cut and restore."""
+    found = RedisProxy()
+    yield found
+    found.close()

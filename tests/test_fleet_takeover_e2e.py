@@ -39,7 +39,13 @@ from supervisor.testing.sidecar_process import wait_until
 from tests.postgres import fresh_schema
 from tests.test_dispatch import Answer, Delivery, WebhookReceiver
 from tests.test_exactly_once import Sidecar
-from tests.test_remediation_crash import RECOVERED_SPAN, TRIGGER_SPAN, WORKFLOW, llm_request
+from tests.test_remediation_crash import (
+    RECOVERED_SPAN,
+    TRIGGER_SPAN,
+    WORKFLOW,
+    llm_request,
+    remediation_policy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,28 +54,16 @@ DELAY_S = 30.0  # the remediation's sleep: B starts, A dies and comes back, insi
 SECRET = "fleet-takeover-webhook-secret"
 OTHER_TRACE = "1bf7651916cd43dd8448eb211c80319d"
 OTHER_SPAN = "c7ad6b7169203332"
-POLICY = f"""\
-version: 1
-breakers: {{enabled: false}}
-retry_budget: {{enabled: false}}
-restart_intensity: {{enabled: false}}
-remediators:
-  retry_later:
-    use: retry_step
-    params: {{delay_s: {DELAY_S:g}}}
-    verify_window_s: 60
-    on_unresolved: none
-policies:
-  - name: remediate_timeouts
-    match: {{kind: timeout}}
-    action: remediate
-    remediator: retry_later
+POLICY = remediation_policy(
+    DELAY_S,
+    rest="""\
   - name: retry_the_rest
-    match: {{class: [transient, model, permanent, semantic]}}
+    match: {class: [transient, model, permanent, semantic]}
     action: retry
-    wait: {{type: fixed, seconds: 0}}
+    wait: {type: fixed, seconds: 0}
     honour_retry_after: false
-"""
+""",
+)
 
 
 def server_error() -> bytes:

@@ -53,8 +53,14 @@ RECOVERED_SPAN = "00000000000000aa"
 DELAY_S = 4.0
 REMEDIATOR = "retry_later"
 WORKFLOW = "spanvisor.remediate"
-# Only the remediation decides: no breaker, budget or intensity gets in the way.
-POLICY = f"""\
+
+
+def remediation_policy(delay_s: float, *, rest: str = "") -> str:
+    """Timeouts remediated by a ``retry_step`` after ``delay_s``; ``rest``: more policies.
+
+    Only the remediation decides: no breaker, budget or intensity gets in the way.
+    """
+    return f"""\
 version: 1
 breakers: {{enabled: false}}
 retry_budget: {{enabled: false}}
@@ -62,7 +68,7 @@ restart_intensity: {{enabled: false}}
 remediators:
   {REMEDIATOR}:
     use: retry_step
-    params: {{delay_s: {DELAY_S:g}}}
+    params: {{delay_s: {delay_s:g}}}
     verify_window_s: 60
     on_unresolved: none
 policies:
@@ -70,7 +76,10 @@ policies:
     match: {{kind: timeout}}
     action: remediate
     remediator: {REMEDIATOR}
-"""
+{rest}"""
+
+
+POLICY = remediation_policy(DELAY_S)
 
 
 def llm_request(span_id: str, *, failed: bool) -> bytes:

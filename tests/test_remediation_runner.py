@@ -57,10 +57,11 @@ class Asker(Remediator):
 
     name = "asker"
     tools = frozenset({"request_approval"})
+    wait_s = 5.0  # for the answer
 
     async def run(self, ctx: RemediationContext) -> Verdict:
         asked = await ctx.call("request_approval", question="retry?")
-        answer = await ctx.wait_for_approval(asked.value["approval_id"], 5.0)
+        answer = await ctx.wait_for_approval(asked.value["approval_id"], self.wait_s)
         return Verdict.SUCCEEDED if answer and answer.get("approved") else Verdict.FAILED
 
 

@@ -10,7 +10,6 @@ their own. Redis hanging goes through a loopback proxy that never answers.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from supervisor.normalize import read_spans
 from supervisor.runs import Detection, RunTracker
 from supervisor.runs.fleet import MAX_BACKLOG, FleetRuns
 from supervisor.shared_breakers import RedisLink, shared_breakers
-from tests.redis_server import REDIS, RedisProxy, fresh_namespace, redis_client
+from tests.redis_server import REDIS, RedisProxy
 from tests.test_runs import llm, payload, span, tool
 from tests.test_shared_breakers import AUTH, _until
 from tests.test_shared_breakers import sidecar as fleet_sidecar
@@ -36,25 +35,6 @@ from tests.test_shared_breakers import sidecar as fleet_sidecar
 URL = f"redis://{REDIS[0]}:{REDIS[1]}/0"
 SESSION = "conv-42"
 BUDGET = "version: 1\nrun_budget: {max_tokens: 300, action: abort_run}\n"
-
-
-@pytest.fixture
-def direct() -> Iterator[Any]:
-    with redis_client() as client:
-        yield client
-
-
-@pytest.fixture
-def namespace(direct: Any) -> Iterator[str]:
-    with fresh_namespace(direct) as name:
-        yield name
-
-
-@pytest.fixture
-def proxy() -> Iterator[RedisProxy]:
-    found = RedisProxy()
-    yield found
-    found.close()
 
 
 def trace(n: int) -> bytes:

@@ -11,7 +11,6 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,7 +26,7 @@ from supervisor.cli.verbs import main
 from supervisor.errors import ConfigError
 from supervisor.shared_breakers import BreakerIndex, RedisLink, shared_breakers
 from supervisor.wiring import build_sidecar
-from tests.redis_server import REDIS, RedisProxy, fresh_namespace, redis_client
+from tests.redis_server import REDIS, RedisProxy
 from tests.test_app import settings as sidecar_settings
 
 redis = pytest.importorskip("redis")
@@ -47,25 +46,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def direct() -> Iterator[object]:
-    with redis_client() as client:
-        yield client
-
-
-@pytest.fixture
-def namespace(direct: object) -> Iterator[str]:
-    with fresh_namespace(direct) as name:
-        yield name
-
-
-@pytest.fixture
-def proxy() -> Iterator[RedisProxy]:
-    found = RedisProxy()
-    yield found
-    found.close()
 
 
 SETTINGS = BreakerSettings(fail_max=2, reset_timeout_s=10.0, success_threshold=2)
