@@ -1,9 +1,7 @@
 """The store's tables on PostgreSQL, shared by a fleet of sidecars (``database_url``).
 
-The same tables and columns as the SQLite file (:mod:`.store_schema`), in
-PostgreSQL's types: times are ``DOUBLE PRECISION`` (PostgreSQL's ``REAL`` is
-four bytes), and ``rowid``, SQLite's implicit insertion order that pages
-are keyed on, is an identity column. Two tables are a fleet's alone:
+The same tables and columns as the SQLite file (:mod:`.store_tables` writes
+both), with indexes of PostgreSQL's own. Two tables are a fleet's alone:
 ``instances``, the sidecars' heartbeats (:mod:`.fleet`), and ``runs``, the
 runs each sidecar tracks (:mod:`.store_runs`). Created with ``IF NOT EXISTS`` under an
 advisory lock, so sidecars starting together do not race on the catalog.
@@ -15,49 +13,14 @@ from __future__ import annotations
 
 from remediators.dbos_database import redact_url
 from supervisor.act.store_db import PostgresDatabase
+from supervisor.act.store_tables import ADDED, TABLES, add_column, create_table
 from supervisor.errors import ConfigError, StoreUnavailable
 
 SCHEMA = (
-    """
-CREATE TABLE IF NOT EXISTS incidents (
-    key TEXT PRIMARY KEY,
-    trace_id TEXT NOT NULL,
-    span_id TEXT NOT NULL,
-    rule TEXT NOT NULL,
-    service TEXT NOT NULL,
-    run_id TEXT NOT NULL,
-    action TEXT NOT NULL,
-    body TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    judged_by TEXT NOT NULL DEFAULT '',
-    rowid BIGINT GENERATED ALWAYS AS IDENTITY
-)""",
+    *(create_table(table, "postgres") for table in TABLES),
+    # A store made before a column was added gets it here.
+    *(add_column(table, column, "postgres") for table, column in ADDED),
     "CREATE INDEX IF NOT EXISTS incidents_rowid ON incidents (rowid)",
-    """
-CREATE TABLE IF NOT EXISTS commands (
-    id TEXT PRIMARY KEY,
-    key TEXT NOT NULL,
-    incident_key TEXT NOT NULL,
-    service TEXT NOT NULL,
-    type TEXT NOT NULL,
-    channel TEXT NOT NULL,
-    status TEXT NOT NULL,
-    body TEXT NOT NULL,
-    not_before DOUBLE PRECISION NOT NULL,
-    next_attempt_at DOUBLE PRECISION NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    lease_until DOUBLE PRECISION,
-    last_error TEXT NOT NULL DEFAULT '',
-    created_at DOUBLE PRECISION NOT NULL,
-    finished_at DOUBLE PRECISION,
-    judged_by TEXT NOT NULL DEFAULT '',
-    delivered_by TEXT NOT NULL DEFAULT '',
-    rowid BIGINT GENERATED ALWAYS AS IDENTITY
-)""",
-    # Added after the first release: a store made before gets them here.
-    "ALTER TABLE commands ADD COLUMN IF NOT EXISTS redeliveries INTEGER NOT NULL DEFAULT 0",
-    "ALTER TABLE commands ADD COLUMN IF NOT EXISTS redelivered_by TEXT NOT NULL DEFAULT ''",
-    "ALTER TABLE commands ADD COLUMN IF NOT EXISTS redelivered_at DOUBLE PRECISION",
     "CREATE INDEX IF NOT EXISTS commands_rowid ON commands (rowid)",
     "CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at)",
     "CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status)",
@@ -66,24 +29,6 @@ CREATE TABLE IF NOT EXISTS commands (
     " ON commands (service, next_attempt_at) WHERE status = 'pending' AND channel = 'pull'",
     "CREATE INDEX IF NOT EXISTS commands_pull_leased"
     " ON commands (service, lease_until) WHERE status = 'leased'",
-    """
-CREATE TABLE IF NOT EXISTS approvals (
-    id TEXT PRIMARY KEY,
-    incident_key TEXT NOT NULL UNIQUE,
-    service TEXT NOT NULL,
-    run_id TEXT NOT NULL,
-    status TEXT NOT NULL,
-    body TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    answered_at DOUBLE PRECISION,
-    answered_by TEXT NOT NULL DEFAULT '',
-    note TEXT NOT NULL DEFAULT '',
-    expires_at DOUBLE PRECISION,
-    on_timeout TEXT NOT NULL DEFAULT '',
-    judged_by TEXT NOT NULL DEFAULT '',
-    answered_on TEXT NOT NULL DEFAULT '',
-    rowid BIGINT GENERATED ALWAYS AS IDENTITY
-)""",
     "CREATE INDEX IF NOT EXISTS approvals_rowid ON approvals (rowid)",
     "CREATE INDEX IF NOT EXISTS approvals_expiry ON approvals (expires_at)"
     " WHERE status = 'pending' AND expires_at IS NOT NULL",

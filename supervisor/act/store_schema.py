@@ -14,49 +14,14 @@ import os
 import sqlite3
 from pathlib import Path
 
+from supervisor.act.store_tables import ADDED, TABLES, add_column, create_table
 from supervisor.errors import ConfigError
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS incidents (
-    key TEXT PRIMARY KEY,
-    trace_id TEXT NOT NULL,
-    span_id TEXT NOT NULL,
-    rule TEXT NOT NULL,
-    service TEXT NOT NULL,
-    run_id TEXT NOT NULL,
-    action TEXT NOT NULL,
-    body TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    -- The instance that judged it (instance_id), as in every table below.
-    judged_by TEXT NOT NULL DEFAULT ''
-);
--- A command's id is "cmd_" and the first 24 hex digits of its idempotency key, so the
--- primary key refuses a second command for the same key: no index of its own on key
--- (one B-tree fewer, with random keys, for every command stored).
-CREATE TABLE IF NOT EXISTS commands (
-    id TEXT PRIMARY KEY,
-    key TEXT NOT NULL,
-    incident_key TEXT NOT NULL,
-    service TEXT NOT NULL,
-    type TEXT NOT NULL,
-    channel TEXT NOT NULL,
-    status TEXT NOT NULL,
-    body TEXT NOT NULL,
-    not_before REAL NOT NULL,
-    next_attempt_at REAL NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    lease_until REAL,
-    last_error TEXT NOT NULL DEFAULT '',
-    created_at REAL NOT NULL,
-    finished_at REAL,
-    judged_by TEXT NOT NULL DEFAULT '',
-    -- The instance that delivered it (a push attempt that succeeded, a pull ack).
-    delivered_by TEXT NOT NULL DEFAULT '',
-    -- A dead letter put back to pending by a person: how often, who last, and when.
-    redeliveries INTEGER NOT NULL DEFAULT 0,
-    redelivered_by TEXT NOT NULL DEFAULT '',
-    redelivered_at REAL
-);
+#: The tables (:mod:`.store_tables`, written out for SQLite) and their indexes.
+SCHEMA = (
+    ";\n".join(create_table(table, "sqlite") for table in TABLES)
+    + ";\n"
+    + """
 CREATE INDEX IF NOT EXISTS commands_due ON commands (status, channel, next_attempt_at);
 CREATE INDEX IF NOT EXISTS commands_service ON commands (service, status);
 -- A long poll of one service finds its next pull command in O(log n), however many
@@ -68,41 +33,10 @@ CREATE INDEX IF NOT EXISTS commands_pull_pending
     WHERE status = 'pending' AND channel = 'pull';
 CREATE INDEX IF NOT EXISTS commands_pull_leased
     ON commands (service, status, lease_until) WHERE status = 'leased';
-CREATE TABLE IF NOT EXISTS approvals (
-    id TEXT PRIMARY KEY,
-    incident_key TEXT NOT NULL UNIQUE,
-    service TEXT NOT NULL,
-    run_id TEXT NOT NULL,
-    status TEXT NOT NULL,
-    body TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    answered_at REAL,
-    answered_by TEXT NOT NULL DEFAULT '',
-    note TEXT NOT NULL DEFAULT '',
-    -- When an unanswered request expires (NULL: never), and what its run gets then
-    -- ("resume" or "abort"; "" for none).
-    expires_at REAL,
-    on_timeout TEXT NOT NULL DEFAULT '',
-    judged_by TEXT NOT NULL DEFAULT '',
-    -- The instance whose API took the answer (answered_by is who gave it).
-    answered_on TEXT NOT NULL DEFAULT ''
-);
 """
-
-#: Columns added to a table after its first release: (table, column, definition). A store
-#: made before them gets them at open; their index comes after, in :data:`INDEXES`.
-ADDED_COLUMNS = (
-    ("approvals", "expires_at", "REAL"),
-    ("approvals", "on_timeout", "TEXT NOT NULL DEFAULT ''"),
-    ("incidents", "judged_by", "TEXT NOT NULL DEFAULT ''"),
-    ("commands", "judged_by", "TEXT NOT NULL DEFAULT ''"),
-    ("commands", "delivered_by", "TEXT NOT NULL DEFAULT ''"),
-    ("approvals", "judged_by", "TEXT NOT NULL DEFAULT ''"),
-    ("approvals", "answered_on", "TEXT NOT NULL DEFAULT ''"),
-    ("commands", "redeliveries", "INTEGER NOT NULL DEFAULT 0"),
-    ("commands", "redelivered_by", "TEXT NOT NULL DEFAULT ''"),
-    ("commands", "redelivered_at", "REAL"),
 )
+
+#: Indexes on columns added after the first release: made once :func:`add_columns` ran.
 INDEXES = """
 CREATE INDEX IF NOT EXISTS approvals_expiry ON approvals (status, expires_at)
     WHERE status = 'pending' AND expires_at IS NOT NULL;
@@ -206,10 +140,10 @@ def check_pages(db: sqlite3.Connection, target: str) -> None:
 
 def add_columns(db: sqlite3.Connection) -> None:
     """Give a store made by an earlier release the columns it lacks (kept rows get defaults)."""
-    for table, column, definition in ADDED_COLUMNS:
+    for table, column in ADDED:
         present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
-        if column not in present:
-            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        if column.name not in present:
+            db.execute(add_column(table, column, "sqlite"))
 
 
 def lock_exclusively(target: str) -> int:
