@@ -22,9 +22,7 @@ from supervisor.client import SupervisorClient, guard
 from supervisor.wiring import build_sidecar
 from tests.redis_server import REDIS
 from tests.test_app import settings as sidecar_settings
-from tests.test_shared_breakers import AUTH, direct, namespace
-
-__all__ = ["direct", "namespace"]  # fixtures, used by name
+from tests.test_shared_breakers import AUTH
 
 POLICY = """\
 version: 1

@@ -18,10 +18,7 @@ from supervisor.admission import Admitter, Ceiling, admission_key
 from supervisor.admission.shared import RedisBucket
 from supervisor.shared_breakers import RedisLink
 from tests.redis_server import RedisProxy
-from tests.test_shared_breakers import direct, namespace, proxy
 from tests.test_shared_counts import Clock
-
-__all__ = ["direct", "namespace", "proxy"]  # fixtures, used by name
 
 KEY = admission_key("openai:gpt-4o", "team-a")
 

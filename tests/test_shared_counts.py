@@ -29,13 +29,8 @@ from tests.test_shared_breakers import (
     AUTH,
     REDIS,
     RedisProxy,
-    direct,
-    namespace,
-    proxy,
     sidecar,
 )
-
-__all__ = ["direct", "namespace", "proxy"]  # fixtures, used by name
 
 T = TypeVar("T")
 
