@@ -2,7 +2,8 @@
 
 Order: a key paused by a Retry-After waits until then (this sidecar's
 learner, and the fleet's pause in Redis); otherwise the fleet's bucket in
-Redis takes the call or answers the wait, at the rate the learner allows;
+Redis takes the call or answers the wait, at the rate the learner allows and
+the call's service's share of it (its weight, among the services asking);
 with Redis away, this sidecar's own bucket does (counted in :meth:`stats`:
 a fleet of N sidecars then admits up to N times the limit).
 """

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
-__all__ = ["GRACE_MS", "LOWEST", "MAX_SERVICES", "LocalBucket", "Take", "service_field"]
+__all__ = ["GRACE_MS", "LOWEST", "MAX_SERVICES", "LocalBucket", "Take"]
 
 #: Buckets a sidecar keeps locally (least recently used dropped: it then starts full).
 MAX_LOCAL_KEYS: Final = 10_000
@@ -62,7 +62,7 @@ class Take:
     why: str = ""  # "limit", "priority", "share" or "paused"
 
 
-def service_field(priority: int, service: str) -> str:
+def _field(priority: int, service: str) -> str:
     """The field of a (priority, service) pair in a bucket's fair-share state."""
     return f"{priority}|{service[:MAX_SERVICE_CHARS]}"
 
@@ -124,7 +124,7 @@ class LocalBucket:
             for w in level.waiting[:priority]:
                 if w > now:
                     return Take(False, math.ceil(w - now), "priority")
-            me = service_field(priority, service)
+            me = _field(priority, service)
             virtual = level.virtual[priority]
             mine = level.shares.get(me)
             start = max(mine.finish if mine else 0.0, virtual)
