@@ -189,6 +189,11 @@ def test_the_script_and_the_local_bucket_give_the_same_answers(namespace: str, d
     assert whys[""] > 300 and whys["limit"] > 100 and whys["share"] > 100 and whys["priority"] > 10
 
 
+def test_a_weight_of_zero_is_refused(shared: Admitter) -> None:
+    with pytest.raises(ValueError, match="above 0"):
+        shared.admit(KEY, service="x", weight=0)
+
+
 def test_many_service_names_stay_bounded(
     shared: Admitter, clock: Clock, namespace: str, direct: Any
 ) -> None:

@@ -105,6 +105,8 @@ class Admitter:
         """May a call go now? ``service`` shares the key with the others asking, by ``weight``
         (the policy's ``admission.services``), among the calls of its priority."""
         rank = PRIORITIES[priority]
+        if not weight > 0:
+            raise ValueError("a service's weight must be above 0")
         model = f"{key.provider}:{key.model}"
         learner = self._learner(model)
         with self._lock:  # a learner is not thread-safe: its reads and 429s go under the lock
