@@ -24,7 +24,7 @@ from policies._model_table import ModelTable
 from policies._policy import Policy
 from policies._regex import regex_timeouts
 from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, RemediatorSpec
-from policies._schema_admission import AdmissionLimitSpec, AdmissionSpec
+from policies._schema_admission import AdmissionLimitSpec, AdmissionServiceSpec, AdmissionSpec
 from policies._schema_budgets import SloSpec
 from policies._schema_json import json_schema
 from policies._slo import SloTracker
@@ -44,6 +44,7 @@ __all__ = [
     "RUN_KINDS",
     "Admission",
     "AdmissionLimitSpec",
+    "AdmissionServiceSpec",
     "AdmissionSpec",
     "BreakerChange",
     "BreakerState",

@@ -2,7 +2,8 @@
 
 ``admission`` in a policy file: a default limit and overrides per key
 (``provider:model`` or ``provider:model@credential``, exact, not globs: a
-provider's limits are per model and per API key). Model only:
+provider's limits are per model and per API key), and the services' weights
+when they share a key (exact names, default 1). Model only:
 :mod:`supervisor.admission` runs it.
 """
 
@@ -14,9 +15,10 @@ from pydantic import Field
 
 from policies._schema_fields import _Strict
 
-__all__ = ["AdmissionKeyName", "AdmissionLimitSpec", "AdmissionSpec"]
+__all__ = ["AdmissionKeyName", "AdmissionLimitSpec", "AdmissionServiceSpec", "AdmissionSpec"]
 
 MAX_PER_MINUTE = 1e9
+MAX_WEIGHT = 1000
 
 AdmissionKeyName = Annotated[
     str,
@@ -43,6 +45,21 @@ class AdmissionLimitSpec(_Strict):
     window_s: float = Field(default=60.0, ge=1, le=3600)
 
 
+#: A service's name as its spans and ``POST /v1/admit`` give it (exact, not a glob).
+AdmissionServiceName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class AdmissionServiceSpec(_Strict):
+    """A service's share of a key it contends for with others, relative to theirs."""
+
+    weight: float = Field(
+        default=1,
+        gt=0,
+        le=MAX_WEIGHT,
+        description="Share of a contended key relative to other services (default 1).",
+    )
+
+
 class AdmissionSpec(_Strict):
     """Admission control (``POST /v1/admit``): a fleet asks a provider for no more than it takes."""
 
@@ -52,3 +69,14 @@ class AdmissionSpec(_Strict):
         default_factory=dict,
         description="Per 'provider:model' or 'provider:model@credential' (the longer wins).",
     )
+    services: Annotated[dict[AdmissionServiceName, AdmissionServiceSpec], Field(max_length=256)] = (
+        Field(
+            default_factory=dict,
+            description="Weights of services sharing a contended key (exact names; others: 1).",
+        )
+    )
+
+    def weight(self, service: str) -> float:
+        """``service``'s weight: its entry's, else 1."""
+        found = self.services.get(service)
+        return 1.0 if found is None else found.weight

@@ -106,6 +106,27 @@ def test_guard_with_admit_waits_the_advised_time_bounded(fleet: list[BackgroundS
     client.close()
 
 
+@pytest.mark.slow
+def test_the_client_names_its_service_and_services_share_a_contended_key(
+    fleet: list[BackgroundSidecar],
+) -> None:
+    api = f"http://127.0.0.1:{fleet[0].ports.api}"
+    planner, search = (SupervisorClient(api, "tok", service=name) for name in ("planner", "search"))
+    first = [planner.admit("openai:gpt-4o", credential="team-a") for _ in range(3)]
+    theirs = search.admit("openai:gpt-4o", credential="team-a")  # it has had none: it is next
+    mine = planner.admit("openai:gpt-4o", credential="team-a")  # behind search: after its turn
+
+    assert first[:2] == [0, 0] and 25_000 < first[2] <= 30_000  # 2 a minute, both taken
+    assert 25_000 < theirs <= 30_000
+    assert 55_000 < mine <= 60_000
+    stats = httpx.get(f"{api}/v1/stats", headers=AUTH).json()["admission"]
+    assert stats["refused_by"] == {"limit": 2, "priority": 0, "share": 1, "paused": 0}
+    metrics = httpx.get(f"{api}/metrics", headers=AUTH).text
+    assert 'spanvisor_admission_refusals_total{why="share"} 1.0' in metrics
+    planner.close()
+    search.close()
+
+
 def rate_limited_spans(model: str, message: str) -> bytes:
     request = ExportTraceServiceRequest()
     resource = request.resource_spans.add()

@@ -255,6 +255,10 @@ def test_rule_match_forms(match: str, accepted: bool) -> None:
         ("admission: {default: {rpm: 0}}", False),
         ("admission: {default: {decrease: 1}}", False),
         ("admission: {default: {rpm: 60, burst: 3}}", False),
+        ("admission: {services: {planner: {weight: 2}}}", True),
+        ("admission: {services: {planner: {weight: 0}}}", False),
+        ("admission: {services: {'': {weight: 2}}}", False),
+        ("admission: {services: {planner: 2}}", False),
     ],
 )
 def test_other_sections(fragment: str, accepted: bool) -> None:
@@ -449,6 +453,9 @@ POLICY = _obj(
             st.sampled_from(["openai:gpt-4o", "anthropic:claude-3@team-a"]),
             _obj(rpm=POSITIVE, floor=st.sampled_from([0.1, 1])),
             max_size=2,
+        ),
+        services=st.dictionaries(
+            st.sampled_from(["planner", "search.agent"]), _obj(weight=POSITIVE), max_size=2
         ),
     ),
     remediators=st.dictionaries(IDENTS, REMEDIATOR, max_size=2),

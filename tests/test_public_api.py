@@ -17,6 +17,7 @@ def test_policies_exports() -> None:
     assert sorted(policies.__all__) == [
         "Admission",
         "AdmissionLimitSpec",
+        "AdmissionServiceSpec",
         "AdmissionSpec",
         "BUILTIN_REMEDIATORS",
         "BreakerChange",

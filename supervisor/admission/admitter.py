@@ -2,7 +2,8 @@
 
 Order: a key paused by a Retry-After waits until then (this sidecar's
 learner, and the fleet's pause in Redis); otherwise the fleet's bucket in
-Redis takes the call or answers the wait, at the rate the learner allows;
+Redis takes the call or answers the wait, at the rate the learner allows and
+the call's service's share of it (its weight, among the services asking);
 with Redis away, this sidecar's own bucket does (counted in :meth:`stats`:
 a fleet of N sidecars then admits up to N times the limit).
 """
@@ -24,9 +25,11 @@ from supervisor.admission.learner import Ceiling, Learner
 if TYPE_CHECKING:  # needs the `fleet` extra
     from supervisor.admission.shared import RedisBucket
 
-__all__ = ["PRIORITIES", "AdmissionStats", "Admitter", "Decision"]
+__all__ = ["PRIORITIES", "WHY", "AdmissionStats", "Admitter", "Decision"]
 
 PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
+#: Why a call is refused (the ``why`` of an answer).
+WHY: Final = ("limit", "priority", "share", "paused")
 #: Models whose learned limit a sidecar keeps (least recently used forgotten: back to 100%).
 MAX_KEYS: Final = 10_000
 
@@ -45,6 +48,8 @@ class AdmissionStats:
     refused: int
     answered_locally: int
     throttles: int
+    #: Refusals by why: ``limit``, ``priority``, ``share``, ``paused``.
+    refused_by: dict[str, int]
 
 
 class Admitter:
@@ -70,6 +75,7 @@ class Admitter:
         #: Per ``provider:model``: a 429 names a model, never a credential.
         self._learners: OrderedDict[str, Learner] = OrderedDict()
         self._admitted = self._refused = self._local_answers = self._throttles = 0
+        self._refused_by = dict.fromkeys(WHY, 0)
 
     def configure(self, default: Ceiling, overrides: Mapping[str, Ceiling] | None = None) -> None:
         """New ceilings (a policy reload); what each model learned is kept, as a share of them."""
@@ -87,8 +93,20 @@ class Admitter:
         by_model = f"{key.provider}:{key.model}"
         return self._overrides.get(str(key)) or self._overrides.get(by_model) or self._default
 
-    def admit(self, key: AdmissionKey, *, priority: str = "normal", tokens: int = 0) -> Decision:
+    def admit(
+        self,
+        key: AdmissionKey,
+        *,
+        priority: str = "normal",
+        tokens: int = 0,
+        service: str = "",
+        weight: float = 1.0,
+    ) -> Decision:
+        """May a call go now? ``service`` shares the key with the others asking, by ``weight``
+        (the policy's ``admission.services``), among the calls of its priority."""
         rank = PRIORITIES[priority]
+        if not weight > 0:
+            raise ValueError("a service's weight must be above 0")
         model = f"{key.provider}:{key.model}"
         learner = self._learner(model)
         with self._lock:  # a learner is not thread-safe: its reads and 429s go under the lock
@@ -100,10 +118,14 @@ class Admitter:
         tpm = None if ceiling.tpm is None else ceiling.tpm * fraction
         name = str(key)
         if self._shared is not None:
-            took = self._shared.take(name, model, rpm, tpm, n=1, t=tokens, priority=rank)
+            took = self._shared.take(
+                name, model, rpm, tpm, n=1, t=tokens, priority=rank, service=service, weight=weight
+            )
             if took is not None:
                 return self._count(Decision(took.go, took.wait_ms, took.why))
-        took = self._local.take(name, rpm, tpm, n=1, t=tokens, priority=rank)
+        took = self._local.take(
+            name, rpm, tpm, n=1, t=tokens, priority=rank, service=service, weight=weight
+        )
         return self._count(Decision(took.go, took.wait_ms, took.why, shared=False))
 
     def throttled(self, dependency: str, retry_after_s: float | None = None) -> None:
@@ -122,7 +144,11 @@ class Admitter:
     def stats(self) -> AdmissionStats:
         with self._lock:
             return AdmissionStats(
-                self._admitted, self._refused, self._local_answers, self._throttles
+                self._admitted,
+                self._refused,
+                self._local_answers,
+                self._throttles,
+                dict(self._refused_by),
             )
 
     def _learner(self, model: str) -> Learner:
@@ -144,6 +170,7 @@ class Admitter:
                 self._admitted += 1
             else:
                 self._refused += 1
+                self._refused_by[decision.why] = self._refused_by.get(decision.why, 0) + 1
             if not decision.shared:
                 self._local_answers += 1
         return decision

@@ -712,16 +712,25 @@ class Control:
         return decide(self.policy(), self.governor, question)
 
     def admit(
-        self, dependency: str, *, credential: str | None, priority: str, tokens: int
+        self,
+        dependency: str,
+        *,
+        credential: str | None,
+        priority: str,
+        tokens: int,
+        service: str = "",
     ) -> dict[str, Any]:
         """May a call to ``dependency`` go now? ``{"go": true}``, or the wait and why."""
         try:
             key = admission_key(dependency, credential)
         except ValueError as exc:  # CredentialRefused too: never echo the value
             raise ControlError(str(exc)) from None
-        if self.admitter is None or not self.policy().limits.admission.enabled:
+        spec = self.policy().limits.admission
+        if self.admitter is None or not spec.enabled:
             return {"go": True}
-        found = self.admitter.admit(key, priority=priority, tokens=tokens)
+        found = self.admitter.admit(
+            key, priority=priority, tokens=tokens, service=service, weight=spec.weight(service)
+        )
         if found.go:
             return {"go": True}
         return {"go": False, "wait_ms": found.wait_ms, "why": found.why}

@@ -371,6 +371,14 @@ class SidecarCollector(Collector):
         answers.add_metric(["go"], stats.admitted)
         answers.add_metric(["wait"], stats.refused)
         yield answers
+        refusals = _counter(
+            "spanvisor_admission_refusals",
+            "Refused admissions, by why (limit, priority, share, paused).",
+            ["why"],
+        )
+        for why, count in stats.refused_by.items():
+            refusals.add_metric([why], count)
+        yield refusals
         yield _counter(
             "spanvisor_admissions_local",
             "Admission answers from this sidecar's own bucket (Redis away or not configured).",

@@ -130,7 +130,11 @@ class AdmitBody(_Body):
         max_length=128,
         description="The API key's name or a hash of it, never the key (sk-... is refused).",
     )
-    service: str = Field(default="", max_length=256)
+    service: str = Field(
+        default="",
+        max_length=256,
+        description="Shares a contended key with the other services by the policy's weights.",
+    )
     priority: Literal["high", "normal", "low"] = Field(
         default="normal", description="Low waits while high is waiting."
     )
@@ -480,7 +484,8 @@ def build_control_app(
         dependencies=auth,
         summary="May a call go now? (admission control)",
         description='`{"go": true}`, or `{"go": false, "wait_ms": N, "why": ...}`'
-        " (why: limit, priority or paused). The fleet shares each key's limit in Redis.",
+        " (why: limit, priority, share or paused). The fleet shares each key's limit in Redis;"
+        " services share a contended key by the policy's weights.",
     )
     async def admit(body: AdmitBody) -> dict[str, Any]:
         return control.admit(
@@ -488,6 +493,7 @@ def build_control_app(
             credential=body.credential,
             priority=body.priority,
             tokens=body.tokens,
+            service=body.service,
         )
 
     if console is not None:
