@@ -223,6 +223,8 @@ class Sidecar:
         self.admitter = _admitter(
             parts.policy().limits.admission, self.breaker_link, parts.settings
         )
+        # Every LLM span's tokens and rate-limit headers teach it too, not only the 429s.
+        self.runs.llm_calls = self.admitter.llm_call
         self.store = parts.store
         self.actuators = parts.actuators
         self.dispatcher = parts.dispatcher
@@ -630,7 +632,11 @@ class Sidecar:
                 self.failures.add(outcome)
                 failure = outcome.failure
                 if failure.kind == "rate_limit" and failure.dependency:
-                    self.admitter.throttled(failure.dependency, failure.evidence.retry_after_s)
+                    self.admitter.throttled(
+                        failure.dependency,
+                        failure.evidence.retry_after_s,
+                        span=f"{failure.trace_id}/{failure.span_id}",
+                    )
                 self.tracer.emit(outcome.failure, outcome.decision)
                 if received_ns is not None:
                     self.latency.add((time.time_ns() - received_ns) / 1e6)
@@ -985,5 +991,9 @@ def _admitter(spec: AdmissionSpec, link: RedisLink | None, settings: Settings) -
     if link is None:
         return admitter_for(spec)
     from supervisor.admission.shared import RedisBucket  # needs the `fleet` extra
+    from supervisor.admission.shared_learning import RedisLearning
 
-    return admitter_for(spec, RedisBucket(link, settings.breaker_redis_namespace))
+    namespace = settings.breaker_redis_namespace
+    return admitter_for(
+        spec, RedisBucket(link, namespace), learning=RedisLearning(link, namespace)
+    )

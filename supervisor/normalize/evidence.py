@@ -87,6 +87,7 @@ from supervisor.retry_after import (
 
 __all__ = [
     "FAILURE_FINISH_REASONS",
+    "HEADER_PREFIXES",
     "SCAN_CHARS",
     "Swallowed",
     "build_evidence",
@@ -94,6 +95,7 @@ __all__ = [
     "detect_swallowed",
     "exception_type_from_error_type",
     "failing_finish",
+    "header_text",
     "http_status_from_text",
     "parse_duration",
     "provider_code_from_text",
@@ -384,10 +386,10 @@ def _grpc_from_text(text: str) -> int | None:
 # Parsed by supervisor.retry_after, which the agent-side client asks too.
 
 #: Attribute keys an instrumentation records a response header under.
-_HEADER_PREFIXES: Final[tuple[str, ...]] = ("http.response.header.", "")
+HEADER_PREFIXES: Final[tuple[str, ...]] = ("http.response.header.", "")
 
 
-def _header_text(value: AttrValue) -> str:
+def header_text(value: AttrValue) -> str:
     if isinstance(value, tuple):
         value = value[0] if value else None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -396,7 +398,7 @@ def _header_text(value: AttrValue) -> str:
 
 
 _RETRY_KEYS: Final = frozenset(
-    prefix + name for name, _ in RETRY_HEADERS for prefix in _HEADER_PREFIXES
+    prefix + name for name, _ in RETRY_HEADERS for prefix in HEADER_PREFIXES
 )
 
 
@@ -409,10 +411,10 @@ def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> 
         return None
 
     def values(name: str) -> Iterator[str]:
-        for prefix in _HEADER_PREFIXES:
+        for prefix in HEADER_PREFIXES:
             value = attrs.get(prefix + name)
             if value is not None:
-                yield _header_text(value)
+                yield header_text(value)
 
     return retry_after_from_headers(values, now=now_ns / 1e9)
 
