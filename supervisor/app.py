@@ -221,10 +221,8 @@ class Sidecar:
         #: Admission control, fleet-wide through the breakers' Redis link when there is one
         #: (a policy reload gives it the new limits).
         self.admitter = _admitter(
-            parts.policy().limits.admission, self.breaker_link, parts.settings
+            parts.policy().limits.admission, self.breaker_link, parts.settings, self.runs
         )
-        # Every LLM span's tokens and rate-limit headers teach it too, not only the 429s.
-        self.runs.llm_calls = self.admitter.llm_call
         self.store = parts.store
         self.actuators = parts.actuators
         self.dispatcher = parts.dispatcher
@@ -986,14 +984,20 @@ def _fleet_breakers(link: RedisLink | None) -> Callable[[], list[str] | None] | 
     return index.names if index is not None else None
 
 
-def _admitter(spec: AdmissionSpec, link: RedisLink | None, settings: Settings) -> Admitter:
-    """The admitter, its buckets in the breakers' Redis (same link) when the fleet has one."""
+def _admitter(
+    spec: AdmissionSpec, link: RedisLink | None, settings: Settings, runs: RunTracker
+) -> Admitter:
+    """The admitter, its buckets and learned limits in the breakers' Redis (same link)
+    when the fleet has one; every LLM span the run tracker sees teaches it too (its
+    tokens, its provider's rate-limit headers), not only the 429s."""
     if link is None:
-        return admitter_for(spec)
-    from supervisor.admission.shared import RedisBucket  # needs the `fleet` extra
-    from supervisor.admission.shared_learning import RedisLearning
+        admitter = admitter_for(spec)
+    else:
+        from supervisor.admission.shared import RedisBucket  # needs the `fleet` extra
+        from supervisor.admission.shared_learning import RedisLearning
 
-    namespace = settings.breaker_redis_namespace
-    return admitter_for(
-        spec, RedisBucket(link, namespace), learning=RedisLearning(link, namespace)
-    )
+        namespace = settings.breaker_redis_namespace
+        learning = RedisLearning(link, namespace)
+        admitter = admitter_for(spec, RedisBucket(link, namespace), learning=learning)
+    runs.llm_calls = admitter.llm_call
+    return admitter

@@ -94,3 +94,13 @@ def test_new_ceilings_keep_what_was_learned_as_a_share_and_no_redis_is_local() -
     # The normal calls refused above are waiting: a low one waits behind them.
     assert (late.go, late.why, late.shared) == (False, "priority", False)
     assert admitter.stats().answered_locally == admitter.stats().admitted + admitter.stats().refused
+
+
+def test_a_429_span_seen_twice_counts_once_without_redis() -> None:
+    admitter = Admitter(Ceiling(rpm=100), clock=Clock())
+    admitter.throttled("openai:gpt-4o", span="trace/span")
+    admitter.throttled("openai:gpt-4o", span="trace/span")  # a redelivered batch
+    stats = admitter.stats()
+    assert (stats.throttles, stats.repeated, stats.decreases) == (1, 1, 1)
+    assert (stats.learned_fleetwide, stats.learned_locally) == (False, 0)
+    assert stats.models[0].rpm == 70

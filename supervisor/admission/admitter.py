@@ -222,10 +222,13 @@ class Admitter:
 
     def stats(self) -> AdmissionStats:
         with self._lock:
-            models = tuple(
-                self._model_limit(model, learner)
-                for model, learner in reversed(self._learners.items())
-            )[:STATS_MODELS]
+            named: dict[str, None] = {}  # the most recently used of each table, in order
+            for table in (self._learners, self._published, self._tokens):
+                for model in reversed(table):
+                    if len(named) >= STATS_MODELS:
+                        break
+                    named[model] = None
+            models = tuple(self._model_limit(model) for model in named)
             return AdmissionStats(
                 self._admitted,
                 self._refused,
@@ -238,12 +241,16 @@ class Admitter:
                 models,
             )
 
-    def _model_limit(self, model: str, learner: Learner) -> ModelLimit:
+    def _model_limit(self, model: str) -> ModelLimit:
         provider, _, name = model.partition(":")
         fleet = self._fleet.get(model)
         state = fleet[1] if fleet is not None else None
         ceiling = self._effective(AdmissionKey(provider, name), model)
-        fraction = self._fraction(learner, state)
+        learner = self._learners.get(model)
+        if state is not None:
+            fraction = recover(state, ceiling, self._clock()).fraction
+        else:
+            fraction = 1.0 if learner is None else learner.fraction()
         rpm, tpm = self._published.get(model, (None, None))
         usual = self._tokens.get(model)
         return ModelLimit(

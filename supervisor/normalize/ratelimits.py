@@ -78,8 +78,8 @@ def _first_count(
 ) -> int | None:
     """The first plausible count among ``names`` (positive, or 0 when ``allow_zero``)."""
     for name in names:
-        for text in _texts(attrs, name):
-            text = text.strip()
+        for found in _texts(attrs, name):
+            text = found.strip()
             if text.isascii() and text.isdigit() and len(text) <= 13:
                 count = int(text)
                 if (allow_zero or count > 0) and count <= _MAX_LIMIT:

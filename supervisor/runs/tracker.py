@@ -50,10 +50,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from policies import DetectorSettings, ModelTable, SloSpec, SloTracker
-from supervisor.records import RateLimitHeaders
 from supervisor.judge.steps import Steps
 from supervisor.normalize.span import Span, requested_calls
-from supervisor.records import own_run
+from supervisor.records import RateLimitHeaders, own_run
 from supervisor.runs import phase
 from supervisor.runs.detection import (
     NOTICE_RULES,
