@@ -171,3 +171,70 @@ def test_what_each_header_says() -> None:
         now,
     )
     assert found == RateLimitHeaders(5000, 80000, 360.0)
+
+
+def test_headers_captured_by_the_httpx_instrumentation_reach_the_admitter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real openai SDK, instrumented by openai-v2 and by httpx (the SDK calls through
+    httpx2) with response headers captured, gets a 429 from the fake provider carrying
+    OpenAI's rate-limit headers (the fake sends a reply's headers on faults only)."""
+    import openai
+    from opentelemetry.instrumentation.httpx import HTTPX2ClientInstrumentor
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
+
+    from supervisor.normalize import normalize_request
+    from supervisor.records import Role
+    from supervisor.testing import FakeProvider, Reply
+
+    monkeypatch.setenv(
+        "OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_CLIENT_RESPONSE", "x-ratelimit-.*"
+    )
+    clock = Clock(time.time())
+    admitter = Admitter(Ceiling(rpm=500), clock=clock)
+    agent = Agent(admitter)
+    provider = TracerProvider(resource=Resource({"service.name": "agent"}))
+    provider.add_span_processor(SimpleSpanProcessor(agent.exporter))
+    instrumentors: list[Any] = [HTTPX2ClientInstrumentor(), OpenAIInstrumentor()]  # type: ignore[no-untyped-call]
+    for instrumentor in instrumentors:
+        if instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.uninstrument()
+        instrumentor.instrument(tracer_provider=provider)
+    try:
+        with FakeProvider() as fake:
+            fake.script(
+                Reply.fault(
+                    429,
+                    "Rate limit reached for requests",
+                    error_type="requests",
+                    error_code="rate_limit_exceeded",
+                    headers={
+                        "x-ratelimit-limit-requests": "60",
+                        "x-ratelimit-remaining-requests": "0",
+                        "x-ratelimit-reset-requests": "20s",
+                    },
+                )
+            )
+            client = openai.OpenAI(base_url=fake.base_url, api_key="sk-fake", max_retries=0)
+            with pytest.raises(openai.RateLimitError):
+                client.chat.completions.create(
+                    model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]
+                )
+    finally:
+        for instrumentor in instrumentors:
+            instrumentor.uninstrument()
+    spans = agent.exporter.get_finished_spans()
+    records = normalize_request(encode_spans(spans))
+    [http] = [r for r in records if r.role is Role.HTTP]
+    # opentelemetry-util-http writes a header's dashes as underscores.
+    assert http.attributes["http.response.header.x_ratelimit_limit_requests"] == ("60",)
+    assert http.rate_limits == RateLimitHeaders(60, None, 20.0)
+    assert http.error is not None and http.error.retry_after_s == 20.0  # its reset, read too
+
+    agent.pipeline.process_payload(
+        encode_spans(spans).SerializeToString(), received_ns=time.time_ns()
+    )
+    found = admitter.admit(admission_key("openai:gpt-4o-mini"))
+    assert not found.go and found.why == "paused" and 19_000 <= found.wait_ms <= 20_000
+    limit = admitter.stats().models[0]
+    assert (limit.model, limit.provider_rpm, limit.rpm) == ("openai:gpt-4o-mini", 60, 60)

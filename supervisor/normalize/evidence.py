@@ -87,7 +87,6 @@ from supervisor.retry_after import (
 
 __all__ = [
     "FAILURE_FINISH_REASONS",
-    "HEADER_PREFIXES",
     "SCAN_CHARS",
     "Swallowed",
     "build_evidence",
@@ -95,6 +94,7 @@ __all__ = [
     "detect_swallowed",
     "exception_type_from_error_type",
     "failing_finish",
+    "header_keys",
     "header_text",
     "http_status_from_text",
     "parse_duration",
@@ -385,8 +385,17 @@ def _grpc_from_text(text: str) -> int | None:
 # -- retry delays ------------------------------------------------------------
 # Parsed by supervisor.retry_after, which the agent-side client asks too.
 
-#: Attribute keys an instrumentation records a response header under.
-HEADER_PREFIXES: Final[tuple[str, ...]] = ("http.response.header.", "")
+
+def header_keys(name: str) -> tuple[str, ...]:
+    """The attribute keys response header ``name`` (lower case) may be recorded under.
+
+    As the semantic conventions spell it (``http.response.header.retry-after``),
+    as opentelemetry-util-http writes it (``-`` as ``_``: the httpx and requests
+    instrumentations' ``..._CAPTURE_HEADERS_CLIENT_RESPONSE``), and the plain
+    name an agent sets on its own span.
+    """
+    semconv = "http.response.header." + name
+    return tuple(dict.fromkeys((semconv, semconv.replace("-", "_"), name)))
 
 
 def header_text(value: AttrValue) -> str:
@@ -397,9 +406,7 @@ def header_text(value: AttrValue) -> str:
     return as_str(value, 128)
 
 
-_RETRY_KEYS: Final = frozenset(
-    prefix + name for name, _ in RETRY_HEADERS for prefix in HEADER_PREFIXES
-)
+_RETRY_KEYS: Final = frozenset(key for name, _ in RETRY_HEADERS for key in header_keys(name))
 
 
 def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> float | None:
@@ -411,8 +418,8 @@ def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> 
         return None
 
     def values(name: str) -> Iterator[str]:
-        for prefix in HEADER_PREFIXES:
-            value = attrs.get(prefix + name)
+        for key in header_keys(name):
+            value = attrs.get(key)
             if value is not None:
                 yield header_text(value)
 

@@ -6,8 +6,9 @@ Providers send them on every response, OK or 429: OpenAI's
 ``anthropic-ratelimit-requests-limit`` / ``-remaining`` / ``-reset`` and the
 same for ``tokens``, ``input-tokens`` and ``output-tokens`` (resets as RFC 3339
 times). A span carries them as an instrumentation captures response headers
-(``http.response.header.<name>``, a string array) or as an agent records
-them (the plain name). Span content is untrusted: a value is read only when
+(``http.response.header.<name>``, a string array; opentelemetry-util-http
+writes ``x_ratelimit_limit_requests``) or as an agent records them (the plain
+name): :func:`~.evidence.header_keys`. Span content is untrusted: a value is read only when
 it is a plausible count or delay, anything else is absent.
 
 Read from the few spans that carry one of :data:`RATE_LIMIT_KEYS` (the span
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
-from supervisor.normalize.evidence import HEADER_PREFIXES, header_text
+from supervisor.normalize.evidence import header_keys, header_text
 from supervisor.records import AttrValue, RateLimitHeaders
 from supervisor.retry_after import header_delay
 
@@ -46,7 +47,7 @@ _REMAINING: Final = (
 )
 _NAMES: Final = (*_REQUEST_LIMITS, *_TOKEN_LIMITS, *(n for pair in _REMAINING for n in pair))
 #: Every attribute key a rate-limit header may be recorded under.
-RATE_LIMIT_KEYS: Final = frozenset(prefix + name for name in _NAMES for prefix in HEADER_PREFIXES)
+RATE_LIMIT_KEYS: Final = frozenset(key for name in _NAMES for key in header_keys(name))
 
 
 def rate_limits_of(attrs: Mapping[str, AttrValue], now_s: float) -> RateLimitHeaders | None:
@@ -69,7 +70,7 @@ def rate_limits_of(attrs: Mapping[str, AttrValue], now_s: float) -> RateLimitHea
 
 
 def _texts(attrs: Mapping[str, AttrValue], name: str) -> list[str]:
-    found = (attrs.get(prefix + name) for prefix in HEADER_PREFIXES)
+    found = (attrs.get(key) for key in header_keys(name))
     return [header_text(value) for value in found if value is not None]
 
 
