@@ -118,7 +118,8 @@ class Admitter:
         self._fleet: OrderedDict[str, tuple[float, LearnedState | None]] = OrderedDict()
         #: Per model: the provider's published (rpm, tpm), and a call's usual tokens.
         self._published: OrderedDict[str, tuple[int | None, int | None]] = OrderedDict()
-        self._tokens: OrderedDict[str, float] = OrderedDict()
+        #: A plain dict: the pipeline's thread updates a model's average without the lock.
+        self._tokens: dict[str, float] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._decreases = self._repeated = self._learned_locally = 0
 
@@ -196,15 +197,25 @@ class Admitter:
 
     def llm_call(self, dependency: str, tokens: int, limits: RateLimitHeaders | None) -> None:
         """An LLM call of ``dependency`` seen in a span (OK or not): its tokens (input and
-        output) and what the provider's rate-limit headers said."""
+        output) and what the provider's rate-limit headers said. From one thread (the
+        pipeline's): called for every LLM span, its usual path takes no lock."""
+        averages = self._tokens
+        usual = averages.get(dependency)
+        if limits is None and usual is not None:  # most calls: one update, no lock
+            if tokens > 0:  # only this thread writes a value; a read sees the old or new
+                averages[dependency] = usual + TOKENS_WEIGHT * (tokens - usual)
+            return
         if tokens <= 0 and limits is None:
             return
         pause = 0.0
         with self._lock:
             if tokens > 0:
-                usual = self._tokens.get(dependency)
-                usual = tokens if usual is None else usual + TOKENS_WEIGHT * (tokens - usual)
-                self._remember(self._tokens, dependency, usual)
+                if usual is not None:
+                    averages[dependency] = usual + TOKENS_WEIGHT * (tokens - usual)
+                else:
+                    averages[dependency] = float(tokens)
+                    if len(averages) > self._max_keys:  # the oldest model first
+                        del averages[next(iter(averages))]
             if limits is not None:
                 if limits.limit_requests is not None or limits.limit_tokens is not None:
                     rpm, tpm = self._published.get(dependency, (None, None))
