@@ -221,7 +221,7 @@ class Sidecar:
         #: Admission control, fleet-wide through the breakers' Redis link when there is one
         #: (a policy reload gives it the new limits).
         self.admitter = _admitter(
-            parts.policy().limits.admission, self.breaker_link, parts.settings
+            parts.policy().limits.admission, self.breaker_link, parts.settings, self.runs
         )
         self.store = parts.store
         self.actuators = parts.actuators
@@ -630,7 +630,11 @@ class Sidecar:
                 self.failures.add(outcome)
                 failure = outcome.failure
                 if failure.kind == "rate_limit" and failure.dependency:
-                    self.admitter.throttled(failure.dependency, failure.evidence.retry_after_s)
+                    self.admitter.throttled(
+                        failure.dependency,
+                        failure.evidence.retry_after_s,
+                        span=f"{failure.trace_id}/{failure.span_id}",
+                    )
                 self.tracer.emit(outcome.failure, outcome.decision)
                 if received_ns is not None:
                     self.latency.add((time.time_ns() - received_ns) / 1e6)
@@ -980,10 +984,20 @@ def _fleet_breakers(link: RedisLink | None) -> Callable[[], list[str] | None] | 
     return index.names if index is not None else None
 
 
-def _admitter(spec: AdmissionSpec, link: RedisLink | None, settings: Settings) -> Admitter:
-    """The admitter, its buckets in the breakers' Redis (same link) when the fleet has one."""
+def _admitter(
+    spec: AdmissionSpec, link: RedisLink | None, settings: Settings, runs: RunTracker
+) -> Admitter:
+    """The admitter, its buckets and learned limits in the breakers' Redis (same link)
+    when the fleet has one; every LLM span the run tracker sees teaches it too (its
+    tokens, its provider's rate-limit headers), not only the 429s."""
     if link is None:
-        return admitter_for(spec)
-    from supervisor.admission.shared import RedisBucket  # needs the `fleet` extra
+        admitter = admitter_for(spec)
+    else:
+        from supervisor.admission.shared import RedisBucket  # needs the `fleet` extra
+        from supervisor.admission.shared_learning import RedisLearning
 
-    return admitter_for(spec, RedisBucket(link, settings.breaker_redis_namespace))
+        namespace = settings.breaker_redis_namespace
+        learning = RedisLearning(link, namespace)
+        admitter = admitter_for(spec, RedisBucket(link, namespace), learning=learning)
+    runs.llm_calls = admitter.llm_call
+    return admitter

@@ -161,6 +161,22 @@ class ErrorEvidence:
 
 
 @dataclass(frozen=True, slots=True)
+class RateLimitHeaders:
+    """What a provider's rate-limit headers said on one response (OK or not).
+
+    OpenAI's ``x-ratelimit-*`` and Anthropic's ``anthropic-ratelimit-*``, as an
+    instrumentation captured them or the agent recorded them; read by
+    :mod:`supervisor.normalize.ratelimits`. Limits are a minute's.
+    """
+
+    limit_requests: int | None = None
+    #: The total tokens limit, else (Anthropic) the input tokens one.
+    limit_tokens: int | None = None
+    #: A limit's ``remaining`` was 0: seconds until its reset (the longest such).
+    exhausted_for_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SpanRecord:
     """One span, normalized from whatever convention produced it.
 
@@ -206,6 +222,8 @@ class SpanRecord:
     session_id: str = ""
     #: ``None`` when the span shows no sign of failure.
     error: ErrorEvidence | None = None
+    #: The provider's rate-limit headers, when the span recorded any.
+    rate_limits: RateLimitHeaders | None = None
     #: The span's attributes, read-only, for policies that match on them.
     attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
     resource_attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_PROVIDER_DELAY_S",
     "MAX_RETRY_AFTER_S",
     "RETRY_HEADERS",
+    "header_delay",
     "parse_duration",
     "parse_retry_after",
     "retry_after_from_headers",
@@ -200,6 +201,18 @@ def _header_delay(form: HeaderForm, text: str, now: float) -> float | None:
     if delay is None and not text[:1].isdigit():
         delay = _seconds_until(text, now, MAX_PROVIDER_DELAY_S)
     return delay
+
+
+def header_delay(name: str, text: str, *, now: float | None = None) -> float | None:
+    """The delay one header of :data:`RETRY_HEADERS` (``name``, lower case) says; else None."""
+    form = _FORMS.get(name)
+    text = text.strip()
+    if form is None or not text:
+        return None
+    return _header_delay(form, text, time.time() if now is None else now)
+
+
+_FORMS: Final[dict[str, HeaderForm]] = dict(RETRY_HEADERS)
 
 
 def retry_after_from_headers(

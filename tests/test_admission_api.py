@@ -155,26 +155,39 @@ def test_a_429_in_the_spans_pauses_the_key_for_the_whole_fleet(
 ) -> None:
     a, b = fleet
     message = "RateLimitError: Error code: 429 - Rate limit reached. Please try again in 20s."
-    response = httpx.post(
-        f"http://127.0.0.1:{a.ports.otlp_http}/v1/traces",
-        content=rate_limited_spans("gpt-4o", message),
-        headers={"Content-Type": "application/x-protobuf"},
-    )
-    assert response.status_code == 200
-    api = f"http://127.0.0.1:{a.ports.api}"
+    spans = rate_limited_spans("gpt-4o", message)
 
-    def throttled() -> bool:
-        stats = httpx.get(f"{api}/v1/stats", headers=AUTH).json()
-        return bool(stats["admission"]["throttles"] == 1)
+    def send(sidecar: BackgroundSidecar) -> None:
+        response = httpx.post(
+            f"http://127.0.0.1:{sidecar.ports.otlp_http}/v1/traces",
+            content=spans,
+            headers={"Content-Type": "application/x-protobuf"},
+        )
+        assert response.status_code == 200
 
-    deadline = time.monotonic() + 10
-    while not throttled():
-        assert time.monotonic() < deadline, "the 429 never reached the admitter"
-        time.sleep(0.05)
+    def learned(sidecar: BackgroundSidecar) -> dict[str, Any]:
+        stats = httpx.get(f"http://127.0.0.1:{sidecar.ports.api}/v1/stats", headers=AUTH)
+        return dict(stats.json()["admission"])
+
+    def wait_for(sidecar: BackgroundSidecar, field: str) -> None:
+        deadline = time.monotonic() + 10
+        while learned(sidecar)[field] != 1:
+            assert time.monotonic() < deadline, "the 429 never reached the admitter"
+            time.sleep(0.05)
+
+    send(a)
+    wait_for(a, "throttles")
+    send(b)  # the same span again, at the other sidecar: counted once by the fleet
+    wait_for(b, "repeated")
 
     found = [admit(s).json() for s in (a, b)]
     assert [f["why"] for f in found] == ["paused", "paused"]
     assert all(15_000 < f["wait_ms"] <= 20_000 for f in found)
+    mine, theirs = learned(a), learned(b)
+    assert (mine["throttles"], mine["decreases"], theirs["throttles"]) == (1, 1, 0)
+    assert mine["learned_fleetwide"] and theirs["learned_locally"] == 0
+    [model] = theirs["models"]  # b saw no 429 of its own: the fleet's share is applied
+    assert (model["model"], model["rpm"], model["fleetwide"]) == ("openai:gpt-4o", 700, True)
 
 
 def test_guard_with_admit_does_not_wait_without_a_sidecar() -> None:

@@ -25,10 +25,7 @@ from supervisor.admission.shared import RedisBucket
 from supervisor.errors import PolicyError
 from supervisor.shared_breakers import RedisLink
 from tests.redis_server import REDIS
-from tests.test_shared_breakers import direct, namespace
 from tests.test_shared_counts import Clock
-
-__all__ = ["direct", "namespace"]  # fixtures, used by name
 
 KEY = admission_key("openai:gpt-4o", "team-a")
 URL = f"redis://{REDIS[0]}:{REDIS[1]}/0"

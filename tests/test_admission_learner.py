@@ -16,14 +16,31 @@ class Clock:
 
 
 def test_a_429_multiplies_the_limit_by_0_7_not_below_the_floor() -> None:
-    learner = Learner(Ceiling(rpm=100, tpm=10_000, floor=0.4), clock=Clock())
+    clock = Clock()
+    learner = Learner(Ceiling(rpm=100, tpm=10_000, floor=0.4), clock=clock)
     learner.throttled()
     assert learner.rpm() == pytest.approx(70)
     assert learner.tpm() == pytest.approx(7000)
+    clock.now += 2  # past the burst's gap: another congestion event
     learner.throttled()
     assert learner.rpm() == pytest.approx(49)
+    clock.now += 2
     learner.throttled()
     assert learner.rpm() == pytest.approx(40)  # the floor
+
+
+def test_ten_429s_of_one_burst_decrease_once() -> None:
+    clock = Clock()
+    learner = Learner(Ceiling(rpm=100, decrease_gap_s=2.0), clock=clock)
+    cuts = []
+    for _ in range(10):  # ten calls in flight, their 429s within a second
+        cuts.append(learner.throttled())
+        clock.now += 0.1
+    assert cuts == [True] + [False] * 9
+    assert learner.rpm() == pytest.approx(70)  # not 100 * 0.7**10
+    clock.now += 2.0  # the gap is counted from the decrease, not from the last 429
+    assert learner.throttled()
+    assert learner.rpm() == pytest.approx(49)
 
 
 def test_each_window_without_429_adds_a_step_up_to_the_ceiling() -> None:
@@ -77,3 +94,13 @@ def test_new_ceilings_keep_what_was_learned_as_a_share_and_no_redis_is_local() -
     # The normal calls refused above are waiting: a low one waits behind them.
     assert (late.go, late.why, late.shared) == (False, "priority", False)
     assert admitter.stats().answered_locally == admitter.stats().admitted + admitter.stats().refused
+
+
+def test_a_429_span_seen_twice_counts_once_without_redis() -> None:
+    admitter = Admitter(Ceiling(rpm=100), clock=Clock())
+    admitter.throttled("openai:gpt-4o", span="trace/span")
+    admitter.throttled("openai:gpt-4o", span="trace/span")  # a redelivered batch
+    stats = admitter.stats()
+    assert (stats.throttles, stats.repeated, stats.decreases) == (1, 1, 1)
+    assert (stats.learned_fleetwide, stats.learned_locally) == (False, 0)
+    assert stats.models[0].rpm == 70

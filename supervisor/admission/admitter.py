@@ -6,6 +6,13 @@ Redis takes the call or answers the wait, at the rate the learner allows and
 the call's service's share of it (its weight, among the services asking);
 with Redis away, this sidecar's own bucket does (counted in :meth:`stats`:
 a fleet of N sidecars then admits up to N times the limit).
+
+What is learned, per model: the share of the ceiling, by AIMD from 429s,
+fleet-wide in Redis when there is one (:mod:`.shared_learning`, read at most
+every ``refresh_s``; this sidecar's :class:`Learner` when Redis is away); the
+provider's own limits, from the rate-limit headers of its responses (a
+ceiling lower than the configured one; never higher); and the usual size of
+a call in tokens, for an admission that gives none (:meth:`llm_call`).
 """
 
 from __future__ import annotations
@@ -15,23 +22,33 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from supervisor.admission.bucket import LocalBucket
 from supervisor.admission.key import AdmissionKey
-from supervisor.admission.learner import Ceiling, Learner
+from supervisor.admission.learner import Ceiling, LearnedState, Learner, recover
+from supervisor.records import RateLimitHeaders
 
 if TYPE_CHECKING:  # needs the `fleet` extra
     from supervisor.admission.shared import RedisBucket
+    from supervisor.admission.shared_learning import RedisLearning
 
-__all__ = ["PRIORITIES", "WHY", "AdmissionStats", "Admitter", "Decision"]
+__all__ = ["PRIORITIES", "WHY", "AdmissionStats", "Admitter", "Decision", "ModelLimit"]
+
+_T = TypeVar("_T")
 
 PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
 #: Why a call is refused (the ``why`` of an answer).
 WHY: Final = ("limit", "priority", "share", "paused")
 #: Models whose learned limit a sidecar keeps (least recently used forgotten: back to 100%).
 MAX_KEYS: Final = 10_000
+#: How often a model's fleet-wide share is read from Redis, at most (seconds).
+REFRESH_S: Final = 1.0
+#: Weight of a call's tokens in its model's average (an EWMA).
+TOKENS_WEIGHT: Final = 0.1
+#: Models listed in the stats (the most recently used).
+STATS_MODELS: Final = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +60,20 @@ class Decision:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelLimit:
+    """A model's limit as this sidecar applies it now (its credential-less key)."""
+
+    model: str
+    rpm: float
+    tpm: float | None
+    fraction: float  # learned share of the ceiling
+    fleetwide: bool  # the share is the fleet's (read from Redis), not this sidecar's
+    provider_rpm: int | None  # what the provider's headers published
+    provider_tpm: int | None
+    avg_tokens: float | None  # a call's usual tokens, for admissions that give none
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionStats:
     admitted: int
     refused: int
@@ -50,6 +81,15 @@ class AdmissionStats:
     throttles: int
     #: Refusals by why: ``limit``, ``priority``, ``share``, ``paused``.
     refused_by: dict[str, int]
+    #: 429s that cut a limit (one per burst; the others were the same congestion event).
+    decreases: int = 0
+    #: 429 spans seen before (a redelivery, or another sidecar): not counted again.
+    repeated: int = 0
+    #: 429s Redis did not take (learned by this sidecar only).
+    learned_locally: int = 0
+    #: Whether learned limits are the fleet's (in Redis).
+    learned_fleetwide: bool = False
+    models: tuple[ModelLimit, ...] = ()
 
 
 class Admitter:
@@ -61,8 +101,10 @@ class Admitter:
         overrides: Mapping[str, Ceiling] | None = None,
         *,
         shared: RedisBucket | None = None,
+        learning: RedisLearning | None = None,
         clock: Callable[[], float] = time.time,
         max_keys: int = MAX_KEYS,
+        refresh_s: float = REFRESH_S,
     ) -> None:
         self._default = default
         #: By ``provider:model`` or ``provider:model@credential`` (the longer wins).
@@ -76,6 +118,16 @@ class Admitter:
         self._learners: OrderedDict[str, Learner] = OrderedDict()
         self._admitted = self._refused = self._local_answers = self._throttles = 0
         self._refused_by = dict.fromkeys(WHY, 0)
+        self._learning = learning
+        self._refresh_s = refresh_s
+        #: Per model: when the fleet's state was read, and it (None: Redis was away).
+        self._fleet: OrderedDict[str, tuple[float, LearnedState | None]] = OrderedDict()
+        #: Per model: the provider's published (rpm, tpm), and a call's usual tokens.
+        self._published: OrderedDict[str, tuple[int | None, int | None]] = OrderedDict()
+        #: A plain dict: the pipeline's thread updates a model's average without the lock.
+        self._tokens: dict[str, float] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._decreases = self._repeated = self._learned_locally = 0
 
     def configure(self, default: Ceiling, overrides: Mapping[str, Ceiling] | None = None) -> None:
         """New ceilings (a policy reload); what each model learned is kept, as a share of them."""
@@ -109,9 +161,12 @@ class Admitter:
             raise ValueError("a service's weight must be above 0")
         model = f"{key.provider}:{key.model}"
         learner = self._learner(model)
+        fleet = self._fleet_state(model)
         with self._lock:  # a learner is not thread-safe: its reads and 429s go under the lock
             paused = learner.pause_left_s()
-            ceiling, fraction = self._ceiling(key), learner.fraction()
+            ceiling, fraction = self._effective(key, model), self._fraction(learner, fleet)
+            if not tokens and ceiling.tpm is not None:
+                tokens = round(self._tokens.get(model, 0.0))
         if paused > 0:
             return self._count(Decision(False, math.ceil(paused * 1000), "paused"))
         rpm = ceiling.rpm * fraction
@@ -128,28 +183,164 @@ class Admitter:
         )
         return self._count(Decision(took.go, took.wait_ms, took.why, shared=False))
 
-    def throttled(self, dependency: str, retry_after_s: float | None = None) -> None:
+    def throttled(
+        self, dependency: str, retry_after_s: float | None = None, *, span: str = ""
+    ) -> None:
         """A 429 from ``dependency`` (``provider:model``): the model's limit learns it.
 
         Spans do not say which credential was used: every key of the model
         (every credential) is lowered, and a Retry-After pauses them all, fleet-wide.
+        ``span`` (``trace/span`` ids) counts a 429 once however often it is seen.
         """
         learner = self._learner(dependency)
         with self._lock:
+            if span and not self._first_sight(span):
+                self._repeated += 1
+                return
             self._throttles += 1
-            learner.throttled(retry_after_s)
+            decreased = learner.throttled(retry_after_s)
+            ceiling = learner.ceiling
+        learned = None
+        if self._learning is not None:
+            learned = self._learning.throttled(dependency, ceiling, span)
+        with self._lock:
+            if learned is None:
+                self._learned_locally += self._learning is not None
+            elif learned.seen:
+                self._repeated += 1
+                self._throttles -= 1
+                decreased = False
+            else:
+                decreased = learned.decreased
+                self._remember(self._fleet, dependency, (self._clock(), learned.state))
+            self._decreases += decreased
         if retry_after_s and self._shared is not None:
             self._shared.pause(dependency, self._clock() + retry_after_s)
 
+    def llm_call(self, dependency: str, tokens: int, limits: RateLimitHeaders | None) -> None:
+        """An LLM call of ``dependency`` seen in a span (OK or not): its tokens (input and
+        output) and what the provider's rate-limit headers said. From one thread (the
+        pipeline's): called for every LLM span, its usual path takes no lock."""
+        averages = self._tokens
+        usual = averages.get(dependency)
+        if limits is None and usual is not None:  # most calls: one update, no lock
+            if tokens > 0:  # only this thread writes a value; a read sees the old or new
+                averages[dependency] = usual + TOKENS_WEIGHT * (tokens - usual)
+            return
+        if tokens <= 0 and limits is None:
+            return
+        pause = 0.0
+        with self._lock:
+            if tokens > 0:
+                if usual is not None:
+                    averages[dependency] = usual + TOKENS_WEIGHT * (tokens - usual)
+                else:
+                    averages[dependency] = float(tokens)
+                    if len(averages) > self._max_keys:  # the oldest model first
+                        del averages[next(iter(averages))]
+            if limits is not None:
+                if limits.limit_requests is not None or limits.limit_tokens is not None:
+                    rpm, tpm = self._published.get(dependency, (None, None))
+                    published = (limits.limit_requests or rpm, limits.limit_tokens or tpm)
+                    self._remember(self._published, dependency, published)
+                if limits.exhausted_for_s:
+                    pause = limits.exhausted_for_s
+        if pause > 0:
+            learner = self._learner(dependency)
+            with self._lock:  # spans of one burst all say it: Redis is told once
+                told = learner.pause_left_s() >= pause - 1.0
+                learner.pause(pause)
+            if not told and self._shared is not None:
+                self._shared.pause(dependency, self._clock() + pause)
+
     def stats(self) -> AdmissionStats:
         with self._lock:
+            named: dict[str, None] = {}  # the most recently used of each table, in order
+            for table in (self._learners, self._published, self._tokens):
+                for model in reversed(table):
+                    if len(named) >= STATS_MODELS:
+                        break
+                    named[model] = None
+            models = tuple(self._model_limit(model) for model in named)
             return AdmissionStats(
                 self._admitted,
                 self._refused,
                 self._local_answers,
                 self._throttles,
                 dict(self._refused_by),
+                self._decreases,
+                self._repeated,
+                self._learned_locally,
+                self._learning is not None,
+                models,
             )
+
+    def _model_limit(self, model: str) -> ModelLimit:
+        provider, _, name = model.partition(":")
+        fleet = self._fleet.get(model)
+        state = fleet[1] if fleet is not None else None
+        ceiling = self._effective(AdmissionKey(provider, name), model)
+        learner = self._learners.get(model)
+        if state is not None:
+            fraction = recover(state, ceiling, self._clock()).fraction
+        else:
+            fraction = 1.0 if learner is None else learner.fraction()
+        rpm, tpm = self._published.get(model, (None, None))
+        usual = self._tokens.get(model)
+        return ModelLimit(
+            model,
+            round(ceiling.rpm * fraction, 3),
+            None if ceiling.tpm is None else round(ceiling.tpm * fraction, 3),
+            round(fraction, 6),
+            state is not None,
+            rpm,
+            tpm,
+            None if usual is None else round(usual, 1),
+        )
+
+    def _fleet_state(self, model: str) -> LearnedState | None:
+        """The fleet's learned state of ``model``, read at most every ``refresh_s``
+        (None: not a fleet, or Redis away)."""
+        if self._learning is None:
+            return None
+        now = self._clock()
+        with self._lock:
+            known = self._fleet.get(model)
+        if known is not None and now - known[0] < self._refresh_s:
+            return known[1]
+        state = self._learning.read(model)
+        with self._lock:
+            self._remember(self._fleet, model, (now, state))
+        return state
+
+    def _fraction(self, learner: Learner, fleet: LearnedState | None) -> float:
+        """The learned share: the fleet's when Redis answered, else this sidecar's."""
+        if fleet is None:
+            return learner.fraction()
+        return recover(fleet, learner.ceiling, self._clock()).fraction
+
+    def _effective(self, key: AdmissionKey, model: str) -> Ceiling:
+        """``key``'s ceiling, lowered to what the provider published for ``model``."""
+        ceiling = self._ceiling(key)
+        rpm, tpm = self._published.get(model, (None, None))
+        if rpm is not None and rpm < ceiling.rpm:
+            ceiling = replace(ceiling, rpm=float(rpm))
+        if tpm is not None and (ceiling.tpm is None or tpm < ceiling.tpm):
+            ceiling = replace(ceiling, tpm=float(tpm))
+        return ceiling
+
+    def _first_sight(self, span: str) -> bool:
+        if span in self._seen:
+            return False
+        self._remember(self._seen, span, None)
+        return True
+
+    def _remember(self, table: OrderedDict[str, _T], key: str, value: _T) -> None:
+        """``table[key] = value``, the least recently set forgotten past ``max_keys``."""
+        table[key] = value
+        table.move_to_end(key)
+        if len(table) > self._max_keys:
+            table.popitem(last=False)
 
     def _learner(self, model: str) -> Learner:
         """The learner of ``provider:model`` (its AIMD knobs: the model's entry or the default)."""

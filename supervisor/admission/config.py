@@ -12,6 +12,7 @@ from supervisor.admission.learner import Ceiling
 
 if TYPE_CHECKING:  # needs the `fleet` extra
     from supervisor.admission.shared import RedisBucket
+    from supervisor.admission.shared_learning import RedisLearning
 
 __all__ = ["admitter_for", "ceiling_of", "configure"]
 
@@ -31,10 +32,13 @@ def admitter_for(
     spec: AdmissionSpec,
     shared: RedisBucket | None = None,
     *,
+    learning: RedisLearning | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Admitter:
     overrides = {key: ceiling_of(limit) for key, limit in spec.keys.items()}
-    return Admitter(ceiling_of(spec.default), overrides, shared=shared, clock=clock)
+    return Admitter(
+        ceiling_of(spec.default), overrides, shared=shared, learning=learning, clock=clock
+    )
 
 
 def configure(admitter: Admitter, spec: AdmissionSpec) -> None:

@@ -94,6 +94,8 @@ __all__ = [
     "detect_swallowed",
     "exception_type_from_error_type",
     "failing_finish",
+    "header_keys",
+    "header_text",
     "http_status_from_text",
     "parse_duration",
     "provider_code_from_text",
@@ -383,11 +385,20 @@ def _grpc_from_text(text: str) -> int | None:
 # -- retry delays ------------------------------------------------------------
 # Parsed by supervisor.retry_after, which the agent-side client asks too.
 
-#: Attribute keys an instrumentation records a response header under.
-_HEADER_PREFIXES: Final[tuple[str, ...]] = ("http.response.header.", "")
+
+def header_keys(name: str) -> tuple[str, ...]:
+    """The attribute keys response header ``name`` (lower case) may be recorded under.
+
+    As the semantic conventions spell it (``http.response.header.retry-after``),
+    as opentelemetry-util-http writes it (``-`` as ``_``: the httpx and requests
+    instrumentations' ``..._CAPTURE_HEADERS_CLIENT_RESPONSE``), and the plain
+    name an agent sets on its own span.
+    """
+    semconv = "http.response.header." + name
+    return tuple(dict.fromkeys((semconv, semconv.replace("-", "_"), name)))
 
 
-def _header_text(value: AttrValue) -> str:
+def header_text(value: AttrValue) -> str:
     if isinstance(value, tuple):
         value = value[0] if value else None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -395,9 +406,7 @@ def _header_text(value: AttrValue) -> str:
     return as_str(value, 128)
 
 
-_RETRY_KEYS: Final = frozenset(
-    prefix + name for name, _ in RETRY_HEADERS for prefix in _HEADER_PREFIXES
-)
+_RETRY_KEYS: Final = frozenset(key for name, _ in RETRY_HEADERS for key in header_keys(name))
 
 
 def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> float | None:
@@ -409,10 +418,10 @@ def retry_after_from_attributes(attrs: Mapping[str, AttrValue], now_ns: int) -> 
         return None
 
     def values(name: str) -> Iterator[str]:
-        for prefix in _HEADER_PREFIXES:
-            value = attrs.get(prefix + name)
+        for key in header_keys(name):
+            value = attrs.get(key)
             if value is not None:
-                yield _header_text(value)
+                yield header_text(value)
 
     return retry_after_from_headers(values, now=now_ns / 1e9)
 

@@ -36,6 +36,7 @@ from supervisor.normalize.evidence import (
     tool_message,
 )
 from supervisor.normalize.identity import dependency_and_tool, identify
+from supervisor.normalize.ratelimits import RATE_LIMIT_KEYS, rate_limits_of
 from supervisor.normalize.streaming import stream_began
 from supervisor.normalize.wire import LazyConverted, RawAttributes
 from supervisor.records import AttrValue, ErrorEvidence, Role, SpanRecord
@@ -240,6 +241,9 @@ def _normalize(span: SpanFields) -> SpanRecord:
         calls_tools=role is Role.LLM and bool(draft.tool_calls),
         session_id=draft.session_id,
         error=error,
+        rate_limits=None
+        if RATE_LIMIT_KEYS.isdisjoint(keys)
+        else rate_limits_of(attrs, span.end_ns / 1e9),
         attributes=span.attributes,
         resource_attributes=span.resource,
     )

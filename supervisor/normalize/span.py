@@ -26,6 +26,7 @@ from typing import Any, Final
 from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import AttributeSource, as_int
 from supervisor.normalize.identity import RUN_ORDER, SESSION_KEYS, dependency_of, session_of
+from supervisor.normalize.ratelimits import RATE_LIMIT_KEYS, rate_limits_of
 from supervisor.normalize.record import ANSWER_KEYS, MAX_SPAN_NAME, RESULT_KEYS, record_of
 from supervisor.normalize.wire import (
     LazyConverted,
@@ -34,7 +35,7 @@ from supervisor.normalize.wire import (
     read_varint,
     value_of,
 )
-from supervisor.records import AttrValue, SpanRecord
+from supervisor.records import AttrValue, RateLimitHeaders, SpanRecord
 
 __all__ = [
     "SESSION_KEYS",
@@ -75,6 +76,7 @@ WATCHED_RUN_KEYS: Final = (
     | _REQUEST_MARKERS
     | ANSWER_KEYS
     | RESULT_KEYS
+    | RATE_LIMIT_KEYS
 )
 #: Longest encoded text read for blankness (:attr:`Span.may_say_nothing`): longer is not blank.
 _SHORT_OUTPUT: Final = 256
@@ -108,6 +110,7 @@ class _Shape:
         "messages",
         "objective_key",
         "output_tokens_key",
+        "rate_limited",
         "requests",
         "result_keys",
         "session_keys",
@@ -125,6 +128,7 @@ class _Shape:
         self.result_keys = tuple(k for k in _RESULT_KEYS if k in present)
         self.objective_key = _first(present, _OBJECTIVE_KEYS)
         self.requests = not _REQUEST_MARKERS.isdisjoint(present)
+        self.rate_limited = not RATE_LIMIT_KEYS.isdisjoint(present)
 
 
 def _first(present: frozenset[str], keys: tuple[str, ...]) -> str | None:
@@ -281,6 +285,17 @@ class Span:
     @property
     def output_tokens(self) -> int:
         return _count(self.encoded, self._shape.output_tokens_key)
+
+    @property
+    def has_rate_limits(self) -> bool:
+        """Whether the span carries a provider's rate-limit header (a slot read)."""
+        return self._shape.rate_limited
+
+    def rate_limits(self) -> RateLimitHeaders | None:
+        """What its rate-limit headers say (:mod:`.ratelimits`); None without any."""
+        if not self._shape.rate_limited:
+            return None
+        return rate_limits_of(self.attributes, self.end_ns / 1e9)
 
     @property
     def tool_arguments(self) -> bytes | None:

@@ -19,6 +19,12 @@ The detectors that need a run's history:
 * **context pressure and budgets** (:mod:`.spend`), from token counts;
 * **re-anchoring**: a long run reminded of its objective.
 
+Every LLM call is also told to :attr:`RunTracker.llm_calls` (admission control
+learns a model's usual tokens and its provider's published limits): its
+tokens, and the provider's rate-limit headers the span recorded, or the plain
+HTTP span under it did (an instrumentation that captures response headers
+puts them there; the child ends, and is seen, first).
+
 A session's run may reach several sidecars of a fleet: with a ``fleet``
 (:mod:`.fleet`, through the breakers' Redis), its loops and budget are
 counted fleet-wide too, one round trip per batch (:meth:`RunTracker.share_begin`).
@@ -46,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Final
 from policies import DetectorSettings, ModelTable, SloSpec, SloTracker
 from supervisor.judge.steps import Steps
 from supervisor.normalize.span import Span, requested_calls
-from supervisor.records import own_run
+from supervisor.records import RateLimitHeaders, own_run
 from supervisor.runs import phase
 from supervisor.runs.detection import (
     NOTICE_RULES,
@@ -75,6 +81,8 @@ _MAX_BATCH_TRACES: Final = 4096
 #: Spans whose contributions to the fleet's counts are gathered before they are sent
 #: (mid-batch if need be): one script call of this many takes Redis a few milliseconds.
 _MAX_SHARED: Final = 1024
+#: HTTP spans' rate-limit headers kept for their LLM parent (which ends after them).
+_MAX_HEADERS_PENDING: Final = 1024
 #: Commands and delivery failures told by other threads, applied on the next tick.
 _MAX_NOTICES: Final = 100_000
 #: A run's end counts in its SLO once it stayed ended this long: the decision on
@@ -106,6 +114,10 @@ class RunTracker:
         fleet: FleetRuns | None = None,
     ) -> None:
         self._settings = settings
+        #: Told every LLM call: its dependency, tokens and rate-limit headers (set by the wiring).
+        self.llm_calls: Callable[[str, int, RateLimitHeaders | None], None] | None = None
+        #: Parent span id -> the rate-limit headers its HTTP child recorded.
+        self._headers: OrderedDict[bytes, RateLimitHeaders] = OrderedDict()
         #: Where a session's loops and budget are counted fleet-wide (None: here only).
         self.fleet = fleet
         self._charges = Charges(models)
@@ -227,6 +239,8 @@ class RunTracker:
         self._turn(run, span, now)
         dependency = span.dependency
         if not dependency or dependency.startswith("http:"):
+            if span.has_rate_limits and self.llm_calls is not None:
+                self._held_headers(span)
             return
         name = span.name
         run.step = name
@@ -319,6 +333,17 @@ class RunTracker:
         if self.fleet is not None:
             yield from self.fleet.collect_steps(found)
 
+    def _held_headers(self, span: Span) -> None:
+        """An HTTP span's rate-limit headers, kept for the LLM call it made (its parent)."""
+        parent = span.message.parent_span_id
+        limits = span.rate_limits()
+        if not parent or limits is None:
+            return
+        held = self._headers
+        held[parent] = limits
+        if len(held) > _MAX_HEADERS_PENDING:
+            held.popitem(last=False)
+
     @staticmethod
     def _tool_call(run: RunState, span: Span, dependency: str) -> _Compared:
         """Count a tool call; what a loop of it compares (its arguments, as encoded)."""
@@ -377,6 +402,12 @@ class RunTracker:
                     settings=settings,
                     held=over[0] if over else None,
                 )
+        told = self.llm_calls
+        if told is not None:
+            limits = span.rate_limits() if span.has_rate_limits else None
+            if limits is None and self._headers:
+                limits = self._headers.pop(span.span_id, None)
+            told(dependency, prompt + completion, limits)
         run.last_llm = span.requested()
         if run.tools_since_llm:
             run.tools_since_llm.clear()
