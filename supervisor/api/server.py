@@ -487,7 +487,9 @@ def build_control_app(
         " (why: limit, priority, share or paused). The fleet shares each key's limit in Redis;"
         " services share a contended key by the policy's weights.",
     )
-    async def admit(body: AdmitBody) -> dict[str, Any]:
+    def admit(body: AdmitBody) -> dict[str, Any]:
+        # A plain def: FastAPI runs it on its thread pool, so the Redis round trip (up
+        # to the link's timeout when Redis hangs) never holds the event loop.
         return control.admit(
             body.dependency,
             credential=body.credential,
