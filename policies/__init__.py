@@ -18,6 +18,7 @@ modules are private.
 from policies._breakers import BreakerChange, BreakerState, SharedStorage
 from policies._cascade import Cascade
 from policies._detectors import DetectorSettings
+from policies._forecast import Forecast
 from policies._governor import RUN_KINDS, Governor, counts_for_breaker
 from policies._loader import load_policy
 from policies._model_table import ModelTable
@@ -27,6 +28,7 @@ from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, Remediat
 from policies._schema_admission import AdmissionLimitSpec, AdmissionServiceSpec, AdmissionSpec
 from policies._schema_budgets import SloSpec
 from policies._schema_json import json_schema
+from policies._service_spend import SERVICE_BUDGET_RULE, ServiceSpend
 from policies._slo import SloTracker
 from policies._spend import ModelInfo, RunSpend
 from policies._verifiers import VerificationFailure, VerifierSet
@@ -42,6 +44,7 @@ from policies._window_counter import (
 __all__ = [
     "BUILTIN_REMEDIATORS",
     "RUN_KINDS",
+    "SERVICE_BUDGET_RULE",
     "Admission",
     "AdmissionLimitSpec",
     "AdmissionServiceSpec",
@@ -51,6 +54,7 @@ __all__ = [
     "Cascade",
     "CascadeTally",
     "DetectorSettings",
+    "Forecast",
     "Governor",
     "Limit",
     "ModelInfo",
@@ -59,6 +63,7 @@ __all__ = [
     "RemediatorBudgetSpec",
     "RemediatorSpec",
     "RunSpend",
+    "ServiceSpend",
     "SharedStorage",
     "SloSpec",
     "SloTracker",

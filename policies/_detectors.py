@@ -21,7 +21,13 @@ from policies._schema import (
     ServiceDetectorsSpec,
     StallsSpec,
 )
-from policies._schema_budgets import ContextPressureSpec, RunBudgetSpec, SloSpec
+from policies._schema_budgets import (
+    ContextPressureSpec,
+    RunBudgetSpec,
+    ServiceBudgets,
+    ServiceBudgetSpec,
+    SloSpec,
+)
 
 __all__ = ["DetectorSettings", "DetectorsSpec", "compile_detectors"]
 
@@ -43,6 +49,8 @@ class DetectorSettings:
     pressure_share: float | None = 0.9
     #: The run budget (None: not checked).
     budget: RunBudgetSpec | None = None
+    #: What all the service's runs may spend over a window (None: not checked).
+    service_budget: ServiceBudgetSpec | None = None
     #: Re-anchoring: from this many steps (or minutes) on, every ``reanchor_every`` steps.
     reanchor_after: int | None = None
     reanchor_after_s: float | None = None
@@ -52,7 +60,16 @@ class DetectorSettings:
 class CompiledDetectors:
     """Settings by service, resolved once per service name by the caller's memo."""
 
-    __slots__ = ("_base", "_services", "budget", "cascades", "models", "pressure", "slo")
+    __slots__ = (
+        "_base",
+        "_service_budgets",
+        "_services",
+        "budget",
+        "cascades",
+        "models",
+        "pressure",
+        "slo",
+    )
 
     def __init__(
         self,
@@ -63,8 +80,13 @@ class CompiledDetectors:
         budget: RunBudgetSpec | None = None,
         cascades: CascadesSpec | None = None,
         slo: SloSpec | None = None,
+        service_budgets: ServiceBudgets | None = None,
     ) -> None:
         self._base = base
+        #: Per service glob, what its runs may spend together (first match wins).
+        self._service_budgets = [
+            (GlobSet([glob]), spec) for glob, spec in (service_budgets or {}).items()
+        ]
         #: The run SLO every service is held to (None: no SLOs).
         self.slo = slo
         spec = cascades or CascadesSpec()
@@ -126,6 +148,9 @@ class CompiledDetectors:
                 else None
             ),
             reanchor_every=anchor.every_steps if anchor is not None else 10,
+            service_budget=next(
+                (spec for globs, spec in self._service_budgets if globs(service)), None
+            ),
         )
 
 
@@ -136,6 +161,7 @@ def compile_detectors(
     pressure: ContextPressureSpec | None = None,
     budget: RunBudgetSpec | None = None,
     slo: SloSpec | None = None,
+    service_budgets: ServiceBudgets | None = None,
 ) -> CompiledDetectors:
     """The file's detectors over the base's (the built-in policy's), key by key."""
     chosen = spec or base or DetectorsSpec()
@@ -151,4 +177,5 @@ def compile_detectors(
         budget=budget,
         cascades=chosen.cascades or (base.cascades if base is not None else None),
         slo=slo,
+        service_budgets=service_budgets,
     )

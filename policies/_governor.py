@@ -97,7 +97,14 @@ _DIVERTED: Final[tuple[Action, ...]] = (
 #: last model says nothing about them (a stall's resume_run must keep its list of
 #: unverified work, a person must still be asked about an interrupt).
 RUN_KINDS: Final = frozenset(
-    {"stall", "reasoning_loop", "goal_drift", "budget_exceeded", "approval_required"}
+    {
+        "stall",
+        "reasoning_loop",
+        "goal_drift",
+        "budget_exceeded",
+        "budget_forecast",
+        "approval_required",
+    }
 )
 #: Where in ``resume_spread_s`` the runs after the first trials start resuming.
 _SPREAD_FROM: Final = 0.25

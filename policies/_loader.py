@@ -29,13 +29,16 @@ from policies._schema import (
     KNOWN_KEYS,
     BreakersSpec,
     DecisionMatch,
+    EscalateEntry,
     PolicyFile,
     RestartIntensitySpec,
     RetryBudgetSpec,
     SimpleEntry,
 )
 from policies._schema_admission import AdmissionSpec
+from policies._schema_budgets import ServiceBudgets
 from policies._schema_fields import BUILTIN_PREFIX
+from policies._service_spend import SERVICE_BUDGET_RULE
 from policies._verifiers import compile_verifiers
 from policies._yamldoc import MAX_TEXT_CHARS, PathElem, YamlDoc, join_path, parse
 from supervisor.errors import PolicyError, PolicyIssue
@@ -354,10 +357,19 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
         # The budget's own action comes before the built-in escalation.
         abort = SimpleEntry(
             name="builtin.run_budget_abort",
-            match=DecisionMatch(kind=["budget_exceeded"]),
+            match=DecisionMatch(kind=["budget_exceeded", "budget_forecast"]),
             action="fail_fast",
         )
         base_entries = (compile_entry(abort, observe=spec.observe), *base_entries)
+    service_budgets = spec.service_budgets or builtin_spec.service_budgets
+    # Each service budget's own action, before the run budget's (first glob first).
+    base_entries = (
+        *(
+            compile_entry(entry, observe=spec.observe)
+            for entry in _service_budget_entries(service_budgets)
+        ),
+        *base_entries,
+    )
     remediators = {**builtin_spec.remediators, **spec.remediators}
     return Policy(
         rules,
@@ -375,8 +387,22 @@ def _layer(spec: PolicyFile, doc: YamlDoc) -> Policy:
             pressure=spec.context_pressure or builtin_spec.context_pressure,
             budget=spec.run_budget or builtin_spec.run_budget,
             slo=spec.slo or builtin_spec.slo,
+            service_budgets=service_budgets,
         ),
     )
+
+
+def _service_budget_entries(budgets: ServiceBudgets) -> list[SimpleEntry | EscalateEntry]:
+    """A decision entry per service budget: its action for its services' reports."""
+    entries: list[SimpleEntry | EscalateEntry] = []
+    for glob, budget in budgets.items():
+        match = DecisionMatch(rule=[SERVICE_BUDGET_RULE], service=[glob])
+        name = "builtin.service_budget"
+        if budget.action == "abort_run":
+            entries.append(SimpleEntry(name=name, match=match, action="fail_fast"))
+        else:
+            entries.append(EscalateEntry(name=name, match=match, action="escalate"))
+    return entries
 
 
 def _limits(spec: PolicyFile, base: PolicyFile | None) -> RuntimeLimits:

@@ -39,6 +39,8 @@ from policies._schema_budgets import (
     ContextPressureSpec,
     ModelInfoSpec,
     RunBudgetSpec,
+    ServiceBudgets,
+    ServiceBudgetSpec,
     SloSpec,
 )
 from policies._schema_fields import (
@@ -640,6 +642,11 @@ class PolicyFile(_Strict):
     run_budget: RunBudgetSpec | None = Field(
         default=None, description="Tokens and cost one run may spend; unset: the built-in's."
     )
+    service_budgets: ServiceBudgets = Field(
+        default_factory=dict,
+        description="Service glob -> tokens and cost all its runs may spend over a window;"
+        " first match wins.",
+    )
     slo: SloSpec | None = Field(
         default=None,
         description="Run SLO per service (success, duration, cost) with burn-rate windows.",
@@ -687,6 +694,7 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         ServiceDetectorsSpec,
         ContextPressureSpec,
         RunBudgetSpec,
+        ServiceBudgetSpec,
         ModelInfoSpec,
         SloSpec,
         VerifierSpec,

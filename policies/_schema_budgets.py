@@ -23,6 +23,8 @@ __all__ = [
     "ModelOverrides",
     "ModelTableFile",
     "RunBudgetSpec",
+    "ServiceBudgetSpec",
+    "ServiceBudgets",
     "SloSpec",
 ]
 
@@ -98,6 +100,15 @@ class ContextPressureSpec(_Strict):
     )
 
 
+_FORECAST_S = Field(
+    default=60.0,
+    ge=0,
+    le=86_400,
+    description="Act before the cap: when the recent burn rate reaches it within this many"
+    " seconds, or one more call of the average cost would cross it; 0: only once crossed.",
+)
+
+
 class RunBudgetSpec(_Strict):
     """What one run may spend before it is stopped: ``permanent / budget_exceeded``.
 
@@ -105,6 +116,11 @@ class RunBudgetSpec(_Strict):
     that spends exactly ``max_tokens`` is within it). Unset limits are not
     checked; with neither set there is no budget. Cost is counted only for
     models the table prices; tokens of the others still count.
+
+    Before it is crossed, a *forecast* (``permanent / budget_forecast``, once
+    per run) gets the same action when the cap is ``forecast_s`` away at the
+    run's recent burn rate, or one more call of its average cost would cross it
+    (:mod:`policies._forecast`); the crossing stays reported as a backstop.
     """
 
     max_tokens: int | None = Field(
@@ -112,8 +128,43 @@ class RunBudgetSpec(_Strict):
     )
     max_cost_usd: float | None = Field(default=None, gt=0, le=1_000_000, description="USD per run.")
     action: Literal["escalate", "abort_run"] = Field(
-        default="escalate", description="What a crossed budget leads to."
+        default="escalate", description="What a crossed or forecast budget leads to."
     )
+    forecast_s: float = _FORECAST_S
+
+
+class ServiceBudgetSpec(_Strict):
+    """What all runs of one service may spend over a sliding window (one sidecar's count).
+
+    Counted per service name (a glob's services each have their own cap). When
+    the window's spend is forecast to reach a cap (as a run budget's
+    ``forecast_s``) or has crossed it, every run of the service gets ``action``
+    at its next LLM call, once per run, until the window's spend falls back.
+    """
+
+    max_tokens: int | None = Field(
+        default=None, gt=0, le=10**15, description="Input plus output tokens in the window."
+    )
+    max_cost_usd: float | None = Field(
+        default=None, gt=0, le=1_000_000_000, description="USD in the window."
+    )
+    window_s: float = Field(
+        default=86_400.0, ge=60, le=MAX_SLO_WINDOW_S, description="The sliding window, seconds."
+    )
+    action: Literal["escalate", "abort_run"] = Field(
+        default="escalate", description="What the service's runs get when the cap is near."
+    )
+    forecast_s: float = _FORECAST_S
+
+    @model_validator(mode="after")
+    def _some_cap(self) -> ServiceBudgetSpec:
+        if self.max_tokens is None and self.max_cost_usd is None:
+            raise ValueError("give max_tokens, max_cost_usd or both")
+        return self
+
+
+#: ``service_budgets:``: service glob -> its budget; the first matching glob wins.
+ServiceBudgets = Annotated[dict[Glob, ServiceBudgetSpec], Field(max_length=256)]
 
 
 class SloSpec(_Strict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from policies._forecast import Burn, Forecast, due_now, forecast
 from policies._schema_budgets import RunBudgetSpec
 
 __all__ = ["MAX_MODEL_NAME", "MAX_TOKENS_PER_CALL", "ModelInfo", "RunSpend", "clamp_tokens"]
@@ -63,6 +64,8 @@ class RunSpend:
 
     __slots__ = (
         "_reported",
+        "budget",
+        "burn",
         "calls",
         "cost_usd",
         "input_tokens",
@@ -88,6 +91,10 @@ class RunSpend:
         # Made when first needed: most runs are priced and within budget.
         self.unpriced_models: list[str] | None = None
         self._reported: set[str] | None = None
+        #: How fast it spends now (from its first call with usage), and the budget
+        #: it was last held to (for :meth:`outlook`).
+        self.burn: Burn | None = None
+        self.budget: RunBudgetSpec | None = None
 
     @property
     def tokens(self) -> int:
@@ -157,6 +164,72 @@ class RunSpend:
         reported.update(new)
         return "+".join(new)
 
+    def burned(self, at: float, cost: float | None, tokens: int) -> None:
+        """The call just added ended ``at`` (seconds): its burn; the first one opens it."""
+        if self.burn is None:
+            self.burn = Burn(at)
+        else:
+            self.burn.add(at, cost or 0.0, tokens)
+
+    def forecast_due(self, budget: RunBudgetSpec) -> Forecast | None:
+        """A budget kind about to be crossed, once per run (see :mod:`policies._forecast`).
+
+        None when nothing is due, or a forecast (or a crossing) of the run was
+        reported already. Remembers ``budget`` for :meth:`outlook`.
+        """
+        self.budget = budget
+        if self._reported or budget.forecast_s <= 0:
+            return None
+        rates = self.burn.rates() if self.burn is not None else None
+        cost_rate, token_rate = (None, None) if rates is None else rates
+        horizon, calls = budget.forecast_s, self.calls
+        if not due_now(
+            spent=self.cost_usd,
+            cap=budget.max_cost_usd,
+            rate=cost_rate,
+            calls=calls,
+            horizon_s=horizon,
+        ) and not due_now(
+            spent=self.tokens,
+            cap=budget.max_tokens,
+            rate=token_rate,
+            calls=calls,
+            horizon_s=horizon,
+        ):
+            return None  # what most calls find: nothing is made
+        nearest = self.outlook()
+        if nearest is None or not nearest.due:
+            return None
+        self._reported = {"forecast"}
+        return nearest
+
+    def outlook(self) -> Forecast | None:
+        """Where the spend is headed against the last budget it was held to: the nearest
+        cap, due ones first (None: no budget, or every cap crossed)."""
+        budget = self.budget
+        if budget is None:
+            return None
+        burn = self.burn
+        rates = burn.rates() if burn is not None else None
+        cost_rate, token_rate = (None, None) if rates is None else rates
+        nearest: Forecast | None = None
+        for kind, spent, cap, rate in (
+            ("max_cost_usd", self.cost_usd, budget.max_cost_usd, cost_rate),
+            ("max_tokens", float(self.tokens), budget.max_tokens, token_rate),
+        ):
+            seen = forecast(
+                kind=kind,
+                spent=spent,
+                cap=None if cap is None else float(cap),
+                rate=rate,
+                calls=self.calls,
+                horizon_s=budget.forecast_s,
+                at=burn.last if burn is not None else None,
+            )
+            if seen is not None and (nearest is None or _sooner(seen, nearest)):
+                nearest = seen
+        return nearest
+
     def describe(self, budget: RunBudgetSpec | None = None) -> str:
         """One line for a failure message: spend against the budget's limits."""
         tokens = f"{self.tokens:,} tokens"
@@ -181,3 +254,12 @@ class RunSpend:
             "cost_partial": self.partial,
             "unpriced_calls": self.unpriced_calls,
         }
+
+
+def _sooner(one: Forecast, other: Forecast) -> bool:
+    """Whether ``one`` is the nearer cap: due before not due, then the sooner one."""
+    if bool(one.due) != bool(other.due):
+        return bool(one.due)
+    if one.eta_s is None or other.eta_s is None:
+        return other.eta_s is None and one.spent / one.cap > other.spent / other.cap
+    return one.eta_s < other.eta_s

@@ -99,6 +99,7 @@ BUILTIN_KINDS: Final[tuple[str, ...]] = (
     "stall",
     "verification_failed",
     "budget_exceeded",
+    "budget_forecast",
     "goal_drift",
     "approval_required",
     "tool_error",

@@ -657,7 +657,10 @@ context_pressure:
 def test_a_run_over_its_token_budget_is_stopped_once(
     agent: Agent, action: str, decided: str
 ) -> None:
-    agent.use_policy(f"version: 1\nrun_budget: {{max_tokens: 300, action: {action}}}\n")
+    # forecast_s 0: the crossing alone (test_budget_forecast stops runs before the cap).
+    agent.use_policy(
+        f"version: 1\nrun_budget: {{max_tokens: 300, action: {action}, forecast_s: 0}}\n"
+    )
     with agent.run():
         for city in ("Paris", "Rome", "Oslo", "Lima", "Pune"):
             response = agent.ask(Reply.tool_call("get_weather", {"city": city}, usage=(100, 20)))

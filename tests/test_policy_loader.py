@@ -647,6 +647,7 @@ def test_json_schema_describes_the_file() -> None:
         "detectors",
         "context_pressure",
         "run_budget",
+        "service_budgets",
         "verifiers",
         "slo",
     }

@@ -25,6 +25,7 @@ def test_policies_exports() -> None:
         "Cascade",
         "CascadeTally",
         "DetectorSettings",
+        "Forecast",
         "Governor",
         "Limit",
         "ModelInfo",
@@ -34,6 +35,8 @@ def test_policies_exports() -> None:
         "RemediatorBudgetSpec",
         "RemediatorSpec",
         "RunSpend",
+        "SERVICE_BUDGET_RULE",
+        "ServiceSpend",
         "SharedStorage",
         "SloSpec",
         "SloTracker",
@@ -159,7 +162,8 @@ def test_vocabulary() -> None:
         "none",
     ]
     assert [r.value for r in records.Role] == ["llm", "tool", "agent", "chain", "http", "other"]
-    assert len(records.BUILTIN_KINDS) == 22  # approval_required: an agent asks a person
+    # approval_required: an agent asks a person; budget_forecast: a cap reached soon
+    assert len(records.BUILTIN_KINDS) == 23
 
 
 def test_replay_jsonl_keys() -> None:

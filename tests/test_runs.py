@@ -289,7 +289,15 @@ def test_runs_are_bounded_and_what_goes_is_counted() -> None:
         feed(tracker, payload(span("s", {}, trace=bytes([n + 1]) * 16)), now=1000.0 + n)
     assert len(tracker) == 3 and tracker.evicted == 2
     tracker.stalled(now=1103.5)  # the two oldest left are past max_idle_s
-    assert tracker.stats() == {"tracked": 1, "evicted": 2, "expired": 2, "notices_dropped": 0}
+    assert tracker.stats() == {
+        "tracked": 1,
+        "evicted": 2,
+        "expired": 2,
+        "notices_dropped": 0,
+        "budget_forecasts": 0,
+        "service_budget_stops": 0,
+        "service_budgets_tracked": 0,
+    }
 
 
 def test_a_run_evicted_in_the_middle_of_a_batch_is_not_counted_into() -> None:
@@ -547,7 +555,15 @@ def test_the_stall_timer_stops_at_the_first_recent_run_and_finds_the_same_stalls
     assert (
         bounded.stats()
         == scanned.stats()
-        == {"tracked": 3, "evicted": 0, "expired": 1, "notices_dropped": 0}
+        == {
+            "tracked": 3,
+            "evicted": 0,
+            "expired": 1,
+            "notices_dropped": 0,
+            "budget_forecasts": 0,
+            "service_budget_stops": 0,
+            "service_budgets_tracked": 0,
+        }
     )
     # The clock went back: runs seen "in the future" are passed over, not taken as recent.
     feed(bounded, payload(span("step", {}, trace=b"\x09" * 16)), now=500.0)

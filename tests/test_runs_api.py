@@ -315,7 +315,15 @@ def test_a_real_tracker_is_listed_as_it_counts() -> None:
 
     body = client.get("/v1/runs", headers=AUTH).json()
 
-    assert body["stats"] == {"tracked": 1, "evicted": 0, "expired": 0, "notices_dropped": 0}
+    assert body["stats"] == {
+        "tracked": 1,
+        "evicted": 0,
+        "expired": 0,
+        "notices_dropped": 0,
+        "budget_forecasts": 0,
+        "service_budget_stops": 0,
+        "service_budgets_tracked": 0,
+    }
     [run] = body["runs"]
     assert run == {
         "run_id": "conv-7",
@@ -334,6 +342,7 @@ def test_a_real_tracker_is_listed_as_it_counts() -> None:
         "spans_per_minute": 9.0,
         "cost_usd": None,  # a tracker without the model table prices nothing
         "cost_partial": False,
+        "forecast": None,  # no budget
     }
     assert client.get("/v1/runs?status=ended", headers=AUTH).json()["runs"] == []
     assert _ids(client.get("/v1/runs?service=agent", headers=AUTH).json()) == ["conv-7"]

@@ -225,8 +225,10 @@ def test_a_budget_crossed_by_the_fleet_total_is_reported_once(namespace: str) ->
     assert over.details["tokens"] == 360 and over.details["calls"] == 3
     assert over.message.startswith("max_tokens: run spent 360 tokens")
     assert batch(b, calls[3]) + batch(a, calls[4]) == []  # once fleet-wide
-    # The same calls on one sidecar alone: the same report.
-    (alone,) = batch(tracker(policy), *(in_session(llm(f"answer {n}"), n) for n in range(3)))
+    # The same calls on one sidecar alone: the same report (after its own forecast,
+    # which a session the fleet counts does not get).
+    forecast, alone = batch(tracker(policy), *(in_session(llm(f"answer {n}"), n) for n in range(3)))
+    assert (forecast.kind, forecast.details["tokens"]) == ("budget_forecast", 240)
     assert (alone.message, dict(alone.details)) == (over.message, dict(over.details))
 
 

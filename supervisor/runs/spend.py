@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from typing import Final
 
-from policies import DetectorSettings, ModelInfo, ModelTable, RunSpend
+from policies import (
+    SERVICE_BUDGET_RULE,
+    DetectorSettings,
+    Forecast,
+    ModelInfo,
+    ModelTable,
+    RunSpend,
+    ServiceSpend,
+)
 from supervisor.runs.detection import BUDGET_RULE, PRESSURE_RULE, Detection, detection_at
 from supervisor.runs.state import RunState
 
-__all__ = ["Charges", "budget_crossed"]
+__all__ = ["Charges", "budget_crossed", "budget_forecast"]
 
 #: Dependencies whose model table entry is remembered (then forgotten at once).
 _MAX_MODELS_MEMO: Final = 4096
@@ -17,11 +25,16 @@ _MAX_MODELS_MEMO: Final = 4096
 class Charges:
     """Prices calls by the policy's model table and reports what crosses a line.
 
-    ``models`` None: no context pressure, no budgets, no cost.
+    ``models`` None: no context pressure, no budgets, no cost. ``services``:
+    each service's spend over its budget's window (kept when the table changes).
     """
 
-    def __init__(self, models: ModelTable | None) -> None:
+    def __init__(self, models: ModelTable | None, services: ServiceSpend | None = None) -> None:
         self.models = models
+        self.services = ServiceSpend() if services is None else services
+        #: Runs stopped by a forecast of their own budget, and by their service's budget.
+        self.forecasts = 0
+        self.service_stops = 0
         #: dependency -> its table entry: the table's own lookup takes a lock and
         #: tries several spellings, once per run otherwise.
         self._known: dict[str, ModelInfo | None] = {}
@@ -37,12 +50,18 @@ class Charges:
         settings: DetectorSettings,
         found: list[Detection],
         over: list[Detection] | None = None,
+        at: float | None = None,
+        now: float = 0.0,
     ) -> float | None:
-        """One LLM call's tokens: context pressure, then the run's spend against its budget.
+        """One LLM call's tokens: context pressure, then the run's spend against its budget
+        and its service's.
 
         A budget crossing goes to ``over`` when given (a run the fleet counts:
-        see :mod:`.fleet`), else to ``found``. Returns the call's cost (None:
-        its model has no price, or there is no model table).
+        see :mod:`.fleet`), else to ``found``, with the forecast (from ``at``:
+        when the call ended), which a run the fleet counts does not get; a
+        service's budget (this sidecar's count) always goes to ``found``.
+        ``now``: this sidecar's clock, for the service's window. Returns the
+        call's cost (None: its model has no price, or there is no model table).
         """
         models = self.models
         if models is None:
@@ -82,6 +101,19 @@ class Charges:
             spend = run.spend = RunSpend()
         # The dependency names the model in the list of unpriced ones (provider:model).
         cost = spend.add_known(run.model, info, prompt, completion)
+        if at is not None:
+            spend.burned(at, cost, prompt + completion)
+        if settings.service_budget is not None:
+            self._service(
+                run,
+                span_id,
+                dependency,
+                cost=cost,
+                tokens=prompt + completion,
+                settings=settings,
+                now=now,
+                found=found,
+            )
         budget = settings.budget
         if budget is None:
             return cost
@@ -97,7 +129,48 @@ class Charges:
                     settings=settings,
                 )
             )
+        elif over is None and (due := spend.forecast_due(budget)) is not None:
+            # A session the fleet counts is forecast nowhere: this sidecar sees part of
+            # its spend and its rate, and the fleet's crossing is the one that holds.
+            self.forecasts += 1
+            found.append(
+                budget_forecast(run, span_id=span_id, dependency=dependency, due=due, spend=spend)
+            )
         return cost
+
+    def _service(
+        self,
+        run: RunState,
+        span_id: bytes,
+        dependency: str,
+        *,
+        cost: float | None,
+        tokens: int,
+        settings: DetectorSettings,
+        now: float,
+        found: list[Detection],
+    ) -> None:
+        """The call in its service's window: while the service's cap is near or crossed,
+        each of its runs is reported once, at its next LLM call."""
+        spec = settings.service_budget
+        assert spec is not None
+        outlook = self.services.charge(run.service, spec, now=now, cost=cost or 0.0, tokens=tokens)
+        if not outlook.stop or run.service_stopped:
+            return
+        run.service_stopped = True
+        self.service_stops += 1
+        found.append(
+            detection_at(
+                run,
+                span_id,
+                dependency,
+                kind="budget_exceeded" if outlook.crossed else "budget_forecast",
+                failure_class="permanent",
+                rule=SERVICE_BUDGET_RULE,
+                message=outlook.describe(spec),
+                details=outlook.to_json(),
+            )
+        )
 
     def _info(self, models: ModelTable, dependency: str) -> ModelInfo | None:
         known = self._known
@@ -130,4 +203,20 @@ def budget_crossed(
         rule=BUDGET_RULE,
         message=f"{crossed}: {spend.describe(budget)}",
         details={"crossed": crossed, **spend.to_json()},
+    )
+
+
+def budget_forecast(
+    run: RunState, *, span_id: bytes, dependency: str, due: Forecast, spend: RunSpend
+) -> Detection:
+    """``run``'s ``spend`` will reach its budget soon (``due`` says which cap, how soon)."""
+    return detection_at(
+        run,
+        span_id,
+        dependency,
+        kind="budget_forecast",
+        failure_class="permanent",
+        rule=BUDGET_RULE,
+        message=f"{due.describe()}: {spend.describe()}",
+        details={"forecast": due.to_json(), **spend.to_json()},
     )

@@ -33,6 +33,9 @@ class RunView:
     cost_usd: float | None = None
     #: Some calls were of models without a price: ``cost_usd`` is a lower bound.
     cost_partial: bool = False
+    #: Where its spend is headed against its budget, from its recent burn rate
+    #: (:meth:`policies.Forecast.to_json`; None: no budget, or no call yet).
+    forecast: dict[str, object] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -52,6 +55,7 @@ class RunView:
             "spans_per_minute": round(self.spans_per_minute, 2),
             "cost_usd": None if self.cost_usd is None else round(self.cost_usd, 6),
             "cost_partial": self.cost_partial,
+            "forecast": self.forecast,
         }
 
 
@@ -87,6 +91,7 @@ class RunState:
         "pressured",
         "run_id",
         "service",
+        "service_stopped",
         "spans",
         "spend",
         "stalled",
@@ -162,6 +167,8 @@ class RunState:
         self.tools_since_llm: list[str] | None = None
         #: Tokens and cost so far, from the first call with usage.
         self.spend: RunSpend | None = None
+        #: Reported once for its service's budget (see :mod:`.spend`).
+        self.service_stopped = False
 
     def fold(self, early: RunState) -> None:
         """Take in the counts of a trace's first spans, seen before it named its session."""
@@ -199,4 +206,10 @@ def view(run: RunState, now: float, status: str) -> RunView:
         spans_per_minute=run.spans / minutes,
         cost_usd=spend.cost_usd if spend is not None and spend.calls else None,
         cost_partial=spend.partial if spend is not None else False,
+        forecast=_outlook(spend),
     )
+
+
+def _outlook(spend: RunSpend | None) -> dict[str, object] | None:
+    found = spend.outlook() if spend is not None else None
+    return found.to_json() if found is not None else None

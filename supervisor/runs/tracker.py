@@ -175,7 +175,7 @@ class RunTracker:
 
     @models.setter
     def models(self, table: ModelTable | None) -> None:
-        self._charges = Charges(table)
+        self._charges = Charges(table, self._charges.services)
 
     def settings_for(self, service: str) -> DetectorSettings:
         found = self._settings_memo.get(service)
@@ -260,7 +260,7 @@ class RunTracker:
         compared = (
             self._tool_call(run, span, dependency)
             if tool
-            else self._llm_call(run, span, dependency, settings, found, share=share)
+            else self._llm_call(run, span, dependency, settings, found, share=share, now=now)
         )
         if compared is None or not settings.loops or not repeats:
             return
@@ -366,6 +366,7 @@ class RunTracker:
         found: list[Detection],
         *,
         share: RunShare | None,
+        now: float,
     ) -> _Compared | None:
         """Count an LLM call, its tokens and spend; what a loop of it compares (its answer).
 
@@ -383,6 +384,8 @@ class RunTracker:
                 share is not None and settings.budget is not None and charges.models is not None
             )
             over: list[Detection] | None = [] if shared else None
+            # The run's burn rate is timed by its own spans (exports come in batches).
+            end = span.end_ns / 1e9
             cost = charges.charge(
                 run,
                 span.span_id,
@@ -392,6 +395,8 @@ class RunTracker:
                 settings=settings,
                 found=found,
                 over=over,
+                at=end if end > 0 else now,
+                now=now,
             )
             if share is not None and over is not None:
                 share.charge(
@@ -899,6 +904,11 @@ class RunTracker:
             "evicted": self.evicted,
             "expired": self.expired,
             "notices_dropped": self.notices_dropped,
+            # Runs stopped before their cap (a forecast of their budget), and by
+            # their service's budget (forecast or crossed).
+            "budget_forecasts": self._charges.forecasts,
+            "service_budget_stops": self._charges.service_stops,
+            "service_budgets_tracked": len(self._charges.services),
         }
         fleet = self.fleet
         if fleet is not None:  # sessions' batches counted fleet-wide, and judged here alone
