@@ -21,6 +21,7 @@ from policies._detectors import DetectorSettings
 from policies._governor import RUN_KINDS, Governor, counts_for_breaker
 from policies._loader import load_policy
 from policies._model_table import ModelTable
+from policies._pacer import Capacity
 from policies._policy import Policy
 from policies._regex import regex_timeouts
 from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, RemediatorSpec
@@ -47,6 +48,7 @@ __all__ = [
     "AdmissionSpec",
     "BreakerChange",
     "BreakerState",
+    "Capacity",
     "Cascade",
     "CascadeTally",
     "DetectorSettings",

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from starlette.applications import Starlette
 
-from policies import AdmissionSpec, Governor, Policy, load_policy, regex_timeouts
+from policies import Governor, Policy, load_policy, regex_timeouts
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
@@ -34,7 +34,6 @@ from supervisor.act.store import Store
 from supervisor.act.store_runs import StoredRuns
 from supervisor.act.store_writer import StoreHealth, StoreWriter
 from supervisor.admission import Admitter
-from supervisor.admission.config import admitter_for
 from supervisor.admission.config import configure as configure_admission
 from supervisor.api.control import Control
 from supervisor.api.metrics import MetricSources, exposition
@@ -122,6 +121,9 @@ class SidecarParts:
     governor: Governor
     #: What the governor calls on each breaker change.
     breakers: BreakerReport
+    #: Admission control, fleet-wide through the breakers' Redis link when there is one
+    #: (a policy reload gives it the new limits); its rates pace the governor's resumes.
+    admitter: Admitter
     store: Store
     #: Push channels by service (``"*"``: the default); one actuator may serve several.
     actuators: Mapping[str, Actuator]
@@ -218,11 +220,7 @@ class Sidecar:
         self.governor = parts.governor
         self.breakers = parts.breakers
         self.breaker_link = parts.breaker_link
-        #: Admission control, fleet-wide through the breakers' Redis link when there is one
-        #: (a policy reload gives it the new limits).
-        self.admitter = _admitter(
-            parts.policy().limits.admission, self.breaker_link, parts.settings
-        )
+        self.admitter = parts.admitter
         self.store = parts.store
         self.actuators = parts.actuators
         self.dispatcher = parts.dispatcher
@@ -978,12 +976,3 @@ def _fleet_breakers(link: RedisLink | None) -> Callable[[], list[str] | None] | 
     """What lists the fleet's breakers (their index in Redis); None: breakers are not shared."""
     index = link.index if link is not None else None
     return index.names if index is not None else None
-
-
-def _admitter(spec: AdmissionSpec, link: RedisLink | None, settings: Settings) -> Admitter:
-    """The admitter, its buckets in the breakers' Redis (same link) when the fleet has one."""
-    if link is None:
-        return admitter_for(spec)
-    from supervisor.admission.shared import RedisBucket  # needs the `fleet` extra
-
-    return admitter_for(spec, RedisBucket(link, settings.breaker_redis_namespace))

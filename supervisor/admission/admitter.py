@@ -87,6 +87,12 @@ class Admitter:
         by_model = f"{key.provider}:{key.model}"
         return self._overrides.get(str(key)) or self._overrides.get(by_model) or self._default
 
+    def rpm(self, key: AdmissionKey) -> float:
+        """``key``'s requests a minute now: its ceiling times what its model learned."""
+        learner = self._learner(f"{key.provider}:{key.model}")
+        with self._lock:
+            return self._ceiling(key).rpm * learner.fraction()
+
     def admit(self, key: AdmissionKey, *, priority: str = "normal", tokens: int = 0) -> Decision:
         rank = PRIORITIES[priority]
         model = f"{key.provider}:{key.model}"

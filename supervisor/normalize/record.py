@@ -101,6 +101,8 @@ class SpanFields(Protocol):
     def dependency(self) -> str: ...
     @property
     def session_id(self) -> str: ...
+    @property
+    def credential(self) -> str: ...
 
 
 def output_recorded(present: frozenset[str], role: Role) -> bool:
@@ -242,6 +244,7 @@ def _normalize(span: SpanFields) -> SpanRecord:
         error=error,
         attributes=span.attributes,
         resource_attributes=span.resource,
+        credential=span.credential,
     )
 
 
