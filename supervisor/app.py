@@ -54,6 +54,7 @@ from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.ingest.wal import IngestLog, LoggedBatch, NoLog, Releases
 from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.judge.steps import Steps, chunks, drive
+from supervisor.normalize.credential import refused as refused_credentials
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
@@ -841,6 +842,8 @@ class Sidecar:
             "breakers": {
                 "tracked": len(self.governor.board),
                 "changes": self.breakers.changes,
+                # spanvisor.credential values ignored: a secret, or not a name.
+                "credentials_refused": refused_credentials(),
                 "not_closed": sum(
                     1 for b in self.governor.board.snapshot() if b.state.value != "closed"
                 ),
