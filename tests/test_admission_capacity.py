@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from policies import Governor, load_policy
 from supervisor.admission.capacity import AdmissionCapacity
 from supervisor.admission.config import admitter_for
 from supervisor.records import Action, ErrorEvidence, Failure, FailureClass, Role
+from supervisor.wiring import build_sidecar
+from tests.test_app import settings
 
 POLICY = """\
 version: 1
@@ -91,3 +95,23 @@ def test_retries_are_spaced_at_the_learned_rate() -> None:
     assert delays("openai:gpt-4o") == [round(1 + n * 60 / 42, 3) for n in range(5)]
     # Its own slots, at its own ceiling (120), lowered by the model's 429 too (84).
     assert delays("openai:gpt-4o@team-a") == [round(1 + n * 60 / 84, 3) for n in range(5)]
+
+
+def test_a_built_sidecar_paces_by_its_admitter(tmp_path: Path) -> None:
+    """The wiring hands the governor the admitter's rates; a reload disabling admission
+    stops the pacing (read at each question)."""
+    sidecar = build_sidecar(settings(tmp_path), load_policy())
+    try:
+        pacer = sidecar.governor.pacer
+        assert pacer.interval("openai:gpt-4o") == pytest.approx(0.1)  # built-in: 600 rpm
+        assert pacer.interval("openai:gpt-4o@team-a") == pytest.approx(0.1)
+        sidecar.admitter.throttled("openai:gpt-4o")
+        assert pacer.interval("openai:gpt-4o") == pytest.approx(60 / 420)
+        assert pacer.interval("search") is None
+        off = load_policy(text="version: 1\nadmission: {enabled: false}\n")
+        sidecar.policy_in_force.replace(off)
+        assert pacer.interval("openai:gpt-4o") is None
+    finally:
+        sidecar.metrics.shutdown(1)
+        sidecar.tracer.shutdown(1)
+        sidecar.store.close()
