@@ -22,6 +22,7 @@ from policies._forecast import Forecast
 from policies._governor import RUN_KINDS, Governor, counts_for_breaker
 from policies._loader import load_policy
 from policies._model_table import ModelTable
+from policies._pacer import Capacity
 from policies._policy import Policy
 from policies._regex import regex_timeouts
 from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, RemediatorSpec
@@ -51,6 +52,7 @@ __all__ = [
     "AdmissionSpec",
     "BreakerChange",
     "BreakerState",
+    "Capacity",
     "Cascade",
     "CascadeTally",
     "DetectorSettings",

@@ -115,7 +115,8 @@ class CascadeDetector:
         for failure in failures:
             if not failure.dependency:
                 continue
-            window = self._window(failure.dependency)
+            key = failure.breaker_key  # counted as its breaker counts it (calls are so keyed)
+            window = self._window(key)
             span = failure.trace_id + failure.span_id
             if span in window.spans:
                 continue  # the same failing span again: an exporter re-sent it
@@ -124,8 +125,8 @@ class CascadeDetector:
             window.failures += 1
             window.total += 1
             self._trim(window)
-            touched[failure.dependency] = failure
-            counted.setdefault(failure.dependency, []).append(failure.run_id)
+            touched[key] = failure
+            counted.setdefault(key, []).append(failure.run_id)
         shared = self._shared
         for dependency, last in touched.items():
             window = self._windows[dependency]

@@ -30,6 +30,13 @@ No fallback is offered for a failed call whose streamed answer had begun
 **Slow calls** open a breaker too, when its settings have ``slow_call_s``:
 the pipeline then hands over each call's duration (:meth:`observe_durations`).
 
+**Keyed per credential.** A failure or call whose span names its credential
+(``failure.credential``) counts for the breaker, the retry budget and the
+pace of ``provider:model@credential`` (:attr:`~supervisor.records.Failure.breaker_key`),
+with the breaker settings of ``provider:model``: one exhausted API key does
+not open the breaker of the model's other keys. Policies, fallbacks and
+restart intensity still see the dependency.
+
 **Pauses behind an open breaker are staggered.** The first
 ``half_open_trials`` runs paused while a breaker is open resume when it
 half-opens: they are its trial calls. Every other run resumes later, at a
@@ -38,6 +45,16 @@ by a hash of its run id and the dependency (the same run always gets the same
 place, so a replay decides the same). The decision carries the pause's
 deadline and outcome for the ``pause_run`` command: ``pause_timeout_s`` (the
 resume delay) and ``on_timeout: resume``.
+
+**Paced at the dependency's capacity.** Given a :class:`~policies._pacer.Capacity`
+(the supervisor's admission rates), the resumes of an opening and the retry
+delays of a dependency go through its :class:`~policies._pacer.Pacer`: each
+takes the first free slot at or after the time computed above (the
+breaker's, the policy's backoff), ``60/rpm`` from any other, so the k-th run
+paused behind an opening resumes no earlier than its half-open time plus k
+intervals, and twenty retries decided in one batch leave one interval apart.
+A run asked again in the same opening keeps its slot. Rate unknown: nothing
+changes.
 
 **In a fleet** (``shared_counts``, the sidecar's Redis) retry budgets,
 restart intensity and cascade windows are counted by every sidecar together
@@ -75,6 +92,7 @@ from policies._breakers import (
 from policies._budget import BudgetSettings, RetryBudget
 from policies._cascade import Cascade, CascadeDetector
 from policies._intensity import IntensitySettings, RestartIntensity
+from policies._pacer import Capacity, Pacer
 from policies._policy import Policy
 from policies._window_counter import WindowCounter
 from supervisor.records import Action, AttrValue, Decision, Failure, FailureClass
@@ -122,13 +140,15 @@ def counts_for_breaker(failure: Failure) -> bool:
 
 
 class _Paused:
-    """The runs paused behind one opening of one breaker that resume first (its trials)."""
+    """The runs paused behind one opening of one breaker that resume first (its trials),
+    and, when paced, the time each run was given (asked again, it keeps it)."""
 
-    __slots__ = ("first", "opened_at")
+    __slots__ = ("first", "opened_at", "resumes")
 
     def __init__(self, opened_at: float | None) -> None:
         self.opened_at = opened_at
         self.first: set[str] = set()
+        self.resumes: dict[str, float] = {}
 
 
 class Governor:
@@ -144,9 +164,13 @@ class Governor:
         max_dependencies: int = 10_000,
         max_runs: int = 10_000,
         shared_counts: WindowCounter | None = None,
+        capacity: Capacity | None = None,
     ) -> None:
         self.policy = policy
         self._clock = clock
+        #: Resumes and retries of a dependency spaced at its rate (module doc).
+        self.pacer = Pacer(capacity, clock=clock, max_dependencies=max_dependencies)
+        self._max_runs = max_runs
         self.board = BreakerBoard(
             self._breaker_settings,
             on_change=on_breaker_change,
@@ -312,8 +336,9 @@ class Governor:
     def review(self, failure: Failure, decision: Decision) -> Decision:
         """The decision to act on, given breakers, budget and intensity (see the module)."""
         dependency = failure.dependency
+        key = failure.breaker_key  # its breaker, budget and pace: per credential when named
         action = decision.action
-        state = self.breaker_state(dependency)
+        state = self.breaker_state(key)
         if state in _BLOCKED and _diverted(failure, action):
             decision = self._around_open(failure, decision, state)
         elif action is Action.FALLBACK:
@@ -338,11 +363,11 @@ class Governor:
             decision.action is Action.RETRY
             and limits.retry_budget.enabled
             and dependency
-            and not self.budget.try_spend(dependency)
+            and not self.budget.try_spend(key)
         ):
-            snap = self.budget.snapshot(dependency)
+            snap = self.budget.snapshot(key)
             why = (
-                f"retry budget of {dependency} spent ({snap.retries} retries for"
+                f"retry budget of {key} spent ({snap.retries} retries for"
                 f" {snap.calls} calls in {limits.retry_budget.window_s:g}s)"
             )
             target = self._alternative(failure)
@@ -350,11 +375,30 @@ class Governor:
                 to, chain = target
                 return _revised(decision, Action.FALLBACK, {"to": to, "chain": chain}, why)
             return _revised(decision, Action.FAIL_FAST, {}, why)
+        if decision.action is Action.RETRY and dependency:
+            return self._paced(key, decision)
         return decision
 
+    def _paced(self, dependency: str, decision: Decision) -> Decision:
+        """A retry's delay moved to its dependency's next free slot (never shortened)."""
+        delay = decision.params.get("delay_s")
+        if not isinstance(delay, (int, float)) or isinstance(delay, bool):
+            return decision
+        paced = self.pacer.pace(dependency, float(delay))
+        if paced == delay:
+            return decision
+        later = round(paced, 3)
+        return Decision(
+            action=decision.action,
+            policy=decision.policy,
+            params={**decision.params, "delay_s": later},
+            reason=f"{decision.reason}; spaced at the rate of {dependency}: retry in {later:g}s",
+            observe_only=decision.observe_only,
+        )
+
     def _around_open(self, failure: Failure, decision: Decision, state: BreakerState) -> Decision:
-        dependency = failure.dependency
-        why = f"breaker of {dependency} is {state.value}"
+        key = failure.breaker_key
+        why = f"breaker of {key} is {state.value}"
         if failure.evidence.stream_began:
             why += " (the streamed response had begun: no fallback to another model)"
         target = self._alternative(failure)
@@ -363,7 +407,7 @@ class Governor:
             params: dict[str, AttrValue] = {"to": to, "chain": chain, "breaker": state.value}
             return _revised(decision, Action.FALLBACK, params, why)
         params = {"breaker": state.value}
-        info = self.board.info(dependency)
+        info = self.board.info(key)
         if failure.failure_class is FailureClass.PERMANENT:
             # Waiting cannot help (a quota, a retry a policy asked for): never paused.
             return _revised(decision, Action.FAIL_FAST, params, f"{why}, no alternative left")
@@ -379,7 +423,8 @@ class Governor:
 
         The first ``half_open_trials`` runs of this opening resume when it
         half-opens; the others over ``resume_spread_s`` after that, from a
-        quarter of it on, each at a point fixed by its run id (module doc).
+        quarter of it on, each at a point fixed by its run id; then, the rate
+        known, in the next free slot from there (module doc).
         """
         dependency = info.dependency
         reopens_in = max(0.0, (info.reopens_at or 0.0) - self._clock())
@@ -389,12 +434,21 @@ class Governor:
             if paused is None and len(self._paused) >= self._max_dependencies:
                 del self._paused[next(iter(self._paused))]  # the oldest opening
             paused = self._paused[dependency] = _Paused(info.opened_at)
+        paced = self.pacer.interval(dependency) is not None
+        if paced and run_id in paused.resumes:  # asked again: the slot it was given
+            return round(max(0.0, paused.resumes[run_id] - self._clock()), 3)
         if run_id in paused.first or len(paused.first) < spec.trials:
             paused.first.add(run_id)
-            return round(reopens_in, 3)
-        place = jitter_fraction(run_id, dependency, "resume")
-        later = spec.resume_spread_s * (_SPREAD_FROM + (1 - _SPREAD_FROM) * place)
-        return round(reopens_in + later, 3)
+            wait = reopens_in
+        else:
+            place = jitter_fraction(run_id, dependency, "resume")
+            wait = reopens_in + spec.resume_spread_s * (_SPREAD_FROM + (1 - _SPREAD_FROM) * place)
+        if not paced:
+            return round(wait, 3)
+        wait = self.pacer.pace(dependency, wait)
+        if len(paused.resumes) < self._max_runs:
+            paused.resumes[run_id] = self._clock() + wait
+        return round(wait, 3)
 
     def _next_open_alternative(self, failure: Failure, decision: Decision) -> Decision:
         to = decision.params.get("to")

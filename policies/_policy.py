@@ -54,8 +54,11 @@ class RuntimeLimits:
         object.__setattr__(self, "times_calls", timed)
 
     def breaker_for(self, dependency: str) -> BreakerSpec:
+        """The settings of a breaker: the first glob matching its key or, for a key
+        ``provider:model@credential``, its ``provider:model``; else the default."""
+        model = dependency.rpartition("@")[0]
         for globs, spec in self.breaker_globs:
-            if globs(dependency):
+            if globs(dependency) or (model and globs(model)):
                 return spec
         return self.breaker_default
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from starlette.applications import Starlette
 
-from policies import AdmissionSpec, Governor, Policy, load_policy, regex_timeouts
+from policies import Governor, Policy, load_policy, regex_timeouts
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
@@ -34,7 +34,6 @@ from supervisor.act.store import Store
 from supervisor.act.store_runs import StoredRuns
 from supervisor.act.store_writer import StoreHealth, StoreWriter
 from supervisor.admission import Admitter
-from supervisor.admission.config import admitter_for
 from supervisor.admission.config import configure as configure_admission
 from supervisor.api.control import Control
 from supervisor.api.metrics import MetricSources, exposition
@@ -55,6 +54,7 @@ from supervisor.ingest.queue import Batch, IngestQueue
 from supervisor.ingest.wal import IngestLog, LoggedBatch, NoLog, Releases
 from supervisor.judge.pipeline import Outcome, Pipeline, detected_failure
 from supervisor.judge.steps import Steps, chunks, drive
+from supervisor.normalize.credential import refused as refused_credentials
 from supervisor.policy_in_force import PolicyInForce
 from supervisor.remediation.engine import Remediations
 from supervisor.runs import RunTracker
@@ -122,6 +122,9 @@ class SidecarParts:
     governor: Governor
     #: What the governor calls on each breaker change.
     breakers: BreakerReport
+    #: Admission control, fleet-wide through the breakers' Redis link when there is one
+    #: (a policy reload gives it the new limits); its rates pace the governor's resumes.
+    admitter: Admitter
     store: Store
     #: Push channels by service (``"*"``: the default); one actuator may serve several.
     actuators: Mapping[str, Actuator]
@@ -218,11 +221,8 @@ class Sidecar:
         self.governor = parts.governor
         self.breakers = parts.breakers
         self.breaker_link = parts.breaker_link
-        #: Admission control, fleet-wide through the breakers' Redis link when there is one
-        #: (a policy reload gives it the new limits).
-        self.admitter = _admitter(
-            parts.policy().limits.admission, self.breaker_link, parts.settings, self.runs
-        )
+        #: Admission control (a policy reload gives it the new limits).
+        self.admitter = parts.admitter
         self.store = parts.store
         self.actuators = parts.actuators
         self.dispatcher = parts.dispatcher
@@ -847,6 +847,8 @@ class Sidecar:
             "breakers": {
                 "tracked": len(self.governor.board),
                 "changes": self.breakers.changes,
+                # spanvisor.credential values ignored: a secret, or not a name.
+                "credentials_refused": refused_credentials(),
                 "not_closed": sum(
                     1 for b in self.governor.board.snapshot() if b.state.value != "closed"
                 ),
@@ -982,22 +984,3 @@ def _fleet_breakers(link: RedisLink | None) -> Callable[[], list[str] | None] | 
     """What lists the fleet's breakers (their index in Redis); None: breakers are not shared."""
     index = link.index if link is not None else None
     return index.names if index is not None else None
-
-
-def _admitter(
-    spec: AdmissionSpec, link: RedisLink | None, settings: Settings, runs: RunTracker
-) -> Admitter:
-    """The admitter, its buckets and learned limits in the breakers' Redis (same link)
-    when the fleet has one; every LLM span the run tracker sees teaches it too (its
-    tokens, its provider's rate-limit headers), not only the 429s."""
-    if link is None:
-        admitter = admitter_for(spec)
-    else:
-        from supervisor.admission.shared import RedisBucket  # needs the `fleet` extra
-        from supervisor.admission.shared_learning import RedisLearning
-
-        namespace = settings.breaker_redis_namespace
-        learning = RedisLearning(link, namespace)
-        admitter = admitter_for(spec, RedisBucket(link, namespace), learning=learning)
-    runs.llm_calls = admitter.llm_call
-    return admitter

@@ -228,6 +228,8 @@ class SpanRecord:
     #: The span's attributes, read-only, for policies that match on them.
     attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
     resource_attributes: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
+    #: The name of the credential the call used (``spanvisor.credential``), else ``""``.
+    credential: str = ""
 
     @property
     def says_nothing(self) -> bool:
@@ -244,6 +246,12 @@ class SpanRecord:
     def run_id(self) -> str:
         """The span's own run (:func:`own_run`); the run tracker may know its trace's session."""
         return own_run(self.trace_id, self.session_id)
+
+
+def breaker_key(dependency: str, credential: str) -> str:
+    """A breaker's key: ``provider:model@credential`` for a call that names its credential,
+    else the dependency (one exhausted API key must not open the breaker of the others)."""
+    return f"{dependency}@{credential}" if credential and dependency else dependency
 
 
 def own_run(trace_id: str, session_id: str) -> str:
@@ -325,6 +333,13 @@ class Failure:
     details: Mapping[str, AttrValue] = field(default_factory=lambda: _EMPTY)
     #: The service's run SLO was burning its error budget fast when this was decided.
     slo_burning: bool = False
+    #: The name of the credential the failed call used, else ``""``: its breaker's key.
+    credential: str = ""
+
+    @property
+    def breaker_key(self) -> str:
+        """The breaker the failure counts for (:func:`breaker_key`)."""
+        return breaker_key(self.dependency, self.credential)
 
 
 @dataclass(frozen=True, slots=True)

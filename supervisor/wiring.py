@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import pybreaker
 from opentelemetry.sdk.metrics.export import MetricReader
 
-from policies import Governor, Policy, WindowCounter
+from policies import AdmissionSpec, Governor, Policy, WindowCounter
 from remediators.registry import check_policy
 from supervisor.act.actor import Actor
 from supervisor.act.actuators import Actuator
@@ -34,6 +34,9 @@ from supervisor.act.failure_log import RecentFailures
 from supervisor.act.fleet import Fleet
 from supervisor.act.store import Store, StoredCommand
 from supervisor.act.store_writer import StoreWriter
+from supervisor.admission import Admitter
+from supervisor.admission.capacity import AdmissionCapacity
+from supervisor.admission.config import admitter_for
 from supervisor.api.server import ensure_token
 from supervisor.app import Sidecar, SidecarParts
 from supervisor.collector import Collector
@@ -96,12 +99,15 @@ def build_sidecar(
     tracer = tracer if tracer is not None else DecisionTracer(downstream)
     metrics = SidecarMetrics(downstream, reader=metric_reader)
     breakers = BreakerReport(tracer, metrics)
+    admitter = _admitter(policy.limits.admission, breaker_link, settings)
     governor = Governor(
         policy,
         on_breaker_change=breakers,
         max_runs=settings.tracked_runs,
         breaker_storage=breaker_storage,
         shared_counts=_shared_counts(settings, breaker_link),
+        # Resumes and retries of a dependency spaced at the rate admission allows it.
+        capacity=AdmissionCapacity(admitter, lambda: in_force().limits.admission.enabled),
     )
     runs = RunTracker(
         settings=in_force.detectors_for,
@@ -110,6 +116,9 @@ def build_sidecar(
         max_runs=settings.tracked_runs,
         fleet=_fleet_runs(settings, breaker_link),
     )
+    # Every LLM span teaches admission too (its tokens, its provider's rate-limit
+    # headers), not only the 429s.
+    runs.llm_calls = admitter.llm_call
     runs.stall_horizon_s = policy.detectors.shortest_idle_s  # as a reload sets it
     token = ensure_token(settings.api_token, settings.token_file)
     otlp_auth = ReceiverAuth(settings.otlp_token) if settings.otlp_token else None
@@ -203,6 +212,7 @@ def build_sidecar(
             journal=journal,
             governor=governor,
             breakers=breakers,
+            admitter=admitter,
             store=store,
             actuators=actuators,
             dispatcher=dispatcher,
@@ -420,3 +430,15 @@ def _fleet_runs(settings: Settings, link: RedisLink | None) -> FleetRuns | None:
     from supervisor.runs.fleet import FleetRuns  # needs the `fleet` extra, as the link did
 
     return FleetRuns(link, f"{settings.breaker_redis_namespace}:runs")
+
+
+def _admitter(spec: AdmissionSpec, link: RedisLink | None, settings: Settings) -> Admitter:
+    """The admitter, its buckets and learned limits in the breakers' Redis (same link)
+    when the fleet has one."""
+    if link is None:
+        return admitter_for(spec)
+    from supervisor.admission.shared import RedisBucket  # needs the `fleet` extra
+    from supervisor.admission.shared_learning import RedisLearning
+
+    namespace = settings.breaker_redis_namespace
+    return admitter_for(spec, RedisBucket(link, namespace), learning=RedisLearning(link, namespace))

@@ -238,6 +238,20 @@ CASES: list[Any] = [
         id="openai-APIConnectionError",
     ),
     pytest.param(
+        # openai-python's SSE `error` event mid-stream (_streaming.py): a bare APIError.
+        record(
+            from_exception(
+                openai.APIError(
+                    "An error occurred during streaming",
+                    _REQ2,
+                    body={"type": "server_error", "message": None},
+                )
+            )
+        ),
+        (T, "unavailable", "builtin.openai.stream_error"),
+        id="openai-APIError-mid-stream",
+    ),
+    pytest.param(
         record(
             openai_status(
                 openai.InternalServerError,

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import openai
@@ -651,6 +652,22 @@ def test_guard_fails_fast_while_the_breaker_is_open(
     )
     assert flaky.calls == 0
     assert sidecar.posted() == []
+
+
+def test_guard_with_a_credential_asks_the_breaker_of_that_key(
+    sidecar: Sidecar, client: SupervisorClient
+) -> None:
+    sidecar.breaker(state("open"))
+    flaky = Flaky()
+
+    with pytest.raises(BreakerOpen) as caught:
+        guard(DEP, client=client, credential="team-a").call(flaky, "hi")
+    assert caught.value.dependency == f"{DEP}@team-a"
+    assert sidecar.requests[0].path == "/v1/breakers/" + quote(f"{DEP}@team-a", safe="")
+    assert flaky.calls == 0
+    with pytest.raises(ValueError, match="looks like an API key") as refused:
+        guard(DEP, client=client, credential="sk-proj-abc123")
+    assert "sk-proj" not in str(refused.value)
 
 
 @pytest.mark.parametrize("action", ["fail_fast", "escalate", "remediate", "none"])

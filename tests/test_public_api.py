@@ -22,6 +22,7 @@ def test_policies_exports() -> None:
         "BUILTIN_REMEDIATORS",
         "BreakerChange",
         "BreakerState",
+        "Capacity",
         "Cascade",
         "CascadeTally",
         "DetectorSettings",

@@ -149,3 +149,30 @@ def test_a_broken_stream_seen_in_real_spans_is_not_a_fallback(instrumentation: s
     assert outcome.failure.evidence.stream_began
     assert outcome.decision.action is Action.RETRY
     assert "streamed response had begun" in outcome.decision.reason
+
+
+@pytest.mark.parametrize("instrumentation", ["openinference", "openai_v2"])
+def test_a_broken_stream_is_a_transient_server_error_for_the_builtin_policy(
+    instrumentation: str,
+) -> None:
+    """openai-python's bare APIError for an SSE error event is retried, not escalated."""
+    policy = load_policy()
+    pipeline = Pipeline(policy, governor=Governor(policy, clock=lambda: 100.0))
+    with FakeProvider() as fake, _instrumented(instrumentation) as exporter:
+        fake.script(Reply.stream_broken("Paris is sunny today, with a light breeze."))
+        client = openai.OpenAI(base_url=fake.base_url, api_key="sk-fake", max_retries=0)
+        with pytest.raises(openai.APIError) as raised, client:
+            for _ in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True):
+                pass
+        assert type(raised.value) is openai.APIError  # not a status error: no HTTP status
+        outcomes = pipeline.process(encode_spans(exporter.get_finished_spans()), received_ns=1)
+    (outcome,) = outcomes
+    found = outcome.failure
+    assert (found.failure_class, found.kind, found.rule) == (
+        FailureClass.TRANSIENT,
+        "unavailable",
+        "builtin.openai.stream_error",
+    )
+    assert found.evidence.stream_began
+    assert outcome.decision.action is Action.RETRY
+    assert outcome.decision.policy == "builtin.transient_io"

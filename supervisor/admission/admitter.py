@@ -105,8 +105,11 @@ class Admitter:
         clock: Callable[[], float] = time.time,
         max_keys: int = MAX_KEYS,
         refresh_s: float = REFRESH_S,
+        default_given: bool = True,
     ) -> None:
         self._default = default
+        #: Whether ``default`` is the operator's (False: the built-in one, a guess).
+        self._default_given = default_given
         #: By ``provider:model`` or ``provider:model@credential`` (the longer wins).
         self._overrides = dict(overrides or {})
         self._shared = shared
@@ -129,10 +132,17 @@ class Admitter:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._decreases = self._repeated = self._learned_locally = 0
 
-    def configure(self, default: Ceiling, overrides: Mapping[str, Ceiling] | None = None) -> None:
+    def configure(
+        self,
+        default: Ceiling,
+        overrides: Mapping[str, Ceiling] | None = None,
+        *,
+        default_given: bool = True,
+    ) -> None:
         """New ceilings (a policy reload); what each model learned is kept, as a share of them."""
         with self._lock:
             self._default, self._overrides = default, dict(overrides or {})
+            self._default_given = default_given
             for model, learner in self._learners.items():
                 provider, _, name = model.partition(":")
                 learner.ceiling = self._ceiling(AdmissionKey(provider, name))
@@ -144,6 +154,32 @@ class Admitter:
     def _ceiling(self, key: AdmissionKey) -> Ceiling:
         by_model = f"{key.provider}:{key.model}"
         return self._overrides.get(str(key)) or self._overrides.get(by_model) or self._default
+
+    def rpm(self, key: AdmissionKey) -> float | None:
+        """``key``'s requests a minute now, as far as this sidecar knows them: the ceiling
+        (lowered to what the provider published) times the share learned from 429s.
+
+        None while nothing is known of the model but the built-in default (no ceiling
+        of its own in the policy, no published limit, no 429): the governor then
+        paces nothing, rather than at a rate nobody measured. Reads the fleet's
+        learned share only as last cached (no Redis round trip: the governor asks
+        on the judging path).
+        """
+        model = f"{key.provider}:{key.model}"
+        learner = self._learner(model)
+        with self._lock:
+            known = self._fleet.get(model)
+            fraction = self._fraction(learner, known[1] if known is not None else None)
+            told = (
+                self._default_given
+                or str(key) in self._overrides
+                or model in self._overrides
+                or model in self._published
+            )
+            rpm = self._effective(key, model).rpm
+        if not told and fraction >= 1.0:
+            return None
+        return rpm * fraction
 
     def admit(
         self,

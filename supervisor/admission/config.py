@@ -37,11 +37,21 @@ def admitter_for(
 ) -> Admitter:
     overrides = {key: ceiling_of(limit) for key, limit in spec.keys.items()}
     return Admitter(
-        ceiling_of(spec.default), overrides, shared=shared, learning=learning, clock=clock
+        ceiling_of(spec.default),
+        overrides,
+        shared=shared,
+        learning=learning,
+        clock=clock,
+        default_given=_default_given(spec),
     )
 
 
 def configure(admitter: Admitter, spec: AdmissionSpec) -> None:
     """A reloaded policy's ceilings (what was learned is kept, as a share of them)."""
     overrides = {key: ceiling_of(limit) for key, limit in spec.keys.items()}
-    admitter.configure(ceiling_of(spec.default), overrides)
+    admitter.configure(ceiling_of(spec.default), overrides, default_given=_default_given(spec))
+
+
+def _default_given(spec: AdmissionSpec) -> bool:
+    """Whether the policy set ``admission.default`` (else it is the built-in guess)."""
+    return "default" in spec.model_fields_set

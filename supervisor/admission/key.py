@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["AdmissionKey", "CredentialRefused", "admission_key"]
+__all__ = ["AdmissionKey", "CredentialRefused", "admission_key", "check_credential"]
 
 #: Prefixes of providers' secret keys (OpenAI ``sk-``, Anthropic ``sk-ant-``, Google ``AIza``,
 #: Groq ``gsk_``, xAI ``xai-``, Hugging Face ``hf_``, GitHub ``ghp_``/``github_pat_``).
@@ -42,8 +42,15 @@ def admission_key(dependency: str, credential: str | None = None) -> AdmissionKe
     if not provider or not model:
         raise ValueError(f"dependency {dependency!r} is not provider:model")
     if credential is not None:
-        if _SECRET.match(credential):
-            raise CredentialRefused("credential looks like an API key: give its name or a hash")
-        if not _NAME.match(credential):
-            raise CredentialRefused("credential must be a name or a hash ([A-Za-z0-9._-], <= 128)")
+        check_credential(credential)
     return AdmissionKey(provider, model, credential)
+
+
+def check_credential(credential: str) -> str:
+    """``credential`` if it is a credential's name or hash; else :class:`CredentialRefused`
+    (whose message never repeats it)."""
+    if _SECRET.match(credential):
+        raise CredentialRefused("credential looks like an API key: give its name or a hash")
+    if not _NAME.match(credential):
+        raise CredentialRefused("credential must be a name or a hash ([A-Za-z0-9._-], <= 128)")
+    return credential

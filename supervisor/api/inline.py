@@ -112,12 +112,12 @@ def decide(policy: Policy, governor: Governor | None, question: Question) -> dic
     if governor is not None:
         # The question is a call of the dependency for its budget (an agent that only
         # asks, exporting no spans, would otherwise get only the budget's floor).
-        governor.budget.record_call(failure.dependency)
+        governor.budget.record_call(failure.breaker_key)
         decision = governor.review(failure, decision)
     params = dict(decision.params)
     delay = params.get("delay_s")
     to = params.get("to")
-    state = governor.breaker_state(failure.dependency).value if governor is not None else "closed"
+    state = governor.breaker_state(failure.breaker_key).value if governor is not None else "closed"
     return {
         "action": decision.action.value,
         "delay_s": float(delay) if isinstance(delay, (int, float)) else 0.0,

@@ -19,11 +19,11 @@ from tenacity import AsyncRetrying, RetryCallState, Retrying, stop_after_attempt
 from tenacity import AttemptManager as _AttemptManager
 
 from supervisor.admission.admitter import PRIORITIES
-from supervisor.admission.key import admission_key
+from supervisor.admission.key import admission_key, check_credential
 from supervisor.client._advice import OPEN_STATES, Advice
 from supervisor.client._http import SupervisorClient, shared_client
 from supervisor.errors import SupervisorError
-from supervisor.records import Action, split_model_dependency
+from supervisor.records import Action, breaker_key, split_model_dependency
 
 P = ParamSpec("P")
 #: The most a guard with ``admit`` waits for admission before a call, in all (then it calls).
@@ -168,8 +168,10 @@ class Guard:
             raise ValueError("dependency must not be empty")
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        if credential is not None:
+            check_credential(credential)  # refuses a secret before any call
         if admit:
-            admission_key(dependency, credential)  # refuses a secret before any call
+            admission_key(dependency, credential)
             if priority not in PRIORITIES:
                 raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         self.dependency = dependency
@@ -178,6 +180,8 @@ class Guard:
         self.run_id = run_id
         self.admit = admit
         self.credential = credential
+        #: The breaker asked before a call: the credential's own when one is named.
+        self.breaker_key = breaker_key(dependency, credential or "")
         self.priority = priority
         self.tokens = tokens
         self.max_admit_wait_s = max_admit_wait_s
@@ -239,11 +243,11 @@ class Guard:
     def call(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call ``fn(*args, **kwargs)`` under the guard (sync; blocks while waiting to retry)."""
         client = self.client
-        state = client.breaker_state(self.dependency)
+        state = client.breaker_state(self.breaker_key)
         if state in OPEN_STATES:
             if self.fallback is not None:
                 return cast(R, self.fallback(self.dependency))
-            raise BreakerOpen(self.dependency, state)
+            raise BreakerOpen(self.breaker_key, state)
         follow = _FollowAdvice(self)
 
         def attempt() -> R:
@@ -269,11 +273,11 @@ class Guard:
     async def acall(self, fn: Callable[P, Awaitable[R]], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Await ``fn(*args, **kwargs)`` under the guard; the fallback may be sync or async."""
         client = self.client
-        state = await client.abreaker_state(self.dependency)
+        state = await client.abreaker_state(self.breaker_key)
         if state in OPEN_STATES:
             if self.fallback is not None:
                 return cast(R, await _maybe_await(self.fallback(self.dependency)))
-            raise BreakerOpen(self.dependency, state)
+            raise BreakerOpen(self.breaker_key, state)
         follow = _FollowAdvice(self)
 
         async def attempt() -> R:
@@ -315,9 +319,9 @@ class Guard:
         exception out of the block, with the advice as a note.
         """
         client = self.client
-        state = client.breaker_state(self.dependency)
+        state = client.breaker_state(self.breaker_key)
         if state in OPEN_STATES:
-            raise BreakerOpen(self.dependency, state)
+            raise BreakerOpen(self.breaker_key, state)
         follow = _FollowAdvice(self)
         try:
             for attempt in follow.retrying(client.sleep):
@@ -410,7 +414,9 @@ def guard(
 
     What a guarded call does:
 
-    1. It asks for the breaker of ``dependency``. Open or isolated: it calls
+    1. It asks for the breaker of ``dependency`` (of ``dependency@credential``
+       when a ``credential`` is named: the breaker of that API key, which the
+       sidecar keeps for spans with ``spanvisor.credential``). Open or isolated: it calls
        ``fallback(dependency)`` and returns its result, or without a fallback
        raises :class:`BreakerOpen`; the function is not called. A sidecar that
        cannot say (``"unknown"``) does not stop the call.

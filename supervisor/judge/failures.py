@@ -33,16 +33,19 @@ def failure_at(
     When the origin is a plain HTTP or unlabelled span under an LLM or tool span
     that propagated it, the failure keeps the origin's span but takes the
     dependency of that LLM or tool span: a breaker belongs to ``openai:gpt-4o``,
-    not to ``http:api.openai.com``.
+    not to ``http:api.openai.com``. The credential named with it (if any)
+    comes from the same span: with it, the breaker's key.
     """
     rec = origin.record
     verdict = origin.verdict
     attributed: list[str] = []
     dependency = verdict.dependency or rec.dependency
+    credential = rec.credential
     for parent in parents:
         attributed.append(parent.record.span_id)
-        if rec.role not in _SPECIFIC_ROLES and parent.record.role in _SPECIFIC_ROLES:
-            dependency = parent.record.dependency or dependency
+        above = parent.record
+        if rec.role not in _SPECIFIC_ROLES and above.role in _SPECIFIC_ROLES and above.dependency:
+            dependency, credential = above.dependency, above.credential
     return Failure(
         trace_id=rec.trace_id,
         span_id=rec.span_id,
@@ -59,6 +62,7 @@ def failure_at(
         evidence=rec.error,  # type: ignore[arg-type]  # only failing records get here
         received_ns=received_ns,
         attributed=tuple(attributed),
+        credential=credential,
     )
 
 

@@ -57,8 +57,9 @@ _CHUNK_SPANS: Final = 32
 class Governor(Protocol):
     """State kept across failures (breakers, retry budget, restart intensity).
 
-    The pipeline tells it every call outcome it sees, as (end time, dependency,
-    ok) (``observe_calls``), and lets it revise each decision (``review``) after
+    The pipeline tells it every call outcome it sees, as (end time, breaker
+    key, ok) (``observe_calls``; the key is the dependency, with ``@credential``
+    when the span names one), and lets it revise each decision (``review``) after
     the failure it is about was observed, so the failure that trips a breaker
     already gets the breaker's decision. Called from the pipeline's thread only.
     """
@@ -332,9 +333,10 @@ class Pipeline:
             if not dependency:
                 continue
             if counting:
-                calls.append((span.end_ns, dependency, True))
+                key = span.breaker_key
+                calls.append((span.end_ns, key, True))
                 if timing:
-                    durations.append((dependency, span.end_ns - span.start_ns))
+                    durations.append((key, span.end_ns - span.start_ns))
             if dependency in attempted or dependency in recovering:
                 self._step_succeeded(span, dependency)
 
@@ -363,9 +365,10 @@ class Pipeline:
         """One successful call: the governor's count, the step's attempts, a recovery."""
         governor = self.governor
         if governor is not None:
-            calls.append((span.end_ns, dependency, True))
+            key = span.breaker_key
+            calls.append((span.end_ns, key, True))
             if governor.times_calls:
-                self._durations.append((dependency, span.end_ns - span.start_ns))
+                self._durations.append((key, span.end_ns - span.start_ns))
         self._step_succeeded(span, dependency)
 
     def _step_succeeded(self, span: Span, dependency: str) -> None:
@@ -514,9 +517,10 @@ class Pipeline:
                 # Only a transient failure says the dependency is unhealthy: a 401, a bad
                 # answer or a run waiting for a person is no failed call to its breaker.
                 record = cand.record
-                calls.append((record.end_ns, failure.dependency, False))
+                key = failure.breaker_key
+                calls.append((record.end_ns, key, False))
                 if self.governor.times_calls:
-                    self._durations.append((failure.dependency, record.end_ns - record.start_ns))
+                    self._durations.append((key, record.end_ns - record.start_ns))
             outcomes.append(Outcome(failure, decision))
             if self.runs is not None:
                 self.runs.failed(failure.run_id, failure.rule)

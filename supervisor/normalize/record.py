@@ -102,6 +102,8 @@ class SpanFields(Protocol):
     def dependency(self) -> str: ...
     @property
     def session_id(self) -> str: ...
+    @property
+    def credential(self) -> str: ...
 
 
 def output_recorded(present: frozenset[str], role: Role) -> bool:
@@ -246,6 +248,7 @@ def _normalize(span: SpanFields) -> SpanRecord:
         else rate_limits_of(attrs, span.end_ns / 1e9),
         attributes=span.attributes,
         resource_attributes=span.resource,
+        credential=span.credential,
     )
 
 

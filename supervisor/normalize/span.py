@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from supervisor.normalize import genai, http_rpc, openinference, openllmetry
 from supervisor.normalize.attributes import AttributeSource, as_int
+from supervisor.normalize.credential import CREDENTIAL_KEY, credential_of
 from supervisor.normalize.identity import RUN_ORDER, SESSION_KEYS, dependency_of, session_of
 from supervisor.normalize.ratelimits import RATE_LIMIT_KEYS, rate_limits_of
 from supervisor.normalize.record import ANSWER_KEYS, MAX_SPAN_NAME, RESULT_KEYS, record_of
@@ -35,7 +36,7 @@ from supervisor.normalize.wire import (
     read_varint,
     value_of,
 )
-from supervisor.records import AttrValue, RateLimitHeaders, SpanRecord
+from supervisor.records import AttrValue, RateLimitHeaders, SpanRecord, breaker_key
 
 __all__ = [
     "SESSION_KEYS",
@@ -77,6 +78,7 @@ WATCHED_RUN_KEYS: Final = (
     | ANSWER_KEYS
     | RESULT_KEYS
     | RATE_LIMIT_KEYS
+    | {CREDENTIAL_KEY}
 )
 #: Longest encoded text read for blankness (:attr:`Span.may_say_nothing`): longer is not blank.
 _SHORT_OUTPUT: Final = 256
@@ -159,6 +161,7 @@ class Span:
     """
 
     __slots__ = (
+        "_credential",
         "_dependency",
         "_record",
         "_session",
@@ -215,6 +218,7 @@ class Span:
         shape = _SHAPES.get(present)
         self._shape: _Shape = shape if shape is not None else _shape(present)
         self._dependency: str | None = None
+        self._credential: str | None = None
         self._session: str | None = None
         self._trace_hex: str | None = None
         self._record: SpanRecord | None = None
@@ -263,6 +267,23 @@ class Span:
                 self.encoded, self.present, self.kind, self.name
             )
         return found
+
+    @property
+    def credential(self) -> str:
+        """The credential's name the span gives (``spanvisor.credential``), or ``""``."""
+        found = self._credential
+        if found is None:
+            found = self._credential = (
+                credential_of(self.attributes.get(CREDENTIAL_KEY))
+                if CREDENTIAL_KEY in self.present
+                else ""
+            )
+        return found
+
+    @property
+    def breaker_key(self) -> str:
+        """The breaker a call of the span counts for: its dependency, and credential if named."""
+        return breaker_key(self.dependency, self.credential)
 
     @property
     def session_id(self) -> str:

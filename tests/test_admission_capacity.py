@@ -1,0 +1,132 @@
+"""Admission's learned rates pace the governor's resumes and retries (supervisor side)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from policies import Governor, load_policy
+from supervisor.admission.capacity import AdmissionCapacity
+from supervisor.admission.config import admitter_for
+from supervisor.records import Action, ErrorEvidence, Failure, FailureClass, Role
+from supervisor.wiring import build_sidecar
+from tests.test_app import settings
+
+POLICY = """\
+version: 1
+builtin: false
+policies:
+  - name: rt
+    match: {kind: unavailable}
+    action: retry
+    max_attempts: 5
+    wait: {type: fixed, seconds: 1}
+retry_budget: {enabled: false}
+admission:
+  default: {rpm: 6000}
+  keys:
+    "openai:gpt-4o": {rpm: 60}
+    "openai:gpt-4o@team-a": {rpm: 120}
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def failure(run: str, dependency: str = "openai:gpt-4o") -> Failure:
+    return Failure(
+        trace_id="a" * 32,
+        span_id="b" * 16,
+        parent_span_id="",
+        service="agent",
+        span_name="chat",
+        run_id=run,
+        role=Role.LLM,
+        failure_class=FailureClass.TRANSIENT,
+        kind="unavailable",
+        dependency=dependency,
+        rule="r",
+        message="503",
+        evidence=ErrorEvidence(status_error=True, http_status=503),
+        received_ns=0,
+    )
+
+
+def test_the_capacity_is_the_keys_learned_rate() -> None:
+    policy = load_policy(text=POLICY)
+    clock = Clock()
+    admitter = admitter_for(policy.limits.admission, clock=clock)
+    enabled = [True]
+    capacity = AdmissionCapacity(admitter, lambda: enabled[0])
+    assert capacity("openai:gpt-4o") == 60
+    assert capacity("openai:gpt-4o@team-a") == 120  # a breaker keyed by credential
+    assert capacity("openai:gpt-4o-mini") == 6000
+    admitter.throttled("openai:gpt-4o")  # a 429: every key of the model learns it
+    assert capacity("openai:gpt-4o") == pytest.approx(42)
+    assert capacity("openai:gpt-4o@team-a") == pytest.approx(84)
+    assert capacity("search") is None  # not provider:model
+    assert capacity("openai:gpt-4o@sk-abc") is None  # never a secret as a key
+    assert capacity("") is None
+    enabled[0] = False
+    assert capacity("openai:gpt-4o") is None
+
+
+def test_a_rate_is_known_only_once_the_policy_or_the_provider_says_it() -> None:
+    """The built-in default is a guess: no pacing by it. A key of the policy's own, a
+    published limit or a 429 make the rate known."""
+    policy = load_policy(text='version: 1\nadmission: {keys: {"openai:gpt-4o": {rpm: 60}}}\n')
+    admitter = admitter_for(policy.limits.admission, clock=Clock())
+    capacity = AdmissionCapacity(admitter, lambda: True)
+    assert capacity("openai:gpt-4o") == 60
+    assert capacity("openai:gpt-4o-mini") is None
+    assert capacity("anthropic:claude-sonnet-4") is None
+    admitter.throttled("anthropic:claude-sonnet-4")
+    assert capacity("anthropic:claude-sonnet-4") == pytest.approx(420)
+
+
+def test_retries_are_spaced_at_the_learned_rate() -> None:
+    policy = load_policy(text=POLICY)
+    admitter = admitter_for(policy.limits.admission, clock=Clock())
+    governor = Governor(policy, clock=Clock(), capacity=AdmissionCapacity(admitter, lambda: True))
+    admitter.throttled("openai:gpt-4o")  # 60 -> 42 rpm: one call every 60/42 s
+
+    def delays(dependency: str) -> list[float]:
+        out = []
+        for n in range(5):
+            f = failure(f"{dependency}-{n}", dependency)
+            decision = governor.review(f, policy.decide(f, attempt=1))
+            assert decision.action is Action.RETRY
+            out.append(float(str(decision.params["delay_s"])))
+        return out
+
+    assert delays("openai:gpt-4o") == [round(1 + n * 60 / 42, 3) for n in range(5)]
+    # Its own slots, at its own ceiling (120), lowered by the model's 429 too (84).
+    assert delays("openai:gpt-4o@team-a") == [round(1 + n * 60 / 84, 3) for n in range(5)]
+
+
+def test_a_built_sidecar_paces_by_its_admitter(tmp_path: Path) -> None:
+    """The wiring hands the governor the admitter's rates, once it knows one: the
+    built-in ceiling (600 rpm) is a guess, so it paces nothing until a 429 teaches
+    it; a reload disabling admission stops the pacing (read at each question)."""
+    sidecar = build_sidecar(settings(tmp_path), load_policy())
+    try:
+        pacer = sidecar.governor.pacer
+        assert pacer.interval("openai:gpt-4o") is None
+        sidecar.admitter.throttled("openai:gpt-4o")
+        assert pacer.interval("openai:gpt-4o") == pytest.approx(60 / 420)
+        assert pacer.interval("openai:gpt-4o@team-a") == pytest.approx(60 / 420)
+        assert pacer.interval("openai:gpt-4o-mini") is None
+        assert pacer.interval("search") is None
+        off = load_policy(text="version: 1\nadmission: {enabled: false}\n")
+        sidecar.policy_in_force.replace(off)
+        assert pacer.interval("openai:gpt-4o") is None
+    finally:
+        sidecar.metrics.shutdown(1)
+        sidecar.tracer.shutdown(1)
+        sidecar.store.close()
