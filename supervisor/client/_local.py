@@ -100,6 +100,12 @@ _TRANSIENT_NAMES: Final[Mapping[str, str]] = MappingProxyType(
         ("ServerError", "ModelNotReadyException", "ConflictError", "Aborted"), "unavailable"
     )
 )
+#: Transient classes named with their package, where the bare name is too common to
+#: match alone (``builtin.openai.stream_error``: openai-python's bare ``APIError`` is
+#: a mid-stream SSE ``error`` event; another SDK's ``APIError`` says nothing).
+_TRANSIENT_QUALIFIED: Final[Mapping[str, str]] = MappingProxyType(
+    {"openai.APIError": "unavailable"}
+)
 #: Words in the message, for errors without a useful status or type (``builtin.text.*``).
 _TRANSIENT_TEXT: Final[tuple[tuple[re.Pattern[str], str], ...]] = (
     (re.compile(r"rate[ _-]?limit|too many requests|throttl", re.IGNORECASE), "rate_limit"),
@@ -139,6 +145,8 @@ def transient_kind(exception_type: str, message: str, status_code: int | None) -
             return "unavailable"
         if 400 <= status_code <= 599:
             return ""  # the request itself is wrong: the same request fails again
+    if exception_type in _TRANSIENT_QUALIFIED:  # matched whole, as the rule does
+        return _TRANSIENT_QUALIFIED[exception_type]
     name = exception_type.rpartition(".")[2]
     if name in _TRANSIENT_NAMES:
         return _TRANSIENT_NAMES[name]
