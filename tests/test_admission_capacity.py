@@ -9,9 +9,10 @@ import pytest
 from policies import Governor, load_policy
 from supervisor.admission.capacity import AdmissionCapacity
 from supervisor.admission.config import admitter_for
-from supervisor.records import Action, ErrorEvidence, Failure, FailureClass, Role
+from supervisor.records import Action
 from supervisor.wiring import build_sidecar
 from tests.test_app import settings
+from tests.test_governor import failure
 
 POLICY = """\
 version: 1
@@ -37,25 +38,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def failure(run: str, dependency: str = "openai:gpt-4o") -> Failure:
-    return Failure(
-        trace_id="a" * 32,
-        span_id="b" * 16,
-        parent_span_id="",
-        service="agent",
-        span_name="chat",
-        run_id=run,
-        role=Role.LLM,
-        failure_class=FailureClass.TRANSIENT,
-        kind="unavailable",
-        dependency=dependency,
-        rule="r",
-        message="503",
-        evidence=ErrorEvidence(status_error=True, http_status=503),
-        received_ns=0,
-    )
 
 
 def test_the_capacity_is_the_keys_learned_rate() -> None:
@@ -99,7 +81,7 @@ def test_retries_are_spaced_at_the_learned_rate() -> None:
     def delays(dependency: str) -> list[float]:
         out = []
         for n in range(5):
-            f = failure(f"{dependency}-{n}", dependency)
+            f = failure(run=f"{dependency}-{n}", dependency=dependency)
             decision = governor.review(f, policy.decide(f, attempt=1))
             assert decision.action is Action.RETRY
             out.append(float(str(decision.params["delay_s"])))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,9 @@ from policies import load_policy
 from policies._breakers import BreakerState
 from policies._governor import Governor
 from policies._pacer import Pacer
-from supervisor.records import Action, Decision, ErrorEvidence, Failure, FailureClass, Role
+from supervisor.records import Action, Decision, Failure
+from tests.test_governor import decide as review
+from tests.test_governor import failure as governor_failure
 
 DEP = "openai:gpt-4o"
 
@@ -44,26 +47,9 @@ def rate(rpm: float | None, only: str = DEP) -> Callable[[str], float | None]:
 
 
 def failure(run: str, dependency: str = DEP, span: str = "b" * 16) -> Failure:
-    return Failure(
-        trace_id=f"{abs(hash(run)):032x}"[:32],
-        span_id=span,
-        parent_span_id="",
-        service="agent",
-        span_name="chat",
-        run_id=run,
-        role=Role.LLM,
-        failure_class=FailureClass.TRANSIENT,
-        kind="unavailable",
-        dependency=dependency,
-        rule="r",
-        message="503",
-        evidence=ErrorEvidence(status_error=True, http_status=503),
-        received_ns=0,
-    )
-
-
-def review(governor: Governor, f: Failure, attempt: int = 1) -> Decision:
-    return governor.review(f, governor.policy.decide(f, attempt=attempt))
+    """A 503 of ``run``, in a trace of its own."""
+    found = governor_failure(dependency=dependency, run=run)
+    return replace(found, trace_id=f"{abs(hash(run)):032x}"[:32], span_id=span)
 
 
 def resumes(governor: Governor, runs: int = 50) -> list[float]:
