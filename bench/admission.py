@@ -336,6 +336,10 @@ def play_arm(
             )
             for s in SERVICES
         }
+        for oai in clients.values():
+            stack.callback(oai.close)
+        for adviser in advisers.values():
+            stack.callback(adviser.close)
         tracer = tracing.get_tracer("admission-bench")
         tally = Tally()
         started = time.monotonic()
@@ -394,7 +398,7 @@ def why_failed(exc: Exception) -> str:
     """The exception's type and, when spanvisor advised, the advice's last reason, no counts."""
     notes = getattr(exc, "__notes__", None) or [""]
     reason = notes[-1].rsplit("; ", 1)[-1]
-    reason = re.sub(r"\d+(\.\d+)?", "#", re.sub(r"\s*\([^)]*\)", "", reason))
+    reason = re.sub(r"\b\d+(\.\d+)?s\b", "#s", re.sub(r"\s*\([^)]*\)", "", reason))
     return f"{type(exc).__name__} ({reason})" if reason else type(exc).__name__
 
 
