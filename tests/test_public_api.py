@@ -118,6 +118,8 @@ def test_testing_fakes_exports() -> None:
     assert sorted(supervisor.testing.__all__) == [
         "FakeProvider",
         "FaultPlan",
+        "KeyCounts",
+        "PublishedLimit",
         "RecordedRequest",
         "Reply",
         "ToolCall",

@@ -28,8 +28,14 @@ from supervisor.records import Action, breaker_key, split_model_dependency
 P = ParamSpec("P")
 #: The most a guard with ``admit`` waits for admission before a call, in all (then it calls).
 MAX_ADMIT_WAIT_S = 30.0
-#: The most ``/v1/admit`` questions before one call (each answer's wait is slept between).
-MAX_ADMIT_ASKS = 20
+#: The most ``/v1/admit`` questions before one call (each answer's wait is slept between):
+#: a bound against a sidecar answering nonsense, not the wait's. Under a fleet's
+#: contention a call is refused about once per refill of its key (once a second at
+#: 60 requests a minute) until its turn; a call that stopped asking early would go
+#: unadmitted, uncounted by the bucket, and meet the provider's 429.
+MAX_ADMIT_ASKS = 1000
+#: The least a guard sleeps between two questions (so that tiny waits are no busy loop).
+MIN_ADMIT_SLEEP_S = 0.01
 R = TypeVar("R")
 
 
@@ -221,7 +227,7 @@ class Guard:
             wait_s = client.admit(self.dependency, **self._admit_args()) / 1000
             if wait_s <= 0 or slept >= self.max_admit_wait_s:
                 break
-            wait_s = min(wait_s, self.max_admit_wait_s - slept)
+            wait_s = min(max(wait_s, MIN_ADMIT_SLEEP_S), self.max_admit_wait_s - slept)
             client.sleep(wait_s)
             slept += wait_s
         return slept
@@ -235,7 +241,7 @@ class Guard:
             wait_s = await client.aadmit(self.dependency, **self._admit_args()) / 1000
             if wait_s <= 0 or slept >= self.max_admit_wait_s:
                 break
-            wait_s = min(wait_s, self.max_admit_wait_s - slept)
+            wait_s = min(max(wait_s, MIN_ADMIT_SLEEP_S), self.max_admit_wait_s - slept)
             await client.async_sleep(wait_s)
             slept += wait_s
         return slept

@@ -10,9 +10,19 @@ from __future__ import annotations
 from supervisor.testing.fake_provider import (
     FakeProvider,
     FaultPlan,
+    KeyCounts,
+    PublishedLimit,
     RecordedRequest,
     Reply,
     ToolCall,
 )
 
-__all__ = ["FakeProvider", "FaultPlan", "RecordedRequest", "Reply", "ToolCall"]
+__all__ = [
+    "FakeProvider",
+    "FaultPlan",
+    "KeyCounts",
+    "PublishedLimit",
+    "RecordedRequest",
+    "Reply",
+    "ToolCall",
+]

@@ -19,19 +19,32 @@ Endpoints: ``POST /v1/chat/completions`` (plain and ``stream: true`` SSE),
 seeded :class:`FaultPlan` may inject faults, then the default reply answers.
 Everything the server holds is bounded: the script queue, the request log.
 
+``limit=PublishedLimit(rpm=60, tpm=40_000)`` makes ``/v1/chat/completions``
+enforce OpenAI's published limit per API key (the bearer token): a request
+over it gets OpenAI's 429 ``rate_limit_exceeded`` whatever is scripted, and
+every answer carries the ``x-ratelimit-*`` headers; see
+:mod:`.provider_limits` (``clock`` is its clock). :meth:`limit_counts` says
+what each key had accepted and refused.
+
 The replies are :mod:`.provider_replies`'; how each is written on the wire,
 OpenAI's way or Anthropic's, is :mod:`.provider_http`.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from supervisor.testing.loopback import LOOPBACK, LoopbackServer
 from supervisor.testing.provider_http import ProviderHandler, ProviderState, RecordedRequest
+from supervisor.testing.provider_limits import KeyCounts, PublishedLimit, RateLimiter
 from supervisor.testing.provider_replies import FaultPlan, Reply, ToolCall
 
 __all__ = [
     "FakeProvider",
     "FaultPlan",
+    "KeyCounts",
+    "PublishedLimit",
     "RecordedRequest",
     "Reply",
     "ToolCall",
@@ -55,12 +68,15 @@ class FakeProvider(LoopbackServer[ProviderState]):
         fault_plan: FaultPlan | None = None,
         max_script: int = 1024,
         max_requests: int = 1024,
+        limit: PublishedLimit | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._state = ProviderState(
             default if default is not None else Reply.text("Hello from the fake provider."),
             fault_plan,
             max_script,
             max_requests,
+            RateLimiter(limit, clock=clock) if limit is not None else None,
         )
         super().__init__(ProviderHandler, self._state, host=host, port=port, name="FakeProvider")
 
@@ -110,6 +126,11 @@ class FakeProvider(LoopbackServer[ProviderState]):
         """The most recent requests received (bounded; see :attr:`requests_dropped`)."""
         with self._state.lock:
             return list(self._state.requests)
+
+    def limit_counts(self) -> dict[str, KeyCounts]:
+        """Per API key, the requests the published limit accepted and refused (``{}``: no limit)."""
+        limiter = self._state.limiter
+        return limiter.counts() if limiter is not None else {}
 
     @property
     def requests_dropped(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import random
 import socket
 import threading
@@ -21,6 +22,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from supervisor.testing.loopback import LoopbackHTTPServer
+from supervisor.testing.provider_limits import Limited, RateLimiter, go_duration, request_tokens
 from supervisor.testing.provider_replies import FaultPlan, Reply
 
 #: Largest request body the fake reads; bigger requests get a 413.
@@ -92,8 +94,11 @@ class ProviderState:
         fault_plan: FaultPlan | None,
         max_script: int,
         max_requests: int,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.lock = threading.Lock()
+        #: The published limit per API key, on the OpenAI endpoint (``None``: no limit).
+        self.limiter = limiter
         self.stopping = threading.Event()
         self.default = default
         self.fault_plan = fault_plan
@@ -132,6 +137,8 @@ class ProviderHandler(BaseHTTPRequestHandler):
     # Headers and body go out in separate writes: without this, Nagle plus the
     # peer's delayed ACK add ~40 ms to every keep-alive request.
     disable_nagle_algorithm = True
+    #: OpenAI's ``x-ratelimit-*`` headers for this request's key, sent with its answer.
+    _limit_headers: tuple[tuple[str, str], ...] = ()
 
     # Silence the default stderr access log: tests stay quiet.
     def log_message(self, format: str, *args: Any) -> None:
@@ -143,6 +150,7 @@ class ProviderHandler(BaseHTTPRequestHandler):
     # -- routing -----------------------------------------------------------
 
     def do_GET(self) -> None:
+        self._limit_headers = ()  # a keep-alive connection reuses the handler
         if self.path.split("?", 1)[0].rstrip("/") == "/v1/models":
             models = [
                 {"id": m, "object": "model", "created": 1700000000, "owned_by": "fake"}
@@ -155,6 +163,7 @@ class ProviderHandler(BaseHTTPRequestHandler):
             )
 
     def do_POST(self) -> None:
+        self._limit_headers = ()
         path = self.path.split("?", 1)[0].rstrip("/")
         try:
             length = int(self.headers.get("content-length") or 0)
@@ -178,6 +187,14 @@ class ProviderHandler(BaseHTTPRequestHandler):
                 404, self._openai_error_body("Not found", "invalid_request_error", "", "")
             )
             return
+        params = body if isinstance(body, dict) else {}
+        limiter = self.server.context.limiter
+        if limiter is not None and path == "/v1/chat/completions":
+            limited = limiter.take(self._api_key(), request_tokens(params))
+            self._limit_headers = limited.headers
+            if limited.refused:
+                self._refuse(limited, params, raw)
+                return
         reply = self.server.context.next_reply()
         self.server.context.record(
             RecordedRequest(
@@ -194,7 +211,6 @@ class ProviderHandler(BaseHTTPRequestHandler):
         if reply.drop_connection:
             self._drop()
             return
-        params = body if isinstance(body, dict) else {}
         anthropic = path == "/v1/messages"
         if reply.status >= 400:
             self._send_fault(reply, anthropic)
@@ -202,6 +218,42 @@ class ProviderHandler(BaseHTTPRequestHandler):
             self._answer_anthropic(reply, params)
         else:
             self._answer_openai(reply, params)
+
+    # -- the published limit -----------------------------------------------
+
+    def _api_key(self) -> str:
+        auth = self.headers.get("authorization") or ""
+        return auth.removeprefix("Bearer ").strip()
+
+    def _refuse(self, limited: Limited, params: Mapping[str, Any], raw: bytes) -> None:
+        """OpenAI's 429 for a request over the key's limit, with its wording and headers."""
+        model = str(params.get("model") or "gpt-4o-mini")
+        wait = round(limited.retry_after_s, 6)  # 100.0000001 ms is 100 ms, not 101
+        per = "requests per min (RPM)" if limited.by == "requests" else "tokens per min (TPM)"
+        reply = Reply.fault(
+            429,
+            f"Rate limit reached for {model} in organization org-fake on {per}: "
+            f"Limit {limited.limit}, Used {limited.used}, Requested {limited.requested}. "
+            f"Please try again in {go_duration(wait)}. Visit "
+            "https://platform.openai.com/account/rate-limits to learn more.",
+            error_type=limited.by,
+            error_code="rate_limit_exceeded",
+            headers={
+                "retry-after": str(max(1, math.ceil(wait))),
+                "retry-after-ms": str(max(1, math.ceil(wait * 1000))),
+            },
+        )
+        self.server.context.record(
+            RecordedRequest(
+                "POST",
+                "/v1/chat/completions",
+                dict(self.headers.items()),
+                params if len(raw) <= MAX_LOGGED_BODY_BYTES else None,
+                reply,
+                len(raw),
+            )
+        )
+        self._send_fault(reply, anthropic=False)
 
     # -- plumbing ----------------------------------------------------------
 
@@ -217,7 +269,7 @@ class ProviderHandler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
-        for name, value in headers:
+        for name, value in (*headers, *self._limit_headers):
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
@@ -227,6 +279,8 @@ class ProviderHandler(BaseHTTPRequestHandler):
         self.send_header("content-type", "text/event-stream")
         self.send_header("cache-control", "no-cache")
         self.send_header("connection", "close")
+        for name, value in self._limit_headers:
+            self.send_header(name, value)
         self.end_headers()
         self.close_connection = True
 
