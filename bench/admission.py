@@ -1,7 +1,7 @@
 """Admission control against a provider's published limit: a fleet with and without it.
 
     python bench/admission.py [--runs 54] [--rpm 60] [--tpm 40000] [--latency-s 0.4]
-                              [--headroom 0.95] [--arms sdk,tenacity,breakers,...]
+                              [--headroom H] [--arms sdk,tenacity,breakers,...]
     python bench/admission.py --quick     # 12 runs at 20 rpm / 12,000 tpm: a smoke check
 
 One workload, played once per **arm**, side by side in one invocation, each
@@ -26,8 +26,10 @@ and a fresh ``spanvisor run`` sidecar (its own Redis namespace):
   retry of 429s honouring Retry-After, its retry budget); ``admission``,
   ``guard(dependency, admit=True, credential=<key name>, tokens=<estimate>)``
   with the policy's ``admission`` section giving each key its published
-  limit; ``admission-headroom``, the same with ceilings at ``--headroom``
-  (95%) of the published limit; ``admission-learned``, the same with no
+  limit (and the policy's ``headroom``: admitted 5% below it by default,
+  ``--headroom`` to set it; at 0 a few 429s are structural: the provider's
+  buckets start when its first request arrives, a little after admission's,
+  so at the very edge it is a few tokens short); ``admission-learned``, the same with no
   ceiling configured (the built-in 600 requests a minute, tokens not
   limited): the limit must be learned from 429s (its retries are not
   budgeted, or the built-in retry budget would end the runs first).
@@ -42,9 +44,10 @@ call took in this invocation (:func:`ideal_schedule`).
 What is printed, per arm: calls that reached the provider, 429s it answered
 (its own count) and their share, runs completed, each run's completion time
 from the arm's start (median, p95) and the makespan, and each service's share
-of the calls the provider accepted; why runs failed (the advice's reason);
+of the calls the provider accepted while all three services were still
+asking (the capacity they contended for); why runs failed (the advice's reason);
 the sidecar's ``/v1/stats`` admission counts. Then the goals, PASS or FAIL,
-for ``admission`` and ``admission-headroom``: at most 1% of calls refused,
+for ``admission``: at most 1% of calls refused,
 every run completed, completion (median and p95) within 10% of the ideal
 schedule's.
 """
@@ -95,9 +98,9 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 MODEL = "gpt-4o"
 DEPENDENCY = f"openai:{MODEL}"
 KEYS = ("team-a", "team-b")
-ARMS = ("sdk", "tenacity", "breakers", "admission", "admission-headroom", "admission-learned")
+ARMS = ("sdk", "tenacity", "breakers", "admission", "admission-learned")
 #: The arms the goals are for.
-GOAL_ARMS = ("admission", "admission-headroom")
+GOAL_ARMS = ("admission",)
 #: The goals the issue sets for admission.
 GOAL_REFUSED = 0.01
 GOAL_RATIO = 1.10
@@ -155,7 +158,15 @@ def plan_runs(n: int) -> list[Run]:
 # -- the ideal schedule -----------------------------------------------------------
 
 
-def ideal_schedule(runs: Sequence[Run], rpm: int, tpm: int, latency_s: float) -> dict[int, float]:
+@dataclass(frozen=True, slots=True)
+class Ideal:
+    """The ideal schedule: each run's completion, and when each call went (and whose)."""
+
+    done: dict[int, float]
+    accepted_at: list[tuple[float, str]]
+
+
+def ideal_schedule(runs: Sequence[Run], rpm: int, tpm: int, latency_s: float) -> Ideal:
     """Each run's completion time under a perfect scheduler that knows the limits.
 
     Per key (keys do not share limits): the calls ready first go first, each
@@ -164,6 +175,7 @@ def ideal_schedule(runs: Sequence[Run], rpm: int, tpm: int, latency_s: float) ->
     ready ``latency_s`` after its previous one went.
     """
     done: dict[int, float] = {}
+    went: list[tuple[float, str]] = []
     for key in {r.key for r in runs}:
         mine = [r for r in runs if r.key == key]
         requests, tokens, at = float(rpm), float(tpm), 0.0
@@ -181,11 +193,12 @@ def ideal_schedule(runs: Sequence[Run], rpm: int, tpm: int, latency_s: float) ->
             start += wait
             requests, tokens = requests + wait * rpm / 60 - 1, tokens + wait * tpm / 60 - need
             at = start
+            went.append((start + latency_s, run.service.name))  # answered, as tallied
             if step + 1 < run.service.calls:
                 heapq.heappush(ready, (start + latency_s, number, step + 1))
             else:
                 done[number] = start + latency_s
-    return done
+    return Ideal(done, went)
 
 
 # -- one arm -------------------------------------------------------------------
@@ -199,6 +212,8 @@ class Tally:
     ended: dict[int, float] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     accepted: Counter[str] = field(default_factory=Counter)
+    #: (seconds from the arm's start, service) of each call the provider accepted.
+    accepted_at: list[tuple[float, str]] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
 
     def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -225,6 +240,8 @@ class ArmResult:
     #: 429s for want of requests, of tokens.
     refused_by: tuple[int, int]
     service_calls: dict[str, int]
+    #: Each service's accepted calls while all of them were still asking.
+    contended_calls: dict[str, int]
     durations: list[float]
     admission_stats: dict[str, Any]
 
@@ -234,13 +251,13 @@ class ArmResult:
         return self.refused / calls if calls else 0.0
 
 
-def policy(arm: str, rpm: int, tpm: int, headroom: float) -> str:
-    """The built-in policy, plus each key's published limit (times ``headroom``) for admission."""
+def policy(arm: str, rpm: int, tpm: int, headroom: float | None) -> str:
+    """The built-in policy, plus each key's published limit for admission (and ``headroom``,
+    None: the policy's default)."""
     if arm in GOAL_ARMS:
-        share = headroom if arm == "admission-headroom" else 1.0
+        room = "" if headroom is None else f", headroom: {headroom:g}"
         keys = "\n".join(
-            f'    "{DEPENDENCY}@{key}": {{rpm: {rpm * share:g}, tpm: {tpm * share:g}}}'
-            for key in KEYS
+            f'    "{DEPENDENCY}@{key}": {{rpm: {rpm}, tpm: {tpm}{room}}}' for key in KEYS
         )
         return f"version: 1\nadmission:\n  enabled: true\n  keys:\n{keys}\n"
     if arm == "admission-learned":
@@ -292,7 +309,7 @@ def play_arm(
     rpm: int,
     tpm: int,
     latency_s: float,
-    headroom: float,
+    headroom: float | None,
     directory: Path,
 ) -> ArmResult:
     """One arm: a fresh provider and sidecar, every run on its own thread, then the counts."""
@@ -359,6 +376,7 @@ def play_arm(
                         return
                     with tally.lock:
                         tally.accepted[run.service.name] += 1
+                        tally.accepted_at.append((time.monotonic() - started, run.service.name))
             with tally.lock:
                 tally.ended[run.number] = time.monotonic() - started
 
@@ -371,12 +389,12 @@ def play_arm(
         deadline = started + ARM_DEADLINE_S
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        stats = judged_stats(tracing, sidecar)
         with tally.lock:
             for run in runs:
                 if run.number not in tally.ended and run.number not in tally.failed:
                     tally.failed[run.number] = "unfinished"
             counts = provider.limit_counts()
-            stats = sidecar.get("/v1/stats").get("admission", {})
             return ArmResult(
                 arm,
                 len(runs),
@@ -389,9 +407,23 @@ def play_arm(
                     sum(c.refused_tokens for c in counts.values()),
                 ),
                 dict(tally.accepted),
+                contended(tally.accepted_at),
                 list(tally.durations),
-                stats if isinstance(stats, dict) else {},
+                stats,
             )
+
+
+def judged_stats(tracing: TracerProvider, sidecar: SidecarProcess) -> dict[str, Any]:
+    """The sidecar's admission stats once it has judged every span the arm exported."""
+    tracing.force_flush()
+    deadline = time.monotonic() + 10
+    while True:
+        stats = sidecar.get("/v1/stats")
+        received = stats["ingest"]["accepted_spans"] - stats["ingest"]["rejected_spans"]
+        if stats["pipeline"]["processed_spans"] >= received or time.monotonic() > deadline:
+            found = stats.get("admission", {})
+            return found if isinstance(found, dict) else {}
+        time.sleep(0.1)
 
 
 def why_failed(exc: Exception) -> str:
@@ -452,22 +484,35 @@ class Completion:
         return cls(statistics.median(times), p95(times), max(times))
 
 
+def contended(accepted_at: Sequence[tuple[float, str]]) -> dict[str, int]:
+    """Each service's accepted calls up to the last call of the service that ended first:
+    the capacity all of them were asking for (every service had calls left until then)."""
+    last: dict[str, float] = {}
+    for at, service in accepted_at:
+        last[service] = max(at, last.get(service, 0.0))
+    if len(last) < len(SERVICES):
+        return {}
+    end = min(last.values())
+    return dict(Counter(service for at, service in accepted_at if at <= end))
+
+
 def shares(calls: dict[str, int]) -> str:
     total = sum(calls.values()) or 1
     return " ".join(f"{s.name[:5]} {calls.get(s.name, 0) / total:4.0%}" for s in SERVICES)
 
 
 def report(
-    results: Sequence[ArmResult], ideal: dict[int, float], runs: Sequence[Run]
+    results: Sequence[ArmResult], ideal: Ideal, runs: Sequence[Run]
 ) -> list[tuple[str, bool]]:
     """Print the table; return the goals with whether each was met."""
-    best = Completion.of(list(ideal.values()))
+    best = Completion.of(list(ideal.done.values()))
+    ideal_shares = contended(ideal.accepted_at)
     demand = Counter({s.name: 0 for s in SERVICES})
     for run in runs:
         demand[run.service.name] += run.service.calls
     header = (
         f"{'arm':<18} {'calls':>5} {'429s':>5} {'refused':>8} {'runs ok':>8} "
-        f"{'median s':>9} {'p95 s':>7} {'makespan':>9}  share of accepted calls"
+        f"{'median s':>9} {'p95 s':>7} {'makespan':>9}  share while contended"
     )
     print(header)
     print("-" * len(header))
@@ -476,12 +521,12 @@ def report(
         print(
             f"{r.arm:<18} {r.accepted + r.refused:>5} {r.refused:>5} {r.refused_share:>8.1%} "
             f"{len(r.ended):>3}/{r.runs:<4} {c.median:>9.1f} {c.p95:>7.1f} {c.makespan:>9.1f}  "
-            f"{shares(r.service_calls)}"
+            f"{shares(r.contended_calls)}"
         )
     total_calls = sum(demand.values())
     print(
         f"{'ideal schedule':<18} {total_calls:>5} {0:>5} {0:>8.1%} {len(runs):>3}/{len(runs):<4} "
-        f"{best.median:>9.1f} {best.p95:>7.1f} {best.makespan:>9.1f}  {shares(dict(demand))}"
+        f"{best.median:>9.1f} {best.p95:>7.1f} {best.makespan:>9.1f}  {shares(ideal_shares)}"
     )
     for r in results:
         if r.refused:
@@ -524,8 +569,13 @@ def report(
 
 
 def play(
-    arms: Sequence[str], n_runs: int, rpm: int, tpm: int, latency_s: float, headroom: float
-) -> tuple[list[ArmResult], dict[int, float], list[Run], float]:
+    arms: Sequence[str],
+    n_runs: int,
+    rpm: int,
+    tpm: int,
+    latency_s: float,
+    headroom: float | None = None,
+) -> tuple[list[ArmResult], Ideal, list[Run], float]:
     """Every arm in turn on the same workload; the ideal schedule; the call latency it used."""
     runs = plan_runs(n_runs)
     results = []
@@ -557,8 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--headroom",
         type=float,
-        default=0.95,
-        help="admission-headroom's ceilings as a share of the published limit (default 0.95)",
+        default=None,
+        help="the admission arm's headroom below the published limit (default: the policy's, 0.05)",
     )
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {ARMS}")
     parser.add_argument("--quick", action="store_true", help="12 runs, 20 rpm, 12,000 tpm")

@@ -43,6 +43,13 @@ class AdmissionLimitSpec(_Strict):
         default=0.05, gt=0, le=1, description="Share of rpm/tpm given back per window without 429."
     )
     window_s: float = Field(default=60.0, ge=1, le=3600)
+    headroom: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="Admit this share less than the limit: the provider counts on its own"
+        " clock and with its own token estimate, so a fleet at exactly its limit meets 429s.",
+    )
 
 
 #: A service's name as its spans and ``POST /v1/admit`` give it (exact, not a glob).

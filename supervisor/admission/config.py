@@ -25,6 +25,7 @@ def ceiling_of(spec: AdmissionLimitSpec) -> Ceiling:
         floor=spec.floor,
         step=spec.step,
         window_s=spec.window_s,
+        headroom=spec.headroom,
     )
 
 

@@ -38,6 +38,8 @@ class Ceiling:
     window_s: float = 60.0
     #: 429s this soon after a decrease are the same congestion event.
     decrease_gap_s: float = 2.0
+    #: Admitted this share below the limit (the provider counts on its own clock).
+    headroom: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
