@@ -21,6 +21,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from policies import load_policy
 from supervisor.admission import Admitter, Ceiling, LocalBucket, admission_key
 from supervisor.admission.bucket import Take
+from supervisor.admission.capacity import AdmissionCapacity
 from supervisor.admission.shared import RedisBucket
 from supervisor.admission.shared_learning import RedisLearning
 from supervisor.app import BackgroundSidecar
@@ -61,6 +62,8 @@ def test_team_a_s_429s_lower_and_pause_team_a_only(namespace: str, clock: Clock)
         assert admitter.admit(TEAM_B).go
         assert admitter.admit(admission_key(MODEL)).go  # the model without a credential too
     assert (a.rpm(TEAM_A), a.rpm(TEAM_B), a.rpm(admission_key(MODEL))) == (70, 100, 100)
+    pace = AdmissionCapacity(a, lambda: True)  # what the governor paces a breaker's key at
+    assert (pace(f"{MODEL}@team-a"), pace(f"{MODEL}@team-b"), pace(MODEL)) == (70, 100, 100)
     assert a.stats().decreases == 1
     # team-b keeps the full rate: its 100 a minute are all there.
     assert sum(b.admit(TEAM_B).go for _ in range(200)) == 100 - 2  # 2 taken above
