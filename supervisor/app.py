@@ -630,8 +630,8 @@ class Sidecar:
                 self.failures.add(outcome)
                 failure = outcome.failure
                 if failure.kind == "rate_limit" and failure.dependency:
-                    self.admitter.throttled(
-                        failure.dependency,
+                    self.admitter.throttled(  # a credential's 429: its key's alone
+                        failure.breaker_key,
                         failure.evidence.retry_after_s,
                         span=f"{failure.trace_id}/{failure.span_id}",
                     )

@@ -186,8 +186,11 @@ def test_a_429_in_the_spans_pauses_the_key_for_the_whole_fleet(
     mine, theirs = learned(a), learned(b)
     assert (mine["throttles"], mine["decreases"], theirs["throttles"]) == (1, 1, 0)
     assert mine["learned_fleetwide"] and theirs["learned_locally"] == 0
-    [model] = theirs["models"]  # b saw no 429 of its own: the fleet's share is applied
-    assert (model["model"], model["rpm"], model["fleetwide"]) == ("openai:gpt-4o", 700, True)
+    # b saw no 429 of its own: the fleet's share is applied, to the model and to the
+    # credential's key asked for (its ceiling is 2 a minute; a 429 that named no
+    # credential is every key's)
+    shown = {m["model"]: (m["rpm"], m["fleetwide"]) for m in theirs["models"]}
+    assert shown == {"openai:gpt-4o": (700, True), "openai:gpt-4o@team-a": (1.4, True)}
 
 
 def test_guard_with_admit_does_not_wait_without_a_sidecar() -> None:

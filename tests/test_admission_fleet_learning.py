@@ -9,6 +9,7 @@ away leaves each sidecar its own learner. Clocks are the test's.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import redis
@@ -135,9 +136,9 @@ def test_redis_away_each_sidecar_learns_alone_and_counts_it(clock: Clock) -> Non
 class CountedLearning(RedisLearning):
     reads = 0
 
-    def read(self, model: str) -> LearnedState | None:
+    def read_all(self, names: Sequence[str]) -> tuple[LearnedState, ...] | None:
         self.reads += 1
-        return super().read(model)
+        return super().read_all(names)
 
 
 def test_the_fraction_is_read_at_most_once_a_second(namespace: str, clock: Clock) -> None:
@@ -152,7 +153,9 @@ def test_the_fraction_is_read_at_most_once_a_second(namespace: str, clock: Clock
     for _ in range(50):
         assert a.admit(KEY).go
         clock.now += 0.05
-    assert learning.reads == 3  # at 0, 1 and 2 seconds (2.5 s of admissions)
+    # at 0, 1 and 2 seconds (2.5 s of admissions): the model's and the credential's
+    # states in one round trip
+    assert learning.reads == 3
 
 
 def test_no_state_in_redis_reads_as_the_full_ceiling(namespace: str, clock: Clock) -> None:

@@ -7,12 +7,17 @@ the call's service's share of it (its weight, among the services asking);
 with Redis away, this sidecar's own bucket does (counted in :meth:`stats`:
 a fleet of N sidecars then admits up to N times the limit).
 
-What is learned, per model: the share of the ceiling, by AIMD from 429s,
-fleet-wide in Redis when there is one (:mod:`.shared_learning`, read at most
-every ``refresh_s``; this sidecar's :class:`Learner` when Redis is away); the
-provider's own limits, from the rate-limit headers of its responses (a
-ceiling lower than the configured one; never higher); and the usual size of
-a call in tokens, for an admission that gives none (:meth:`llm_call`).
+What is learned, per model, and per credential when a span names the one its
+call used (``provider:model@credential``: providers limit per API key): the
+share of the ceiling, by AIMD from 429s, fleet-wide in Redis when there is
+one (:mod:`.shared_learning`, read at most every ``refresh_s``; this
+sidecar's :class:`Learner` when Redis is away); the provider's own limits,
+from the rate-limit headers of its responses (a ceiling lower than the
+configured one; never higher); and the usual size of a call in tokens, for
+an admission that gives none (:meth:`llm_call`). What a span without a
+credential teaches is the model's: it applies to every key of the model. A
+key with a credential is held to the lower of the model's share and its own,
+and waits for either's pause.
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ _T = TypeVar("_T")
 PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
 #: Why a call is refused (the ``why`` of an answer).
 WHY: Final = ("limit", "priority", "share", "paused")
-#: Models whose learned limit a sidecar keeps (least recently used forgotten: back to 100%).
+#: Keys (models, and credentials of them) whose learned limit a sidecar keeps (least
+#: recently used forgotten: back to 100%).
 MAX_KEYS: Final = 10_000
 #: How often a model's fleet-wide share is read from Redis, at most (seconds).
 REFRESH_S: Final = 1.0
 #: Weight of a call's tokens in its model's average (an EWMA).
 TOKENS_WEIGHT: Final = 0.1
-#: Models listed in the stats (the most recently used).
+#: Keys listed in the stats (the most recently used).
 STATS_MODELS: Final = 20
 
 
@@ -61,7 +67,8 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class ModelLimit:
-    """A model's limit as this sidecar applies it now (its credential-less key)."""
+    """A key's limit as this sidecar applies it now: a model's (``provider:model``), or a
+    credential's of it (``provider:model@credential``: held to the model's share too)."""
 
     model: str
     rpm: float
@@ -117,15 +124,17 @@ class Admitter:
         self._clock = clock
         self._max_keys = max_keys
         self._lock = threading.Lock()
-        #: Per ``provider:model``: a 429 names a model, never a credential.
+        #: Per ``provider:model``, and ``provider:model@credential`` for a 429 that named it.
         self._learners: OrderedDict[str, Learner] = OrderedDict()
         self._admitted = self._refused = self._local_answers = self._throttles = 0
         self._refused_by = dict.fromkeys(WHY, 0)
         self._learning = learning
         self._refresh_s = refresh_s
-        #: Per model: when the fleet's state was read, and it (None: Redis was away).
+        #: Per key learned (as the learners): when the fleet's state was read, and it
+        #: (None: Redis was away).
         self._fleet: OrderedDict[str, tuple[float, LearnedState | None]] = OrderedDict()
-        #: Per model: the provider's published (rpm, tpm), and a call's usual tokens.
+        #: Per model, or key with a credential: the provider's published (rpm, tpm), and a
+        #: call's usual tokens.
         self._published: OrderedDict[str, tuple[int | None, int | None]] = OrderedDict()
         #: A plain dict: the pipeline's thread updates a model's average without the lock.
         self._tokens: dict[str, float] = {}
@@ -143,9 +152,8 @@ class Admitter:
         with self._lock:
             self._default, self._overrides = default, dict(overrides or {})
             self._default_given = default_given
-            for model, learner in self._learners.items():
-                provider, _, name = model.partition(":")
-                learner.ceiling = self._ceiling(AdmissionKey(provider, name))
+            for name, learner in self._learners.items():
+                learner.ceiling = self._ceiling(_key_of(name))
 
     def ceiling(self, key: AdmissionKey) -> Ceiling:
         with self._lock:
@@ -157,7 +165,8 @@ class Admitter:
 
     def rpm(self, key: AdmissionKey) -> float | None:
         """``key``'s requests a minute now, as far as this sidecar knows them: the ceiling
-        (lowered to what the provider published) times the share learned from 429s.
+        (lowered to what the provider published) times the share learned from 429s
+        (with a credential: the lower of the model's and the credential's).
 
         None while nothing is known of the model but the built-in default (no ceiling
         of its own in the policy, no published limit, no 429): the governor then
@@ -165,18 +174,17 @@ class Admitter:
         learned share only as last cached (no Redis round trip: the governor asks
         on the judging path).
         """
-        model = f"{key.provider}:{key.model}"
-        learner = self._learner(model)
+        names = _names(key)
+        learners = [self._learner(name) for name in names]
         with self._lock:
-            known = self._fleet.get(model)
-            fraction = self._fraction(learner, known[1] if known is not None else None)
-            told = (
-                self._default_given
-                or str(key) in self._overrides
-                or model in self._overrides
-                or model in self._published
+            fraction = min(
+                self._fraction(learner, _state(self._fleet.get(name)))
+                for name, learner in zip(names, learners, strict=True)
             )
-            rpm = self._effective(key, model).rpm
+            told = self._default_given or any(
+                name in self._overrides or name in self._published for name in names
+            )
+            rpm = self._effective(key).rpm
         if not told and fraction >= 1.0:
             return None
         return rpm * fraction
@@ -195,20 +203,26 @@ class Admitter:
         rank = PRIORITIES[priority]
         if not weight > 0:
             raise ValueError("a service's weight must be above 0")
-        model = f"{key.provider}:{key.model}"
-        learner = self._learner(model)
-        fleet = self._fleet_state(model)
+        names = _names(key)
+        learners = [self._learner(name) for name in names]
+        fleets = self._fleet_states(names)
         with self._lock:  # a learner is not thread-safe: its reads and 429s go under the lock
-            paused = learner.pause_left_s()
-            ceiling, fraction = self._effective(key, model), self._fraction(learner, fleet)
+            paused = max(learner.pause_left_s() for learner in learners)
+            ceiling = self._effective(key)
+            fraction = min(
+                self._fraction(learner, fleet)
+                for learner, fleet in zip(learners, fleets, strict=True)
+            )
             if not tokens and ceiling.tpm is not None:
-                tokens = round(self._tokens.get(model, 0.0))
+                usual = self._tokens.get(names[-1], self._tokens.get(names[0], 0.0))
+                tokens = round(usual)
         if paused > 0:
             return self._count(Decision(False, math.ceil(paused * 1000), "paused"))
         rpm = ceiling.rpm * fraction
         tpm = None if ceiling.tpm is None else ceiling.tpm * fraction
         name = str(key)
         if self._shared is not None:
+            model = names[0]
             took = self._shared.take(
                 name, model, rpm, tpm, n=1, t=tokens, priority=rank, service=service, weight=weight
             )
@@ -222,11 +236,14 @@ class Admitter:
     def throttled(
         self, dependency: str, retry_after_s: float | None = None, *, span: str = ""
     ) -> None:
-        """A 429 from ``dependency`` (``provider:model``): the model's limit learns it.
+        """A 429 from ``dependency``: ``provider:model``, or ``provider:model@credential``
+        when its span named the credential (a failure's breaker key).
 
-        Spans do not say which credential was used: every key of the model
-        (every credential) is lowered, and a Retry-After pauses them all, fleet-wide.
-        ``span`` (``trace/span`` ids) counts a 429 once however often it is seen.
+        With a credential, that key alone learns it: its share is lowered and a
+        Retry-After pauses it, fleet-wide; the model's other credentials keep
+        their rate. Without, the call's key is unknown: the model learns it, so
+        every key of it is lowered, and paused. ``span`` (``trace/span`` ids)
+        counts a 429 once however often it is seen.
         """
         learner = self._learner(dependency)
         with self._lock:
@@ -255,8 +272,11 @@ class Admitter:
 
     def llm_call(self, dependency: str, tokens: int, limits: RateLimitHeaders | None) -> None:
         """An LLM call of ``dependency`` seen in a span (OK or not): its tokens (input and
-        output) and what the provider's rate-limit headers said. From one thread (the
-        pipeline's): called for every LLM span, its usual path takes no lock."""
+        output) and what the provider's rate-limit headers said. ``dependency`` is
+        ``provider:model@credential`` when the span named its credential: the limits a
+        provider publishes are its API key's, so they are that key's (without: the
+        model's, every key's). From one thread (the pipeline's): called for every LLM
+        span, its usual path takes no lock."""
         averages = self._tokens
         usual = averages.get(dependency)
         if limits is None and usual is not None:  # most calls: one update, no lock
@@ -272,7 +292,7 @@ class Admitter:
                     averages[dependency] = usual + TOKENS_WEIGHT * (tokens - usual)
                 else:
                     averages[dependency] = float(tokens)
-                    if len(averages) > self._max_keys:  # the oldest model first
+                    if len(averages) > self._max_keys:  # the oldest key first
                         del averages[next(iter(averages))]
             if limits is not None:
                 if limits.limit_requests is not None or limits.limit_tokens is not None:
@@ -293,11 +313,11 @@ class Admitter:
         with self._lock:
             named: dict[str, None] = {}  # the most recently used of each table, in order
             for table in (self._learners, self._published, self._tokens):
-                for model in reversed(table):
+                for name in reversed(table):
                     if len(named) >= STATS_MODELS:
                         break
-                    named[model] = None
-            models = tuple(self._model_limit(model) for model in named)
+                    named[name] = None
+            models = tuple(self._model_limit(name) for name in named)
             return AdmissionStats(
                 self._admitted,
                 self._refused,
@@ -311,43 +331,49 @@ class Admitter:
                 models,
             )
 
-    def _model_limit(self, model: str) -> ModelLimit:
-        provider, _, name = model.partition(":")
-        fleet = self._fleet.get(model)
-        state = fleet[1] if fleet is not None else None
-        ceiling = self._effective(AdmissionKey(provider, name), model)
-        learner = self._learners.get(model)
-        if state is not None:
-            fraction = recover(state, ceiling, self._clock()).fraction
-        else:
-            fraction = 1.0 if learner is None else learner.fraction()
-        rpm, tpm = self._published.get(model, (None, None))
-        usual = self._tokens.get(model)
+    def _model_limit(self, name: str) -> ModelLimit:
+        """``name``'s limit as applied now (a credential's: held to its model's share too)."""
+        key = _key_of(name)
+        ceiling = self._effective(key)
+        fraction, fleetwide = 1.0, True
+        for each in _names(key):
+            state = _state(self._fleet.get(each))
+            learner = self._learners.get(each)
+            if state is not None:
+                share = recover(state, self._ceiling(_key_of(each)), self._clock()).fraction
+            else:
+                share = 1.0 if learner is None else learner.fraction()
+                fleetwide = False
+            fraction = min(fraction, share)
+        rpm, tpm = self._published.get(name, (None, None))
+        usual = self._tokens.get(name)
         return ModelLimit(
-            model,
+            name,
             round(ceiling.rpm * fraction, 3),
             None if ceiling.tpm is None else round(ceiling.tpm * fraction, 3),
             round(fraction, 6),
-            state is not None,
+            fleetwide and self._learning is not None,
             rpm,
             tpm,
             None if usual is None else round(usual, 1),
         )
 
-    def _fleet_state(self, model: str) -> LearnedState | None:
-        """The fleet's learned state of ``model``, read at most every ``refresh_s``
-        (None: not a fleet, or Redis away)."""
+    def _fleet_states(self, names: tuple[str, ...]) -> list[LearnedState | None]:
+        """The fleet's learned states of ``names`` (a model, and a credential's key of it),
+        read at most every ``refresh_s``, together (None: not a fleet, or Redis away)."""
         if self._learning is None:
-            return None
+            return [None] * len(names)
         now = self._clock()
         with self._lock:
-            known = self._fleet.get(model)
-        if known is not None and now - known[0] < self._refresh_s:
-            return known[1]
-        state = self._learning.read(model)
+            known = [self._fleet.get(name) for name in names]
+        if all(k is not None and now - k[0] < self._refresh_s for k in known):
+            return [_state(k) for k in known]
+        found = self._learning.read_all(names)
+        states: list[LearnedState | None] = [None] * len(names) if found is None else [*found]
         with self._lock:
-            self._remember(self._fleet, model, (now, state))
-        return state
+            for name, state in zip(names, states, strict=True):
+                self._remember(self._fleet, name, (now, state))
+        return states
 
     def _fraction(self, learner: Learner, fleet: LearnedState | None) -> float:
         """The learned share: the fleet's when Redis answered, else this sidecar's."""
@@ -355,14 +381,16 @@ class Admitter:
             return learner.fraction()
         return recover(fleet, learner.ceiling, self._clock()).fraction
 
-    def _effective(self, key: AdmissionKey, model: str) -> Ceiling:
-        """``key``'s ceiling, lowered to what the provider published for ``model``."""
+    def _effective(self, key: AdmissionKey) -> Ceiling:
+        """``key``'s ceiling, lowered to what the provider published for its model (spans
+        without a credential) and for it (spans naming its credential)."""
         ceiling = self._ceiling(key)
-        rpm, tpm = self._published.get(model, (None, None))
-        if rpm is not None and rpm < ceiling.rpm:
-            ceiling = replace(ceiling, rpm=float(rpm))
-        if tpm is not None and (ceiling.tpm is None or tpm < ceiling.tpm):
-            ceiling = replace(ceiling, tpm=float(tpm))
+        for name in _names(key):
+            rpm, tpm = self._published.get(name, (None, None))
+            if rpm is not None and rpm < ceiling.rpm:
+                ceiling = replace(ceiling, rpm=float(rpm))
+            if tpm is not None and (ceiling.tpm is None or tpm < ceiling.tpm):
+                ceiling = replace(ceiling, tpm=float(tpm))
         return ceiling
 
     def _first_sight(self, span: str) -> bool:
@@ -378,17 +406,17 @@ class Admitter:
         if len(table) > self._max_keys:
             table.popitem(last=False)
 
-    def _learner(self, model: str) -> Learner:
-        """The learner of ``provider:model`` (its AIMD knobs: the model's entry or the default)."""
+    def _learner(self, name: str) -> Learner:
+        """The learner of ``provider:model`` or ``provider:model@credential`` (its AIMD
+        knobs: the key's entry, else the model's, else the default)."""
         with self._lock:
-            learner = self._learners.get(model)
+            learner = self._learners.get(name)
             if learner is None:
-                provider, _, name = model.partition(":")
-                ceiling = self._ceiling(AdmissionKey(provider, name))
-                learner = self._learners[model] = Learner(ceiling, clock=self._clock)
+                ceiling = self._ceiling(_key_of(name))
+                learner = self._learners[name] = Learner(ceiling, clock=self._clock)
                 if len(self._learners) > self._max_keys:
                     self._learners.popitem(last=False)
-            self._learners.move_to_end(model)
+            self._learners.move_to_end(name)
             return learner
 
     def _count(self, decision: Decision) -> Decision:
@@ -401,3 +429,21 @@ class Admitter:
             if not decision.shared:
                 self._local_answers += 1
         return decision
+
+
+def _names(key: AdmissionKey) -> tuple[str, ...]:
+    """What ``key`` learns from: its model, and itself when it names a credential."""
+    model = f"{key.provider}:{key.model}"
+    return (model,) if key.credential is None else (model, str(key))
+
+
+def _key_of(name: str) -> AdmissionKey:
+    """The key a learned name stands for (``provider:model[@credential]``; not checked
+    again: a span's credential is checked when read, an admission's when asked)."""
+    model, _, credential = name.partition("@")
+    provider, _, model = model.partition(":")
+    return AdmissionKey(provider, model, credential or None)
+
+
+def _state(known: tuple[float, LearnedState | None] | None) -> LearnedState | None:
+    return None if known is None else known[1]

@@ -3,8 +3,9 @@
 The governor (``policies``, which imports nothing of the supervisor) spaces
 the resumes and retries it schedules for a dependency at its capacity
 (:class:`policies.Capacity`); this answers it from the admitter: the key's
-ceiling times the share its model learned from 429s. A breaker keyed
-``provider:model@credential`` asks that credential's key. Admission disabled,
+ceiling times the share learned from 429s. A breaker keyed
+``provider:model@credential`` asks that credential's key (the lower of its
+model's share and its own, as its admissions). Admission disabled,
 or a dependency that is not ``provider:model`` (a tool): not known.
 """
 

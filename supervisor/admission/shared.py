@@ -28,8 +28,9 @@ __all__ = ["RedisBucket"]
 
 # KEYS[1] the bucket (hash r, t, ts, w0, w1), KEYS[2] the model's pause (ms, wall clock),
 # KEYS[3] the bucket's fair shares (hash: V<priority> the virtual time; "<priority>|<service>"
-# "finish until seen"). ARGV: now ms, rpm, tpm (0: not limited), n, t, priority, ttl ms,
-# service, weight, services tracked at most, grace ms, longest share wait ms.
+# "finish until seen"), KEYS[4] the key's own pause (a credential's; else the model's again).
+# ARGV: now ms, rpm, tpm (0: not limited), n, t, priority, ttl ms, service,
+# weight, services tracked at most, grace ms, longest share wait ms.
 # Numbers are written with %.17g, so that they read back exactly (as LocalBucket keeps them).
 _TAKE_LUA = """
 local now = tonumber(ARGV[1])
@@ -45,7 +46,8 @@ local most = tonumber(ARGV[10])
 local grace = tonumber(ARGV[11])
 local longest = tonumber(ARGV[12])
 local function num(x) return string.format('%.17g', x) end
-local pause = tonumber(redis.call('GET', KEYS[2]) or '0')
+local pause = math.max(tonumber(redis.call('GET', KEYS[2]) or '0'),
+  tonumber(redis.call('GET', KEYS[4]) or '0'))
 if pause > now then return {0, pause - now, 'paused'} end
 local h = redis.call('HMGET', KEYS[1], 'r', 't', 'ts', 'w0', 'w1')
 local ts = tonumber(h[3]) or now
@@ -165,7 +167,7 @@ class RedisBucket:
         weight: float = 1.0,
     ) -> Take | None:
         """Take ``n`` requests and ``t`` tokens from ``key``'s bucket for ``service``, or the
-        wait (``model`` paused: the pause's); None: Redis is away."""
+        wait (``model`` or ``key`` paused: the later pause's); None: Redis is away."""
         now_ms = round(self._clock() * 1000)
         args = [
             now_ms,
@@ -185,6 +187,7 @@ class RedisBucket:
             f"{self._prefix}bucket:{key}",
             f"{self._prefix}pause:{model}",
             f"{self._prefix}fair:{key}",
+            f"{self._prefix}pause:{key}",
         ]
 
         def op(client: Any) -> list[Any]:
@@ -200,7 +203,8 @@ class RedisBucket:
         return Take(bool(found[0]), int(found[1]), why)
 
     def pause(self, model: str, until: float) -> bool:
-        """Pause every key of ``model`` fleet-wide until the wall-clock ``until``;
+        """Pause ``model`` fleet-wide until the wall-clock ``until``: every key of it, for
+        ``provider:model``; that credential's key only, for ``provider:model@credential``.
         False: Redis is away."""
         until_ms = int(until * 1000)
         left = until_ms - int(self._clock() * 1000)

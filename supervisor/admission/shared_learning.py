@@ -12,8 +12,10 @@ runs both on one sequence). Times are the sidecars' wall clocks, in seconds,
 and numbers travel as exact decimal text (``%.17g``) so both sides compute on
 the same doubles.
 
-A sidecar reads a model's state (:meth:`RedisLearning.read`) at most about
-once a second (:class:`~supervisor.admission.admitter.Admitter` caches it),
+A credential's key (``provider:model@credential``), when a 429's span named
+it, has a state of its own, the same way. A sidecar reads a key's states (its
+model's and its own: :meth:`RedisLearning.read_all`, one round trip) at most
+about once a second (:class:`~supervisor.admission.admitter.Admitter` caches them),
 and gives back the quiet windows itself (:func:`.learner.recover`). Redis
 away: ``None``; the admitter uses its own learner. Needs the ``fleet`` extra.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -121,11 +123,27 @@ class RedisLearning:
 
     def read(self, model: str) -> LearnedState | None:
         """The fleet's state of ``model`` as stored (a fresh one if none); None: Redis away."""
-        name = f"{self._prefix}learn:{model}"
+        found = self.read_all((model,))
+        return None if found is None else found[0]
+
+    def read_all(self, names: Sequence[str]) -> tuple[LearnedState, ...] | None:
+        """The fleet's states of ``names`` (models, credentials' keys), in one round trip;
+        None: Redis away."""
+        keys = [f"{self._prefix}learn:{name}" for name in names]
+
+        def op(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hmget(key, "f", "s", "d")
+            return list(pipe.execute())
+
         try:
-            f, s, d = self._link.run(lambda client: client.hmget(name, "f", "s", "d"))
+            found = self._link.run(op)
         except Unreachable:
             return None
+        return tuple(self._state(*fields) for fields in found)
+
+    def _state(self, f: Any, s: Any, d: Any) -> LearnedState:
         if f is None or s is None:
             return LearnedState(1.0, self._clock())
         return LearnedState(

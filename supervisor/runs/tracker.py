@@ -20,10 +20,12 @@ The detectors that need a run's history:
 * **re-anchoring**: a long run reminded of its objective.
 
 Every LLM call is also told to :attr:`RunTracker.llm_calls` (admission control
-learns a model's usual tokens and its provider's published limits): its
-tokens, and the provider's rate-limit headers the span recorded, or the plain
-HTTP span under it did (an instrumentation that captures response headers
-puts them there; the child ends, and is seen, first).
+learns a model's usual tokens and its provider's published limits): its key
+(``provider:model``, ``@credential`` when the span names one: a provider's
+limits are its API key's), its tokens, and the provider's rate-limit headers
+the span recorded, or the plain HTTP span under it did (an instrumentation
+that captures response headers puts them there; the child ends, and is seen,
+first).
 
 A session's run may reach several sidecars of a fleet: with a ``fleet``
 (:mod:`.fleet`, through the breakers' Redis), its loops and budget are
@@ -114,7 +116,8 @@ class RunTracker:
         fleet: FleetRuns | None = None,
     ) -> None:
         self._settings = settings
-        #: Told every LLM call: its dependency, tokens and rate-limit headers (set by the wiring).
+        #: Told every LLM call: its dependency (``@credential`` when named), tokens and
+        #: rate-limit headers (set by the wiring).
         self.llm_calls: Callable[[str, int, RateLimitHeaders | None], None] | None = None
         #: Parent span id -> the rate-limit headers its HTTP child recorded.
         self._headers: OrderedDict[bytes, RateLimitHeaders] = OrderedDict()
@@ -412,7 +415,7 @@ class RunTracker:
             limits = span.rate_limits() if span.has_rate_limits else None
             if limits is None and self._headers:
                 limits = self._headers.pop(span.span_id, None)
-            told(dependency, prompt + completion, limits)
+            told(span.breaker_key, prompt + completion, limits)
         run.last_llm = span.requested()
         if run.tools_since_llm:
             run.tools_since_llm.clear()
