@@ -24,12 +24,13 @@ from tests.redis_server import REDIS
 from tests.test_app import settings as sidecar_settings
 from tests.test_shared_breakers import AUTH
 
+# No headroom: the tests count exact admissions.
 POLICY = """\
 version: 1
 admission:
-  default: {rpm: 1000}
+  default: {rpm: 1000, headroom: 0}
   keys:
-    "openai:gpt-4o@team-a": {rpm: 2}
+    "openai:gpt-4o@team-a": {rpm: 2, headroom: 0}
 """
 BODY = {"dependency": "openai:gpt-4o", "credential": "team-a", "service": "agent"}
 

@@ -9,6 +9,7 @@ import pytest
 from policies import Governor, load_policy
 from supervisor.admission.capacity import AdmissionCapacity
 from supervisor.admission.config import admitter_for
+from supervisor.admission.key import admission_key
 from supervisor.records import Action
 from supervisor.wiring import build_sidecar
 from tests.test_app import settings
@@ -25,10 +26,10 @@ policies:
     wait: {type: fixed, seconds: 1}
 retry_budget: {enabled: false}
 admission:
-  default: {rpm: 6000}
+  default: {rpm: 6000, headroom: 0}
   keys:
-    "openai:gpt-4o": {rpm: 60}
-    "openai:gpt-4o@team-a": {rpm: 120}
+    "openai:gpt-4o": {rpm: 60, headroom: 0}
+    "openai:gpt-4o@team-a": {rpm: 120, headroom: 0}
 """
 
 
@@ -62,14 +63,27 @@ def test_the_capacity_is_the_keys_learned_rate() -> None:
 def test_a_rate_is_known_only_once_the_policy_or_the_provider_says_it() -> None:
     """The built-in default is a guess: no pacing by it. A key of the policy's own, a
     published limit or a 429 make the rate known."""
-    policy = load_policy(text='version: 1\nadmission: {keys: {"openai:gpt-4o": {rpm: 60}}}\n')
+    keys = '{"openai:gpt-4o": {rpm: 60, headroom: 0}}'
+    policy = load_policy(text=f"version: 1\nadmission: {{keys: {keys}}}\n")
     admitter = admitter_for(policy.limits.admission, clock=Clock())
     capacity = AdmissionCapacity(admitter, lambda: True)
     assert capacity("openai:gpt-4o") == 60
     assert capacity("openai:gpt-4o-mini") is None
     assert capacity("anthropic:claude-sonnet-4") is None
     admitter.throttled("anthropic:claude-sonnet-4")
-    assert capacity("anthropic:claude-sonnet-4") == pytest.approx(420)
+    # The built-in ceiling, less its 5% headroom, after one 429: 600 x 0.95 x 0.7.
+    assert capacity("anthropic:claude-sonnet-4") == pytest.approx(399)
+
+
+def test_the_headroom_keeps_admission_under_the_ceiling() -> None:
+    """5% below a key's ceiling by default: the provider counts on its own clock, so a
+    fleet admitted at exactly the limit meets 429s at the edge of its bucket."""
+    policy = load_policy(text='version: 1\nadmission: {keys: {"openai:gpt-4o": {rpm: 60}}}\n')
+    admitter = admitter_for(policy.limits.admission, clock=Clock())
+    assert AdmissionCapacity(admitter, lambda: True)("openai:gpt-4o") == pytest.approx(57)
+    key = admission_key("openai:gpt-4o", None)
+    answers = [admitter.admit(key).go for _ in range(58)]
+    assert answers.count(True) == 57  # the bucket holds a minute at 57 a minute
 
 
 def test_retries_are_spaced_at_the_learned_rate() -> None:
@@ -101,8 +115,8 @@ def test_a_built_sidecar_paces_by_its_admitter(tmp_path: Path) -> None:
         pacer = sidecar.governor.pacer
         assert pacer.interval("openai:gpt-4o") is None
         sidecar.admitter.throttled("openai:gpt-4o")
-        assert pacer.interval("openai:gpt-4o") == pytest.approx(60 / 420)
-        assert pacer.interval("openai:gpt-4o@team-a") == pytest.approx(60 / 420)
+        assert pacer.interval("openai:gpt-4o") == pytest.approx(60 / 399)
+        assert pacer.interval("openai:gpt-4o@team-a") == pytest.approx(60 / 399)
         assert pacer.interval("openai:gpt-4o-mini") is None
         assert pacer.interval("search") is None
         off = load_policy(text="version: 1\nadmission: {enabled: false}\n")

@@ -383,7 +383,8 @@ class Admitter:
 
     def _effective(self, key: AdmissionKey) -> Ceiling:
         """``key``'s ceiling, lowered to what the provider published for its model (spans
-        without a credential) and for it (spans naming its credential)."""
+        without a credential) and for it (spans naming its credential), less its headroom:
+        the rates admission applies before what 429s taught."""
         ceiling = self._ceiling(key)
         for name in _names(key):
             rpm, tpm = self._published.get(name, (None, None))
@@ -391,6 +392,10 @@ class Admitter:
                 ceiling = replace(ceiling, rpm=float(rpm))
             if tpm is not None and (ceiling.tpm is None or tpm < ceiling.tpm):
                 ceiling = replace(ceiling, tpm=float(tpm))
+        room = 1.0 - ceiling.headroom
+        if room < 1.0:
+            lowered = None if ceiling.tpm is None else ceiling.tpm * room
+            ceiling = replace(ceiling, rpm=ceiling.rpm * room, tpm=lowered)
         return ceiling
 
     def _first_sight(self, span: str) -> bool:
