@@ -139,10 +139,11 @@ def test_the_forecast_uses_the_fleet_s_burn_rate(namespace: str) -> None:
         stops += b.call("planner", run_b, T0 + 10 * n + 5)
     first = stops[0].failure
     assert first.kind == "budget_forecast"
-    forecast = first.details["forecast"]
+    details: dict[str, Any] = dict(first.details)
+    forecast = details["forecast"]
     assert forecast["due"] == "horizon"
     assert forecast["rate_per_s"] == pytest.approx(0.003, rel=0.15)  # the fleet's rate
-    assert first.details["window_cost_usd"] < 0.2  # before the cap
+    assert details["window_cost_usd"] < 0.2  # before the cap
     assert len({o.failure.run_id for o in stops}) == len(stops) == 2
 
 

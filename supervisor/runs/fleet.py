@@ -15,7 +15,9 @@ costs nothing more):
   their last sightings, what was reported, and the run's call count: the rule
   of :class:`~supervisor.runs.loops.RecentCalls`, on every sidecar's calls;
 * **budgets**: per run, the tokens, cost and calls spent, and which budget
-  kinds were reported.
+  kinds were reported (a service budget's stop of the run too: once fleet-wide);
+* **service budgets**: per service, its window's spend and burn rate, for
+  every run of the service, a trace's too (:mod:`.fleet_services`).
 
 A batch's contributions are gathered per run by the tracker
 (:class:`RunShare`) and sent in **one round trip per batch**: one call of a

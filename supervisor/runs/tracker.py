@@ -924,6 +924,8 @@ class RunTracker:
             found["fleet_backlog"] = fleet.backlog
             found["fleet_backlog_dropped"] = fleet.backlog_dropped
             found["fleet_backlog_calls_dropped"] = fleet.backlog_calls_dropped
+            found["fleet_service_backlog"] = fleet.services.backlog
+            found["fleet_service_backlog_dropped"] = fleet.services.backlog_dropped
         return found
 
 
