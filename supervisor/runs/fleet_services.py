@@ -7,8 +7,9 @@ service, the window's buckets (cost, tokens, calls) and the burn rate (the
 decayed sums of :class:`policies._forecast.Burn`), from every sidecar's calls.
 
 No round trip per call: a batch's charges are gathered per service (calls
-within a second of each other as one entry) and go in the batch's one round
-trip of :mod:`.fleet` (its script counts them, in the worker thread). Its
+within the same second as one entry) and go in the batch's one round
+trip of :mod:`.fleet` (its script counts them, in the worker thread). A
+batch's calls are timed by when the batch was received, as the local count's. Its
 answer is the fleet's window and rate for each service sent, which this
 sidecar adopts as its **fleet view**: each later call of the service is
 charged to the view, and its outlook (crossed, or a cap forecast near) is the
@@ -125,10 +126,10 @@ class _Charges:
         self.spec = spec
         self.entries: list[list[Any]] = []
 
-    def add(self, at: float, cost: float, tokens: int, calls: int, *, within: float) -> None:
-        """A call (or several), merged with the latest entry when within ``within`` s of it."""
+    def add(self, at: float, cost: float, tokens: int, calls: int, *, width: float) -> None:
+        """A call (or several), merged with the latest entry when in the same ``width`` s."""
         entries = self.entries
-        if entries and abs(at - entries[-1][0]) < within:
+        if entries and at // width == entries[-1][0] // width:
             last = entries[-1]
             last[0] = max(last[0], at)
             last[1] += cost
@@ -169,7 +170,7 @@ class FleetServices:
         if pending is None:
             pending = self._pending[service] = _Charges(spec)
         pending.spec = spec
-        pending.add(now, max(0.0, cost), max(0, tokens), 1, within=1.0)
+        pending.add(now, max(0.0, cost), max(0, tokens), 1, width=1.0)
         if service not in self._adopted:
             return None
         return self.view.charge(service, spec, now=now, cost=cost, tokens=tokens)
@@ -238,7 +239,7 @@ class FleetServices:
         kept.spec = charges.spec
         width = window_buckets(charges.spec.window_s)[1]
         for at, cost, tokens, calls in charges.entries:
-            kept.add(at, cost, tokens, calls, within=width)
+            kept.add(at, cost, tokens, calls, width=width)
         excess = len(kept.entries) - window_buckets(charges.spec.window_s)[0]
         if excess > 0:  # older than the window: would not count anyway
             self.backlog_dropped += excess
