@@ -82,7 +82,7 @@ from redis.exceptions import NoScriptError
 from policies import DetectorSettings, RunSpend
 from supervisor.judge.steps import Steps, drive
 from supervisor.runs.detection import Detection, loop_detection
-from supervisor.runs.fleet_services import SERVICES_LUA, FleetServices
+from supervisor.runs.fleet_services import SERVICES_LUA, FleetServices, parse
 from supervisor.runs.loops import MAX_LOOP_REPORTS, MAX_REPORTED
 from supervisor.runs.spend import budget_crossed
 from supervisor.runs.state import RunState
@@ -598,7 +598,7 @@ class FleetRuns:
         runs_answers, services_answers = decoded.get("r"), decoded.get("s")
         return (
             [a if isinstance(a, list) else None for a in _listed(runs_answers)],
-            _listed(services_answers),
+            [parse(a) for a in _listed(services_answers)],
         )
 
     def _keys(self, run_id: str) -> str:

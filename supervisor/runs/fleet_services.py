@@ -26,7 +26,7 @@ buckets each; what is not kept is counted in ``backlog_dropped``), and sent
 with the round trips that follow.
 
 Keys: ``<namespace>:service:{<service digest>}`` (service names are untrusted:
-hashed), a hash of buckets (``c``/``t``/``n`` + bucket number), the rate
+hashed), a hash of buckets (``b`` + bucket number: cost, tokens, calls), the rate
 (``s``, ``l``, ``bc``, ``bt``) and the window (``w``, a new window starts over);
 it expires a window after its last call.
 """
@@ -38,7 +38,7 @@ from typing import Any, Final
 
 from policies import ServiceBudgetSpec, ServiceOutlook, ServiceSpend, window_buckets
 
-__all__ = ["SERVICES_LUA", "FleetServices"]
+__all__ = ["SERVICES_LUA", "FleetServices", "parse"]
 
 #: Services whose spend made while Redis was away is kept for when it answers.
 MAX_BACKLOG: Final = 1024
@@ -48,7 +48,9 @@ _MAX_KEYS: Final = 4096
 #: A Lua chunk of the fleet's script: ``count_service(sv, tau)`` counts one service's
 #: charges (``sv``: ``k`` key, ``w`` window s, ``d`` bucket width, ``n`` now, ``s``
 #: entries [at, cost, tokens, calls], oldest first) and returns its window and rate:
-#: ``{b = {{bucket, cost, tokens, calls}, ...}, r = {since, last, cost, tokens}}``.
+#: ``{b = {"bucket cost tokens calls", ...}, r = {since, last, cost, tokens}}``, the
+#: buckets oldest first. (A bucket is one field, ``b<bucket number>`` = "cost tokens
+#: calls": the script reads the whole window each time, and fewer fields cost less.)
 SERVICES_LUA: Final = """
 local function count_service(sv, tau)
   local key, w, width, now = sv.k, sv.w, sv.d, sv.n
@@ -62,10 +64,14 @@ local function count_service(sv, tau)
     local at, cost, tokens, calls = e[1], e[2], e[3], e[4]
     local slot = math.floor(at / width)
     if slot > oldest then
-      local b = string.format('%d', slot)
-      redis.call('HINCRBYFLOAT', key, 'c' .. b, string.format('%.17g', cost))
-      redis.call('HINCRBY', key, 't' .. b, tokens)
-      redis.call('HINCRBY', key, 'n' .. b, calls)
+      local field = 'b' .. string.format('%d', slot)
+      local was = redis.call('HGET', key, field)
+      if was then
+        local c, t, n = string.match(was, '^(%S+) (%S+) (%S+)$')
+        cost, tokens, calls = cost + tonumber(c), tokens + tonumber(t), calls + tonumber(n)
+      end
+      redis.call('HSET', key, field, string.format('%.17g %d %d', cost, tokens, calls))
+      cost, tokens, calls = e[2], e[3], e[4]
     end
     if since == nil then
       since, last = at, at  -- the first call opens the rate (see Burn)
@@ -82,39 +88,34 @@ local function count_service(sv, tau)
   redis.call('HSET', key, 'w', string.format('%.17g', w), 's', string.format('%.17g', since),
     'l', string.format('%.17g', last), 'bc', string.format('%.17g', bc),
     'bt', string.format('%.17g', bt))
-  local buckets, old, slots = {}, {}, {}
+  local buckets, old = {}, {}
   local all = redis.call('HGETALL', key)
   for i = 1, #all, 2 do
     local field = all[i]
-    local kind, num = string.sub(field, 1, 1), tonumber(string.sub(field, 2))
-    if num ~= nil and (kind == 'c' or kind == 't' or kind == 'n') then
+    if string.sub(field, 1, 1) == 'b' and field ~= 'bc' and field ~= 'bt' then
+      local num = tonumber(string.sub(field, 2))
       if num <= oldest then
         table.insert(old, field)
       else
-        local b = buckets[num]
-        if b == nil then
-          b = {num, 0, 0, 0}
-          buckets[num] = b
-          table.insert(slots, num)
-        end
-        local v = tonumber(all[i + 1])
-        if kind == 'c' then b[2] = v elseif kind == 't' then b[3] = v else b[4] = v end
+        table.insert(buckets, {num, all[i + 1]})
       end
     end
   end
   if #old > 0 then redis.call('HDEL', key, unpack(old)) end
-  table.sort(slots)
-  for _, num in ipairs(slots) do
-    local b = buckets[num]
-    b[2] = string.format('%.17g', b[2])
-    table.insert(answer.b, b)
-  end
+  table.sort(buckets, function(x, y) return x[1] < y[1] end)
+  for _, b in ipairs(buckets) do table.insert(answer.b, string.format('%d ', b[1]) .. b[2]) end
   answer.r = {string.format('%.17g', since), string.format('%.17g', last),
     string.format('%.17g', bc), string.format('%.17g', bt)}
   redis.call('PEXPIRE', key, math.ceil(w * 1000))
   return answer
 end
 """
+
+
+#: A service's window as the fleet counted it: its buckets (bucket number, cost, tokens,
+#: calls; oldest first) and its rate (since, last, decayed cost, decayed tokens; None: no
+#: call yet).
+Window = tuple[list[tuple[float, float, int, int]], tuple[float, float, float, float] | None]
 
 
 class _Charges:
@@ -207,18 +208,17 @@ class FleetServices:
             )
         return sent
 
-    def answered(self, taken: list[tuple[str, _Charges]], answers: list[Any] | None) -> None:
-        """The fleet's windows for ``taken`` become the view (this batch's calls since sent
-        charged to it again); None: Redis did not answer: no view is current, ``taken`` is
-        kept."""
+    def answered(self, taken: list[tuple[str, _Charges]], answers: list[Window] | None) -> None:
+        """The fleet's windows for ``taken`` (as :func:`parse` gives them) become the view
+        (this batch's calls since sent charged to it again); None: Redis did not answer: no
+        view is current, ``taken`` is kept."""
         if answers is None or len(answers) != len(taken):
             self.view.forget()
             self._adopted.clear()
             for service, charges in taken:
                 self._keep(service, charges)
             return
-        for (service, charges), answer in zip(taken, answers, strict=True):
-            buckets, burn = _parse(answer)
+        for (service, charges), (buckets, burn) in zip(taken, answers, strict=True):
             spec = charges.spec
             self.view.adopt(service, spec, buckets=buckets, burn=burn)
             self._adopted.add(service)
@@ -256,19 +256,18 @@ class FleetServices:
         return key
 
 
-def _parse(
-    answer: Any,
-) -> tuple[list[tuple[float, float, int, int]], tuple[float, float, float, float] | None]:
-    """The script's answer for one service (cjson writes an empty list as ``{}``)."""
+def parse(answer: Any) -> Window:
+    """The script's answer for one service (cjson writes an empty list as ``{}``): parsed
+    where the answer came (the worker thread), not on the event loop."""
     if not isinstance(answer, dict):
         return [], None
     raw_buckets, raw_burn = answer.get("b"), answer.get("r")
-    buckets = [
-        (float(b[0]), float(b[1]), int(float(b[2])), int(float(b[3])))
-        for b in (raw_buckets if isinstance(raw_buckets, list) else [])
-    ]
+    buckets = []
+    for raw in raw_buckets if isinstance(raw_buckets, list) else []:
+        slot, cost, tokens, calls = str(raw).split()
+        buckets.append((float(slot), float(cost), int(tokens), int(calls)))
     burn = None
     if isinstance(raw_burn, list) and len(raw_burn) == 4:
-        since, last, cost, tokens = (float(x) for x in raw_burn)
-        burn = (since, last, cost, tokens)
+        since, last, spent, used = (float(x) for x in raw_burn)
+        burn = (since, last, spent, used)
     return buckets, burn
