@@ -160,6 +160,9 @@ class ServiceSpend:
     def __len__(self) -> int:
         return len(self._windows)
 
+    def __contains__(self, service: object) -> bool:
+        return service in self._windows
+
     def charge(
         self, service: str, spec: ServiceBudgetSpec, *, now: float, cost: float, tokens: int
     ) -> ServiceOutlook:

@@ -211,3 +211,20 @@ def test_the_backlog_is_bounded_and_counts_what_it_drops() -> None:
 def _bucket(field: bytes) -> bool:
     """Whether a field of a service's hash is one of its window's buckets."""
     return field[:1] == b"b" and field[1:].isdigit()
+
+
+def test_the_fleet_s_spend_leaves_its_window(namespace: str, direct: Any) -> None:
+    policy = CAPPED.replace("window_s: 3600", "window_s: 60")
+    a, b = Sidecar(namespace, policy), Sidecar(namespace, policy)
+    run_a, run_b = a.begin("planner", T0), b.begin("planner", T0)
+    stops = []
+    for n in range(5):  # 10 calls within 50 s: crossed at the fleet's 8th
+        stops += a.call("planner", run_a, T0 + 10 * n)
+        stops += b.call("planner", run_b, T0 + 10 * n + 5)
+    assert len(stops) == 2
+    # Two minutes later the window holds only what is new: new runs go on as usual.
+    fresh = a.begin("planner", T0 + 170), b.begin("planner", T0 + 170)
+    assert a.call("planner", fresh[0], T0 + 170) + b.call("planner", fresh[1], T0 + 175) == []
+    (key,) = direct.scan_iter(match=f"{namespace}:runs:service:*")
+    assert sum(1 for field in direct.hkeys(key) if _bucket(field)) == 2  # the old ones gone
+    assert 0 < direct.pttl(key) <= 60_000

@@ -146,10 +146,9 @@ class FleetServices:
     def __init__(self, namespace: str, *, max_backlog: int = MAX_BACKLOG) -> None:
         self._namespace = namespace
         self._max_backlog = max_backlog
-        #: The fleet's windows as last answered, plus this sidecar's calls since.
+        #: The fleet's windows as last answered, plus this sidecar's calls since (a service
+        #: is in it only once adopted; all are forgotten when Redis does not answer).
         self.view = ServiceSpend()
-        #: Services the view holds the fleet's window of (adopted since Redis last failed).
-        self._adopted: set[str] = set()
         #: Charges of the batch so far, and those kept while Redis was away.
         self._pending: dict[str, _Charges] = {}
         self._backlog: dict[str, _Charges] = {}
@@ -172,7 +171,7 @@ class FleetServices:
             pending = self._pending[service] = _Charges(spec)
         pending.spec = spec
         pending.add(now, max(0.0, cost), max(0, tokens), 1, width=1.0)
-        if service not in self._adopted:
+        if service not in self.view:
             return None
         return self.view.charge(service, spec, now=now, cost=cost, tokens=tokens)
 
@@ -214,14 +213,12 @@ class FleetServices:
         view is current, ``taken`` is kept."""
         if answers is None or len(answers) != len(taken):
             self.view.forget()
-            self._adopted.clear()
             for service, charges in taken:
                 self._keep(service, charges)
             return
         for (service, charges), (buckets, burn) in zip(taken, answers, strict=True):
             spec = charges.spec
             self.view.adopt(service, spec, buckets=buckets, burn=burn)
-            self._adopted.add(service)
             since = self._pending.get(service)
             if since is not None:  # charged after the round trip was sent: not in Redis yet
                 for at, cost, tokens, _ in since.entries:
