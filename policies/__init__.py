@@ -27,9 +27,9 @@ from policies._policy import Policy
 from policies._regex import regex_timeouts
 from policies._schema import BUILTIN_REMEDIATORS, RemediatorBudgetSpec, RemediatorSpec
 from policies._schema_admission import AdmissionLimitSpec, AdmissionServiceSpec, AdmissionSpec
-from policies._schema_budgets import SloSpec
+from policies._schema_budgets import ServiceBudgetSpec, SloSpec
 from policies._schema_json import json_schema
-from policies._service_spend import SERVICE_BUDGET_RULE, ServiceSpend
+from policies._service_spend import SERVICE_BUDGET_RULE, ServiceOutlook, ServiceSpend
 from policies._slo import SloTracker
 from policies._spend import ModelInfo, RunSpend
 from policies._verifiers import VerificationFailure, VerifierSet
@@ -65,6 +65,8 @@ __all__ = [
     "RemediatorBudgetSpec",
     "RemediatorSpec",
     "RunSpend",
+    "ServiceBudgetSpec",
+    "ServiceOutlook",
     "ServiceSpend",
     "SharedStorage",
     "SloSpec",

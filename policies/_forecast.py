@@ -46,6 +46,15 @@ class Burn:
         self._cost = 0.0
         self._tokens = 0.0
 
+    @classmethod
+    def restored(
+        cls, since: float, last: float, cost: float, tokens: float, tau_s: float = DEFAULT_TAU_S
+    ) -> Burn:
+        """A rate counted elsewhere (a fleet's Redis), from its four numbers."""
+        burn = cls(since, tau_s)
+        burn.last, burn._cost, burn._tokens = last, cost, tokens
+        return burn
+
     def add(self, at: float, cost: float, tokens: int) -> None:
         """A call that ended ``at`` spent ``cost`` USD and ``tokens``.
 

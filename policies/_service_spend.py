@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Final
 
-from policies._forecast import Burn, Forecast, due_now, forecast
+from policies._forecast import DEFAULT_TAU_S, Burn, Forecast, due_now, forecast
 from policies._schema_budgets import ServiceBudgetSpec
 from policies._window_counter import window_buckets
 
@@ -110,9 +110,47 @@ class _Window:
             self.tokens = max(0, self.tokens - int(tokens))
             self.calls = max(0, self.calls - int(count))
 
+    @property
+    def last(self) -> float:
+        """When the latest call ended (its rate's clock)."""
+        return self.burn.last if self.burn is not None else 0.0
+
+    def outlook(self, service: str, spec: ServiceBudgetSpec) -> ServiceOutlook:
+        """The window's spend against ``spec``: crossed, or a cap forecast near."""
+        crossed = []
+        if spec.max_tokens is not None and self.tokens > spec.max_tokens:
+            crossed.append("max_tokens")
+        if spec.max_cost_usd is not None and self.cost > spec.max_cost_usd:
+            crossed.append("max_cost_usd")
+        due = None
+        if not crossed:
+            rates = self.burn.rates() if self.burn is not None else None
+            cost_rate, token_rate = (None, None) if rates is None else rates
+            calls, horizon = self.calls, spec.forecast_s
+            tokens_cap = None if spec.max_tokens is None else float(spec.max_tokens)
+            for kind, spent, cap, rate in (
+                ("max_cost_usd", self.cost, spec.max_cost_usd, cost_rate),
+                ("max_tokens", float(self.tokens), tokens_cap, token_rate),
+            ):
+                if due_now(spent=spent, cap=cap, rate=rate, calls=calls, horizon_s=horizon):
+                    due = forecast(
+                        kind=kind,
+                        spent=spent,
+                        cap=cap,
+                        rate=rate,
+                        calls=calls,
+                        horizon_s=horizon,
+                        at=self.last,
+                    )
+                    break
+        return ServiceOutlook(service, self.cost, self.tokens, self.calls, "+".join(crossed), due)
+
 
 class ServiceSpend:
     """Per service, the spend in its budget's window; see the module docstring."""
+
+    #: The burn rate's time constant (see :class:`~policies._forecast.Burn`).
+    tau_s: Final = DEFAULT_TAU_S
 
     def __init__(self, max_services: int = MAX_SERVICES) -> None:
         self.max_services = max_services
@@ -121,6 +159,9 @@ class ServiceSpend:
 
     def __len__(self) -> int:
         return len(self._windows)
+
+    def __contains__(self, service: object) -> bool:
+        return service in self._windows
 
     def charge(
         self, service: str, spec: ServiceBudgetSpec, *, now: float, cost: float, tokens: int
@@ -139,32 +180,36 @@ class ServiceSpend:
             windows.move_to_end(service)
         window.expire(now, spec.window_s)
         window.add(now, max(0.0, cost), max(0, tokens), 1)
-        crossed = []
-        if spec.max_tokens is not None and window.tokens > spec.max_tokens:
-            crossed.append("max_tokens")
-        if spec.max_cost_usd is not None and window.cost > spec.max_cost_usd:
-            crossed.append("max_cost_usd")
-        due = None
-        if not crossed:
-            rates = window.burn.rates() if window.burn is not None else None
-            cost_rate, token_rate = (None, None) if rates is None else rates
-            calls, horizon = window.calls, spec.forecast_s
-            tokens_cap = None if spec.max_tokens is None else float(spec.max_tokens)
-            for kind, spent, cap, rate in (
-                ("max_cost_usd", window.cost, spec.max_cost_usd, cost_rate),
-                ("max_tokens", float(window.tokens), tokens_cap, token_rate),
-            ):
-                if due_now(spent=spent, cap=cap, rate=rate, calls=calls, horizon_s=horizon):
-                    due = forecast(
-                        kind=kind,
-                        spent=spent,
-                        cap=cap,
-                        rate=rate,
-                        calls=calls,
-                        horizon_s=horizon,
-                        at=now,
-                    )
-                    break
-        return ServiceOutlook(
-            service, window.cost, window.tokens, window.calls, "+".join(crossed), due
-        )
+        return window.outlook(service, spec)
+
+    def adopt(
+        self,
+        service: str,
+        spec: ServiceBudgetSpec,
+        *,
+        buckets: list[tuple[float, float, int, int]],
+        burn: tuple[float, float, float, float] | None,
+    ) -> None:
+        """``service``'s window is now ``buckets`` (bucket number, cost, tokens, calls; oldest
+        first) and its rate ``burn`` (since, last, decayed cost, decayed tokens; None: no call
+        yet), as counted elsewhere (a fleet's Redis); later charges add to them."""
+        windows = self._windows
+        if service not in windows:
+            while len(windows) >= self.max_services:
+                windows.popitem(last=False)
+                self.forgotten += 1
+        window = _Window(spec.window_s, 0.0)
+        for slot, cost, tokens, count in buckets:
+            window.buckets.append([slot, cost, float(tokens), float(count)])
+            window.cost += cost
+            window.tokens += tokens
+            window.calls += count
+        if burn is not None:
+            since, last, cost_sum, token_sum = burn
+            window.burn = Burn.restored(since, last, cost_sum, token_sum)
+        windows[service] = (spec.window_s, window)
+        windows.move_to_end(service)
+
+    def forget(self) -> None:
+        """Every service's window (what was adopted is no longer current)."""
+        self._windows.clear()

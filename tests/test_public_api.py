@@ -37,6 +37,8 @@ def test_policies_exports() -> None:
         "RemediatorSpec",
         "RunSpend",
         "SERVICE_BUDGET_RULE",
+        "ServiceBudgetSpec",
+        "ServiceOutlook",
         "ServiceSpend",
         "SharedStorage",
         "SloSpec",

@@ -15,7 +15,9 @@ costs nothing more):
   their last sightings, what was reported, and the run's call count: the rule
   of :class:`~supervisor.runs.loops.RecentCalls`, on every sidecar's calls;
 * **budgets**: per run, the tokens, cost and calls spent, and which budget
-  kinds were reported.
+  kinds were reported (a service budget's stop of the run too: once fleet-wide);
+* **service budgets**: per service, its window's spend and burn rate, for
+  every run of the service, a trace's too (:mod:`.fleet_services`).
 
 A batch's contributions are gathered per run by the tracker
 (:class:`RunShare`) and sent in **one round trip per batch**: one call of a
@@ -80,6 +82,7 @@ from redis.exceptions import NoScriptError
 from policies import DetectorSettings, RunSpend
 from supervisor.judge.steps import Steps, drive
 from supervisor.runs.detection import Detection, loop_detection
+from supervisor.runs.fleet_services import SERVICES_LUA, FleetServices, parse
 from supervisor.runs.loops import MAX_LOOP_REPORTS, MAX_REPORTED
 from supervisor.runs.spend import budget_crossed
 from supervisor.runs.state import RunState
@@ -101,15 +104,18 @@ _MAX_PREFIXES: Final = 4096
 
 #: ARGV: the runs' batches (JSON: per run, ``k`` the prefix of its keys, ``c`` its
 #: calls, ``n`` when they were received (ms), ``s`` its charges, ``b`` its budget), TTL
-#: (s), MAX_LOOP_REPORTS, MAX_REPORTED.
+#: (s), MAX_LOOP_REPORTS, MAX_REPORTED, the services' charges (JSON, see
+#: :data:`~supervisor.runs.fleet_services.SERVICES_LUA`), their rate's time constant.
 #: The keys are named in ARGV, not KEYS: the client packs each argument into a buffer
 #: that it copies whole for the next, and five keys a run cost more than the script.
 #: (A batch's runs are in different hash slots anyway; the client is not a cluster's.)
-#: Returns JSON, per run [loops, spent]: loops
+#: Returns JSON: ``r`` per run [loops, spent], ``s`` per service its window; loops
 #: [call index, first span, its name, occurrence, this sidecar's own (1) or the
 #: fleet's (0)]; spent [charge index, crossed, calls, input tokens, output tokens,
 #: cost, unpriced calls, own].
-_SCRIPT: Final = """
+_SCRIPT: Final = (
+    SERVICES_LUA
+    + """
 local batch = cjson.decode(ARGV[1])
 local ttl = tonumber(ARGV[2])
 local max_reports, max_reported = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -248,8 +254,12 @@ for r, run in ipairs(batch) do
   for k = 1, 5 do redis.call('EXPIRE', keys[k], ttl) end
   answers[r] = {loops, spent}
 end
-return cjson.encode(answers)
+local services = {}
+local tau = tonumber(ARGV[6])
+for n, sv in ipairs(cjson.decode(ARGV[5])) do services[n] = count_service(sv, tau) end
+return cjson.encode({r = answers, s = services})
 """
+)
 _SHA: Final = hashlib.sha1(_SCRIPT.encode()).hexdigest()  # noqa: S324 (Redis names scripts so)
 _TOOLS, _OUTPUTS = 0, 1
 
@@ -338,6 +348,12 @@ class RunShare:
         self.spent.append((span_id, dependency, held))
         self.settings = settings
 
+    def stopped(self, *, span_id: bytes, dependency: str, held: Detection) -> None:
+        """The run stopped by its service's budget (``held``), reported once fleet-wide:
+        a charge of nothing marking ``service`` reported."""
+        self.charges.append([0, 0, 0, 0.0, 0, "service", 1])
+        self.spent.append((span_id, dependency, held))
+
     def held(self) -> list[Detection]:
         """What this sidecar's own counts found, in the order found."""
         return [d for _, _, _, d, _ in self.loops if d is not None] + [
@@ -405,16 +421,19 @@ class FleetRuns:
         ttl_s: float = TTL_S,
         max_backlog: int = MAX_BACKLOG,
         catch_up: int = MAX_CATCH_UP,
+        services: FleetServices | None = None,
     ) -> None:
         self._link = link
         self._namespace = namespace
+        #: Services' spend, for their budgets: sent in the same round trips.
+        self.services = FleetServices(namespace) if services is None else services
         self._ttl = str(max(1, int(ttl_s)))
         self._max_backlog = max_backlog
         self._catch_up = catch_up
         #: The thread that waits for Redis (made at the first round trip), and the round
         #: trip sent and not collected yet.
         self._thread: ThreadPoolExecutor | None = None
-        self._flight: tuple[list[_Send], Future[list[Any]]] | None = None
+        self._flight: tuple[list[_Send], _Taken, Future[_Answers]] | None = None
         #: run id -> the prefix of its keys (runs come back batch after batch).
         self._prefixes: dict[str, str] = {}
         #: run id -> what the fleet did not count of it while Redis was away (oldest first).
@@ -456,9 +475,13 @@ class FleetRuns:
         """
         flight = self._flight
         if flight is not None:
-            if flight[1].done():
+            if flight[2].done():
                 drive(self.collect_steps(found))
-        elif self._backlog and not self._shares and not self._link.resting():
+        elif (
+            (self._backlog or self.services.backlog)
+            and not self._shares
+            and not self._link.resting()
+        ):
             self.send(found)
 
     def count(self, found: list[Detection]) -> None:
@@ -486,11 +509,13 @@ class FleetRuns:
                 continue
             kept = backlog.pop(run_id, None)
             sends.append((run_id, share if kept is None else share.after(kept), True))
-        if backlog and not self._link.resting():
+        rested = not self._link.resting()
+        if backlog and rested:
             for run_id in list(itertools.islice(backlog, self._catch_up)):
                 sends.append((run_id, backlog.pop(run_id), False))
-        if sends:
-            self._flight = (sends, self._worker().submit(self._exchange, sends))
+        taken = self.services.take(catch_up=rested)
+        if sends or taken:
+            self._flight = (sends, taken, self._worker().submit(self._exchange, sends, taken))
 
     def collect_steps(self, found: list[Detection]) -> Steps[None]:
         """What the round trip :meth:`send` started found goes to ``found``.
@@ -504,10 +529,11 @@ class FleetRuns:
         flight, self._flight = self._flight, None
         if flight is None:
             return
-        sends, exchange = flight
+        sends, taken, exchange = flight
         if not exchange.done():
             yield exchange
-        answers = exchange.result()  # never raises (see _exchange)
+        answers, services = exchange.result()  # never raises (see _exchange)
+        self.services.answered(taken, services)
         for (run_id, share, batch), answer in zip(sends, answers, strict=True):
             if answer is None:  # unreachable, or an error
                 self.unshared += batch
@@ -523,21 +549,26 @@ class FleetRuns:
             worker = self._thread = ThreadPoolExecutor(1, thread_name_prefix="spanvisor-runs-fleet")
         return worker
 
-    def _exchange(self, sends: list[_Send]) -> list[Any]:
-        """In the worker thread: the batch's answers from Redis, None for each when none came."""
+    def _exchange(self, sends: list[_Send], taken: _Taken) -> _Answers:
+        """In the worker thread: the batch's answers from Redis, None for each run (and
+        for the services) when none came."""
+        unshared: _Answers = ([None] * len(sends), None)
         try:
-            answers: list[Any] = self._link.run(lambda client: self._send(client, sends))
+            answered: tuple[list[Any], list[Any]] = self._link.run(
+                lambda client: self._send(client, sends, taken)
+            )
         except Unreachable:
-            return [None] * len(sends)
+            return unshared
         except Exception:  # a bug here must not lose what this sidecar found
             log.exception("counting runs fleet-wide failed; judged by this sidecar alone")
-            return [None] * len(sends)
-        if len(answers) != len(sends):
+            return unshared
+        answers, services = answered
+        if len(answers) != len(sends) or len(services) != len(taken):
             log.error("Redis answered for %d runs of %d; judged alone", len(answers), len(sends))
-            return [None] * len(sends)
-        return answers
+            return unshared
+        return answers, services
 
-    def _send(self, client: Any, sends: list[_Send]) -> list[Any]:
+    def _send(self, client: Any, sends: list[_Send], taken: _Taken) -> tuple[list[Any], list[Any]]:
         """One script call for the batch's runs (loading the script if Redis lost it)."""
         runs = [
             {
@@ -549,12 +580,26 @@ class FleetRuns:
             }
             for run_id, share, _ in sends
         ]
-        args = (json.dumps(runs, separators=(",", ":")), self._ttl, MAX_LOOP_REPORTS, MAX_REPORTED)
+        services = self.services
+        args = (
+            json.dumps(runs, separators=(",", ":")),
+            self._ttl,
+            MAX_LOOP_REPORTS,
+            MAX_REPORTED,
+            json.dumps(services.wire(taken), separators=(",", ":")),
+            services.view.tau_s,
+        )
         try:
             answer = client.evalsha(_SHA, 0, *args)
         except NoScriptError:
             answer = client.eval(_SCRIPT, 0, *args)
-        return [a if isinstance(a, list) else None for a in json.loads(answer)]
+        decoded = json.loads(answer)
+        # cjson writes an empty list as {}.
+        runs_answers, services_answers = decoded.get("r"), decoded.get("s")
+        return (
+            [a if isinstance(a, list) else None for a in _listed(runs_answers)],
+            [parse(a) for a in _listed(services_answers)],
+        )
 
     def _keys(self, run_id: str) -> str:
         """The prefix of the run's keys, one hash slot (its id hashed: ids may be long)."""
@@ -587,6 +632,15 @@ class FleetRuns:
 #: A run's share as sent: its run id, the share (its backlog first), and whether it is
 #: the batch's (False: a backlog sent alone).
 _Send = tuple[str, "RunShare", bool]
+#: The services' charges sent (see :meth:`FleetServices.take`).
+_Taken = list[tuple[str, Any]]
+#: Redis's answers: per run (None: not counted), and for the services (None: not counted).
+_Answers = tuple[list[Any], list[Any] | None]
+
+
+def _listed(value: Any) -> list[Any]:
+    """A list the script answered (cjson writes an empty one as ``{}``)."""
+    return value if isinstance(value, list) else []
 
 
 def _limits(settings: DetectorSettings | None) -> list[float]:

@@ -14,6 +14,7 @@ from policies import (
     ServiceSpend,
 )
 from supervisor.runs.detection import BUDGET_RULE, PRESSURE_RULE, Detection, detection_at
+from supervisor.runs.fleet_services import FleetServices
 from supervisor.runs.state import RunState
 
 __all__ = ["Charges", "budget_crossed", "budget_forecast"]
@@ -26,12 +27,20 @@ class Charges:
     """Prices calls by the policy's model table and reports what crosses a line.
 
     ``models`` None: no context pressure, no budgets, no cost. ``services``:
-    each service's spend over its budget's window (kept when the table changes).
+    each service's spend over its budget's window (kept when the table changes),
+    this sidecar's; ``fleet``: the fleet's, which decides while it has a current
+    view of the service (see :mod:`.fleet_services`).
     """
 
-    def __init__(self, models: ModelTable | None, services: ServiceSpend | None = None) -> None:
+    def __init__(
+        self,
+        models: ModelTable | None,
+        services: ServiceSpend | None = None,
+        fleet: FleetServices | None = None,
+    ) -> None:
         self.models = models
         self.services = ServiceSpend() if services is None else services
+        self.fleet = fleet
         #: Runs stopped by a forecast of their own budget, and by their service's budget.
         self.forecasts = 0
         self.service_stops = 0
@@ -59,8 +68,9 @@ class Charges:
         A budget crossing goes to ``over`` when given (a run the fleet counts:
         see :mod:`.fleet`), else to ``found``, with the forecast (from ``at``:
         when the call ended), which a run the fleet counts does not get; a
-        service's budget (this sidecar's count) always goes to ``found``.
-        ``now``: this sidecar's clock, for the service's window. Returns the
+        service's budget's stop too (the fleet then reports it once for the
+        run, whichever sidecars see it). ``now``: the wall clock, for the
+        service's window (the fleet's buckets are the wall clock's). Returns the
         call's cost (None: its model has no price, or there is no model table).
         """
         models = self.models
@@ -112,7 +122,7 @@ class Charges:
                 tokens=prompt + completion,
                 settings=settings,
                 now=now,
-                found=found,
+                found=found if over is None else over,
             )
         budget = settings.budget
         if budget is None:
@@ -155,6 +165,11 @@ class Charges:
         spec = settings.service_budget
         assert spec is not None
         outlook = self.services.charge(run.service, spec, now=now, cost=cost or 0.0, tokens=tokens)
+        fleet = self.fleet
+        if fleet is not None:  # the fleet's count decides while it is current
+            shared = fleet.charge(run.service, spec, now=now, cost=cost or 0.0, tokens=tokens)
+            if shared is not None:
+                outlook = shared
         if not outlook.stop or run.service_stopped:
             return
         run.service_stopped = True

@@ -51,7 +51,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
-from policies import DetectorSettings, ModelTable, SloSpec, SloTracker
+from policies import SERVICE_BUDGET_RULE, DetectorSettings, ModelTable, SloSpec, SloTracker
 from supervisor.judge.steps import Steps
 from supervisor.normalize.span import Span, requested_calls
 from supervisor.records import RateLimitHeaders, own_run
@@ -123,7 +123,7 @@ class RunTracker:
         self._headers: OrderedDict[bytes, RateLimitHeaders] = OrderedDict()
         #: Where a session's loops and budget are counted fleet-wide (None: here only).
         self.fleet = fleet
-        self._charges = Charges(models)
+        self._charges = Charges(models, fleet=None if fleet is None else fleet.services)
         #: Run outcomes per service, against the policy's SLO (None: no SLOs).
         self.slo = SloTracker(slo, clock=clock) if slo is not None else None
         #: Runs that ended, with when: counted in the SLO once they stayed ended
@@ -178,7 +178,7 @@ class RunTracker:
 
     @models.setter
     def models(self, table: ModelTable | None) -> None:
-        self._charges = Charges(table, self._charges.services)
+        self._charges = Charges(table, self._charges.services, self._charges.fleet)
 
     def settings_for(self, service: str) -> DetectorSettings:
         found = self._settings_memo.get(service)
@@ -382,9 +382,12 @@ class RunTracker:
         run.output_tokens += completion
         if prompt or completion:
             charges = self._charges
-            # A run the fleet counts: its budget crossing waits for the fleet's answer.
+            # A run the fleet counts: its budget crossing, and its service's budget's stop,
+            # wait for the fleet's answer (each reported once fleet-wide).
             shared = (
-                share is not None and settings.budget is not None and charges.models is not None
+                share is not None
+                and (settings.budget is not None or settings.service_budget is not None)
+                and charges.models is not None
             )
             over: list[Detection] | None = [] if shared else None
             # The run's burn rate is timed by its own spans (exports come in batches).
@@ -402,14 +405,18 @@ class RunTracker:
                 now=now,
             )
             if share is not None and over is not None:
+                crossed = [d for d in over if d.rule != SERVICE_BUDGET_RULE]
                 share.charge(
                     span_id=span.span_id,
                     dependency=dependency,
                     tokens=(prompt, completion),
                     cost=cost,
                     settings=settings,
-                    held=over[0] if over else None,
+                    held=crossed[0] if crossed else None,
                 )
+                for stop in over:
+                    if stop.rule == SERVICE_BUDGET_RULE:
+                        share.stopped(span_id=span.span_id, dependency=dependency, held=stop)
         told = self.llm_calls
         if told is not None:
             limits = span.rate_limits() if span.has_rate_limits else None
@@ -920,6 +927,8 @@ class RunTracker:
             found["fleet_backlog"] = fleet.backlog
             found["fleet_backlog_dropped"] = fleet.backlog_dropped
             found["fleet_backlog_calls_dropped"] = fleet.backlog_calls_dropped
+            found["fleet_service_backlog"] = fleet.services.backlog
+            found["fleet_service_backlog_dropped"] = fleet.services.backlog_dropped
         return found
 
 
