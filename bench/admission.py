@@ -420,7 +420,11 @@ def judged_stats(tracing: TracerProvider, sidecar: SidecarProcess) -> dict[str, 
     while True:
         stats = sidecar.get("/v1/stats")
         received = stats["ingest"]["accepted_spans"] - stats["ingest"]["rejected_spans"]
-        if stats["pipeline"]["processed_spans"] >= received or time.monotonic() > deadline:
+        pipeline = stats["pipeline"]
+        # Spans count as processed before their failures are reported (and a 429 taught).
+        reported = stats["decisions"]["latency_ms"]["count"] >= pipeline["failures"]
+        done = pipeline["processed_spans"] >= received and reported
+        if done or time.monotonic() > deadline:
             found = stats.get("admission", {})
             return found if isinstance(found, dict) else {}
         time.sleep(0.1)

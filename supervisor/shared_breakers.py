@@ -34,7 +34,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -88,6 +88,9 @@ class RedisLink:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
+        #: Lua sources, registered once (redis-py sends the SHA, and the source again if
+        #: Redis lost it).
+        self._scripts: dict[str, Any] = {}
         self._where = where
         self._retry_s = retry_s
         self._clock = clock
@@ -115,6 +118,18 @@ class RedisLink:
         if not self._up:
             self._recovered()
         return result
+
+    def script(self, source: str, keys: Sequence[str], args: Sequence[Any]) -> list[Any]:
+        """Run the Lua ``source`` on ``keys`` and ``args``; raises :class:`Unreachable` as
+        :meth:`run` does."""
+
+        def op(client: Any) -> list[Any]:
+            script = self._scripts.get(source)
+            if script is None:
+                script = self._scripts[source] = client.register_script(source)
+            return list(script(keys=list(keys), args=list(args), client=client))
+
+        return self.run(op)
 
     def resting(self) -> bool:
         """Whether the link would not ask Redis now (it failed less than ``retry_s`` ago).

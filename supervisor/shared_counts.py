@@ -150,7 +150,6 @@ class RedisWindowCounter:
         #: key -> {bucket index: events} not sent yet (bounded: keys, and buckets per window).
         self._pending: OrderedDict[str, dict[int, int]] = OrderedDict()
         self._max_pending_keys = max_pending_keys
-        self._scripts: dict[str, Any] = {}
 
     # -- the success path: no round trip -------------------------------------------------
 
@@ -179,7 +178,7 @@ class RedisWindowCounter:
         keys = [key] if limit.of is None else [key, limit.of]
         args, taken = self._window_args(keys, count, width, window_s)
         args += [limit.floor, repr(float(limit.ratio))]
-        found = self._run("admit", _ADMIT_LUA, [self._prefix + k for k in keys], args, taken)
+        found = self._run(_ADMIT_LUA, [self._prefix + k for k in keys], args, taken)
         if found is None:
             return None
         return Admission(bool(found[0]), int(found[1]), int(found[2]))
@@ -203,7 +202,7 @@ class RedisWindowCounter:
         args += [now_ms, int(window_s * 1000), MAX_RUNS, repr(float(end_below)), len(runs), *runs]
         keys = [self._prefix + k for k in (failed, calls)]
         keys += [f"{self._prefix}cascade:runs:{dependency}", self._episode(dependency)]
-        found = self._run("tally", _TALLY_LUA, keys, args, taken)
+        found = self._run(_TALLY_LUA, keys, args, taken)
         if found is None:
             return None
         episode = int(found[3])
@@ -257,20 +256,13 @@ class RedisWindowCounter:
 
     def _run(
         self,
-        name: str,
         source: str,
         keys: list[str],
         args: list[Any],
         taken: dict[str, dict[int, int]],
     ) -> list[Any] | None:
-        def op(client: Any) -> list[Any]:
-            script = self._scripts.get(name)
-            if script is None:
-                script = self._scripts[name] = client.register_script(source)
-            return list(script(keys=keys, args=args, client=client))
-
         try:
-            return self._link.run(op)
+            return self._link.script(source, keys, args)
         except Unreachable:
             self._put_back(taken)
             return None

@@ -151,7 +151,6 @@ class RedisBucket:
         self._link = link
         self._prefix = f"{namespace}:admit:"
         self._clock = clock
-        self._script: Any = None
 
     def take(
         self,
@@ -190,13 +189,8 @@ class RedisBucket:
             f"{self._prefix}pause:{key}",
         ]
 
-        def op(client: Any) -> list[Any]:
-            if self._script is None:
-                self._script = client.register_script(_TAKE_LUA)
-            return list(self._script(keys=keys, args=args, client=client))
-
         try:
-            found = self._link.run(op)
+            found = self._link.script(_TAKE_LUA, keys, args)
         except Unreachable:
             return None
         why = found[2].decode() if isinstance(found[2], bytes) else str(found[2])

@@ -92,7 +92,6 @@ class RedisLearning:
         self._link = link
         self._prefix = f"{namespace}:admit:"
         self._clock = clock
-        self._script: Any = None
 
     def throttled(self, model: str, ceiling: Ceiling, span: str = "") -> Learned | None:
         """A 429 of ``model``; ``span``: ``trace/span`` ids, to count it once. None: Redis away."""
@@ -109,13 +108,8 @@ class RedisLearning:
         ]
         keys = [f"{self._prefix}learn:{model}", f"{self._prefix}seen:{span}"]
 
-        def op(client: Any) -> list[Any]:
-            if self._script is None:
-                self._script = client.register_script(_THROTTLE_LUA)
-            return list(self._script(keys=keys, args=args, client=client))
-
         try:
-            found = self._link.run(op)
+            found = self._link.script(_THROTTLE_LUA, keys, args)
         except Unreachable:
             return None
         f, s, d, outcome = (_text(v) for v in found)
