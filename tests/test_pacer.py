@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -83,7 +85,46 @@ def test_the_pacer_is_bounded() -> None:
         pacer.pace(f"p:m{n}", 1.0)
     assert len(pacer) == 3
     assert [pacer.pace(DEP, 0.0) for _ in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert pacer._slots[DEP] == [101.0, 102.0, 103.0, 104.0]  # the oldest dropped
+    assert pacer.taken(DEP) == 4  # the oldest forgotten
+    assert pacer.pace(DEP, 0.0) == 0.0  # the forgotten slot is free again (and forgotten)
+    assert pacer.pace(DEP, 1.0) == 5.0  # the others are still taken
+
+
+def _reference_pace(slots: list[float], now: float, delay_s: float, interval: float) -> float:
+    """The pacer's rule on a plain sorted list of every slot (quadratic, obviously right)."""
+    del slots[: bisect.bisect_right(slots, now - interval)]
+    wanted = at = now + max(0.0, delay_s)
+    i = bisect.bisect_right(slots, at - interval)
+    while i < len(slots) and slots[i] < at + interval:
+        at = slots[i] + interval
+        i += 1
+    slots.insert(i, at)
+    return delay_s if at == wanted else at - now
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_blocks_give_the_slots_a_list_of_every_slot_gives(seed: int) -> None:
+    """Blocks keep only each run of slots' ends; the answers are a full list's."""
+    rng = random.Random(seed)
+    clock = Clock()
+    interval = rng.choice([0.1, 1.0, 2.5])
+    pacer = Pacer(lambda _dependency: 60 / interval, clock=clock)
+    slots: list[float] = []
+    for _ in range(400):
+        clock.now += rng.choice([0.0, 0.0, 0.3, 2.0, 7.0])
+        delay = rng.choice([0.0, rng.uniform(0, 5), rng.uniform(0, 60), 30.0])
+        expected = _reference_pace(slots, clock.now, delay, interval)
+        assert pacer.pace(DEP, delay) == pytest.approx(expected, abs=1e-9)
+    assert pacer.taken(DEP) >= len(slots)  # a block partly past is kept whole
+
+
+def test_ten_thousand_paused_runs_make_one_block() -> None:
+    """One opening pausing many runs: one block, each new slot placed after it by a search
+    (``bench/stages.py`` measures the cost), not by a walk over every slot."""
+    pacer = Pacer(lambda _dependency: 60.0, clock=Clock())
+    delays = [pacer.pace(DEP, 30.0) for _ in range(10_000)]
+    assert delays == [30.0 + n for n in range(10_000)]
+    assert len(pacer._slots[DEP].starts) == 1
 
 
 @pytest.mark.parametrize("rpm", [None, 0.0, float("nan"), float("inf")])
