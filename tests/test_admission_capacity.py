@@ -126,3 +126,23 @@ def test_a_built_sidecar_paces_by_its_admitter(tmp_path: Path) -> None:
         sidecar.metrics.shutdown(1)
         sidecar.tracer.shutdown(1)
         sidecar.store.close()
+
+
+def test_an_answer_is_remembered_until_the_admitter_learns_or_a_second_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    policy = load_policy(text=POLICY)
+    clock = Clock()
+    admitter = admitter_for(policy.limits.admission, clock=clock)
+    capacity = AdmissionCapacity(admitter, lambda: True, clock=clock)
+    asked: list[object] = []
+    rpm = admitter.rpm
+    monkeypatch.setattr(admitter, "rpm", lambda key: asked.append(key) or rpm(key))
+    assert capacity("openai:gpt-4o") == 60
+    clock.now += 0.5
+    assert capacity("openai:gpt-4o") == 60
+    assert len(asked) == 1  # remembered
+    admitter.throttled("openai:gpt-4o")  # learned: asked again at once
+    assert capacity("openai:gpt-4o") == pytest.approx(42)
+    clock.now += 60.0  # a quiet window gives 5% back: seen once the memo is a second old
+    assert capacity("openai:gpt-4o") == pytest.approx(45)

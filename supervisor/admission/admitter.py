@@ -128,6 +128,9 @@ class Admitter:
         self._learners: OrderedDict[str, Learner] = OrderedDict()
         self._admitted = self._refused = self._local_answers = self._throttles = 0
         self._refused_by = dict.fromkeys(WHY, 0)
+        #: Bumped by whatever changes a learned rate here (a 429, a published limit, a
+        #: reload): who remembers a rate knows when to ask again.
+        self.changes = 0
         self._learning = learning
         self._refresh_s = refresh_s
         #: Per key learned (as the learners): when the fleet's state was read, and it
@@ -150,6 +153,7 @@ class Admitter:
     ) -> None:
         """New ceilings (a policy reload); what each model learned is kept, as a share of them."""
         with self._lock:
+            self.changes += 1
             self._default, self._overrides = default, dict(overrides or {})
             self._default_given = default_given
             for name, learner in self._learners.items():
@@ -251,6 +255,7 @@ class Admitter:
                 self._repeated += 1
                 return
             self._throttles += 1
+            self.changes += 1
             decreased = learner.throttled(retry_after_s)
             ceiling = learner.ceiling
         learned = None
@@ -296,6 +301,7 @@ class Admitter:
                         del averages[next(iter(averages))]
             if limits is not None:
                 if limits.limit_requests is not None or limits.limit_tokens is not None:
+                    self.changes += 1
                     rpm, tpm = self._published.get(dependency, (None, None))
                     published = (limits.limit_requests or rpm, limits.limit_tokens or tpm)
                     self._remember(self._published, dependency, published)

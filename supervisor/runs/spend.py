@@ -111,7 +111,7 @@ class Charges:
             spend = run.spend = RunSpend()
         # The dependency names the model in the list of unpriced ones (provider:model).
         cost = spend.add_known(run.model, info, prompt, completion)
-        if at is not None:
+        if at is not None and settings.budget is not None:  # a rate only a forecast reads
             spend.burned(at, cost, prompt + completion)
         if settings.service_budget is not None:
             self._service(
