@@ -14,36 +14,24 @@ from supervisor.records import Action
 from supervisor.wiring import build_sidecar
 from tests.test_app import settings
 from tests.test_governor import failure
+from tests.test_pacer import RETRIES
+from tests.test_shared_counts import Clock
 
-POLICY = """\
-version: 1
-builtin: false
-policies:
-  - name: rt
-    match: {kind: unavailable}
-    action: retry
-    max_attempts: 5
-    wait: {type: fixed, seconds: 1}
-retry_budget: {enabled: false}
+POLICY = (
+    RETRIES
+    + """\
 admission:
   default: {rpm: 6000, headroom: 0}
   keys:
     "openai:gpt-4o": {rpm: 60, headroom: 0}
     "openai:gpt-4o@team-a": {rpm: 120, headroom: 0}
 """
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+)
 
 
 def test_the_capacity_is_the_keys_learned_rate() -> None:
     policy = load_policy(text=POLICY)
-    clock = Clock()
+    clock = Clock(1000.0)
     admitter = admitter_for(policy.limits.admission, clock=clock)
     enabled = [True]
     capacity = AdmissionCapacity(admitter, lambda: enabled[0])
@@ -65,7 +53,7 @@ def test_a_rate_is_known_only_once_the_policy_or_the_provider_says_it() -> None:
     published limit or a 429 make the rate known."""
     keys = '{"openai:gpt-4o": {rpm: 60, headroom: 0}}'
     policy = load_policy(text=f"version: 1\nadmission: {{keys: {keys}}}\n")
-    admitter = admitter_for(policy.limits.admission, clock=Clock())
+    admitter = admitter_for(policy.limits.admission, clock=Clock(1000.0))
     capacity = AdmissionCapacity(admitter, lambda: True)
     assert capacity("openai:gpt-4o") == 60
     assert capacity("openai:gpt-4o-mini") is None
@@ -79,7 +67,7 @@ def test_the_headroom_keeps_admission_under_the_ceiling() -> None:
     """5% below a key's ceiling by default: the provider counts on its own clock, so a
     fleet admitted at exactly the limit meets 429s at the edge of its bucket."""
     policy = load_policy(text='version: 1\nadmission: {keys: {"openai:gpt-4o": {rpm: 60}}}\n')
-    admitter = admitter_for(policy.limits.admission, clock=Clock())
+    admitter = admitter_for(policy.limits.admission, clock=Clock(1000.0))
     assert AdmissionCapacity(admitter, lambda: True)("openai:gpt-4o") == pytest.approx(57)
     key = admission_key("openai:gpt-4o", None)
     answers = [admitter.admit(key).go for _ in range(58)]
@@ -88,8 +76,10 @@ def test_the_headroom_keeps_admission_under_the_ceiling() -> None:
 
 def test_retries_are_spaced_at_the_learned_rate() -> None:
     policy = load_policy(text=POLICY)
-    admitter = admitter_for(policy.limits.admission, clock=Clock())
-    governor = Governor(policy, clock=Clock(), capacity=AdmissionCapacity(admitter, lambda: True))
+    admitter = admitter_for(policy.limits.admission, clock=Clock(1000.0))
+    governor = Governor(
+        policy, clock=Clock(1000.0), capacity=AdmissionCapacity(admitter, lambda: True)
+    )
     admitter.throttled("openai:gpt-4o")  # 60 -> 42 rpm: one call every 60/42 s
 
     def delays(dependency: str) -> list[float]:
@@ -132,7 +122,7 @@ def test_an_answer_is_remembered_until_the_admitter_learns_or_a_second_passes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     policy = load_policy(text=POLICY)
-    clock = Clock()
+    clock = Clock(1000.0)
     admitter = admitter_for(policy.limits.admission, clock=clock)
     capacity = AdmissionCapacity(admitter, lambda: True, clock=clock)
     asked: list[object] = []

@@ -29,6 +29,7 @@ from policies._service_spend import ServiceSpend
 from policies._spend import RunSpend
 from supervisor.judge.pipeline import Outcome, Pipeline
 from supervisor.runs import RunTracker
+from supervisor.runs.fleet import FleetRuns
 
 T0 = 1_700_000_000.0
 #: gpt-4o in the built-in table: $2.50 and $10.00 per million input and output tokens.
@@ -210,11 +211,11 @@ def test_forecast_defaults() -> None:
 class Agent:
     """Runs of LLM and tool calls, their spans made by the SDK and judged as they end."""
 
-    def __init__(self, policy_text: str) -> None:
+    def __init__(self, policy_text: str, fleet: FleetRuns | None = None) -> None:
         self.exporter = InMemorySpanExporter()
         policy = load_policy(text=policy_text)
         self.tracker = RunTracker(
-            settings=policy.detectors.for_service, models=policy.detectors.models
+            settings=policy.detectors.for_service, models=policy.detectors.models, fleet=fleet
         )
         self.pipeline = Pipeline(policy, runs=self.tracker)
         self.outcomes: list[Outcome] = []

@@ -14,21 +14,14 @@ import pytest
 
 from supervisor.testing import FakeProvider, KeyCounts, PublishedLimit
 from supervisor.testing.provider_limits import RateLimiter, go_duration, request_tokens
+from tests.test_shared_counts import Clock
 
 MESSAGES: Any = [{"role": "user", "content": "x" * 400}]  # 100 tokens by the estimate
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(1000.0)
 
 
 @pytest.fixture

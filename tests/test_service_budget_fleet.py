@@ -13,19 +13,15 @@ from typing import Any
 
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import Span, Tracer, set_span_in_context
+from opentelemetry.trace import Span, set_span_in_context
 
-from policies import ServiceBudgetSpec, load_policy
-from supervisor.judge.pipeline import Outcome, Pipeline
-from supervisor.runs import RunTracker
+from policies import ServiceBudgetSpec
+from supervisor.judge.pipeline import Outcome
 from supervisor.runs.fleet import FleetRuns
 from supervisor.runs.fleet_services import FleetServices
 from supervisor.shared_breakers import RedisLink, shared_breakers
 from tests.redis_server import REDIS, RedisProxy
+from tests.test_budget_forecast import Agent
 
 URL = f"redis://{REDIS[0]}:{REDIS[1]}/0"
 T0 = 1_700_000_000.0
@@ -40,7 +36,7 @@ service_budgets:
 SERVICE_RULE = "builtin.detect.service_budget"
 
 
-class Sidecar:
+class Sidecar(Agent):
     """One sidecar: a pipeline judging the LLM calls of its agents' runs, fleet-wide."""
 
     def __init__(
@@ -52,23 +48,7 @@ class Sidecar:
         assert link is not None
         self.link: RedisLink = link
         self.fleet = FleetRuns(link, f"{namespace}:runs")
-        loaded = load_policy(text=policy)
-        self.tracker = RunTracker(
-            settings=loaded.detectors.for_service, models=loaded.detectors.models, fleet=self.fleet
-        )
-        self.pipeline = Pipeline(loaded, runs=self.tracker)
-        self.exporter = InMemorySpanExporter()
-        self._tracers: dict[str, Tracer] = {}
-
-    def tracer(self, service: str) -> Tracer:
-        if service not in self._tracers:
-            provider = TracerProvider(resource=Resource.create({"service.name": service}))
-            provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-            self._tracers[service] = provider.get_tracer("agent")
-        return self._tracers[service]
-
-    def begin(self, service: str, at: float) -> Span:
-        return self.tracer(service).start_span("invoke_agent", start_time=int(at * 1e9))
+        super().__init__(policy, fleet=self.fleet)
 
     def call(self, service: str, root: Span, at: float, session: str = "") -> list[Outcome]:
         """One LLM call of 2 s under ``root``, exported when it ends: the service stops."""
