@@ -82,7 +82,7 @@ from redis.exceptions import NoScriptError
 from policies import DetectorSettings, RunSpend
 from supervisor.judge.steps import Steps, drive
 from supervisor.runs.detection import Detection, loop_detection
-from supervisor.runs.fleet_services import SERVICES_LUA, FleetServices, parse
+from supervisor.runs.fleet_services import SERVICES_LUA, FleetServices, hashed_key, parse
 from supervisor.runs.loops import MAX_LOOP_REPORTS, MAX_REPORTED
 from supervisor.runs.spend import budget_crossed
 from supervisor.runs.state import RunState
@@ -99,8 +99,6 @@ TTL_S: Final = 6 * 3600.0
 MAX_BACKLOG: Final = 4096
 #: Kept runs sent with a batch, besides its own runs: a backlog catches up over batches.
 MAX_CATCH_UP: Final = 32
-#: Runs whose key prefix is remembered (then forgotten at once).
-_MAX_PREFIXES: Final = 4096
 
 #: ARGV: the runs' batches (JSON: per run, ``k`` the prefix of its keys, ``c`` its
 #: calls, ``n`` when they were received (ms), ``s`` its charges, ``b`` its budget), TTL
@@ -603,14 +601,7 @@ class FleetRuns:
 
     def _keys(self, run_id: str) -> str:
         """The prefix of the run's keys, one hash slot (its id hashed: ids may be long)."""
-        known = self._prefixes
-        prefix = known.get(run_id)
-        if prefix is None:
-            if len(known) >= _MAX_PREFIXES:
-                known.clear()
-            digest = hashlib.blake2b(run_id.encode("utf-8", "surrogatepass"), digest_size=12)
-            prefix = known[run_id] = f"{self._namespace}:runs:{{{digest.hexdigest()}}}"
-        return prefix
+        return hashed_key(self._prefixes, f"{self._namespace}:runs", run_id)
 
     def _keep(self, run_id: str, share: RunShare) -> None:
         """A run's share the fleet did not count, kept (bounded) for when Redis answers.

@@ -42,7 +42,7 @@ __all__ = ["SERVICES_LUA", "FleetServices", "parse"]
 
 #: Services whose spend made while Redis was away is kept for when it answers.
 MAX_BACKLOG: Final = 1024
-#: Services whose key is remembered (then forgotten at once).
+#: Names (services, runs) whose key is remembered (then forgotten at once).
 _MAX_KEYS: Final = 4096
 
 #: A Lua chunk of the fleet's script: ``count_service(sv, tau)`` counts one service's
@@ -243,14 +243,21 @@ class FleetServices:
             del kept.entries[:excess]
 
     def _key(self, service: str) -> str:
-        known = self._keys
-        key = known.get(service)
-        if key is None:
-            if len(known) >= _MAX_KEYS:
-                known.clear()
-            digest = hashlib.blake2b(service.encode("utf-8", "surrogatepass"), digest_size=12)
-            key = known[service] = f"{self._namespace}:service:{{{digest.hexdigest()}}}"
-        return key
+        return hashed_key(self._keys, f"{self._namespace}:service", service)
+
+
+def hashed_key(known: dict[str, str], prefix: str, name: str) -> str:
+    """``prefix:{digest of name}``: one hash slot, whatever the (untrusted, maybe long) name.
+
+    ``known`` remembers the last few thousand (cleared when full: a digest is cheap).
+    """
+    key = known.get(name)
+    if key is None:
+        if len(known) >= _MAX_KEYS:
+            known.clear()
+        digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=12)
+        key = known[name] = f"{prefix}:{{{digest.hexdigest()}}}"
+    return key
 
 
 def parse(answer: Any) -> Window:
